@@ -1,0 +1,119 @@
+"""The command line of ``python flows/eval.py`` (Prefect-free: the flow is passed in)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Callable, Sequence
+from importlib.resources import files
+from pathlib import Path
+
+from evalfleet.errors import EvalfleetError
+from evalfleet.models import EvalReport, EvalRequest
+from evalfleet.summary import summary_text
+
+#: The bundled example policy: a 4-64-64-2 TorchScript MLP that balances CartPole-v1.
+EXAMPLE_POLICY = str(files("evalfleet") / "data" / "cartpole_mlp.pt")
+
+EXIT_OK, EXIT_HARNESS_FAULT, EXIT_BAD_REQUEST = 0, 3, 2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser; every option maps to an ``EvalRequest`` field."""
+    d = EvalRequest.model_fields
+    p = argparse.ArgumentParser(
+        prog="python flows/eval.py",
+        description="Evaluate a policy on a Gymnasium env: many episodes at once on a Dask "
+        "cluster, results to Parquet, MLflow and Prefect. With no arguments: the bundled example "
+        "policy on CartPole-v1, 500 episodes, 500 envs alive at once, a local cluster.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--env", default=d["env"].default,
+                   help="Gymnasium id; 'my_pkg.envs:Warehouse-v0' imports my_pkg.envs first")
+    p.add_argument("--env-kwargs", default="{}", help="JSON object of kwargs for gym.make")
+    p.add_argument("--policy", default=EXAMPLE_POLICY,
+                   help="TorchScript file, state_dict file (with --policy-factory), or "
+                   "'module:function' (numpy obs batch -> actions)")
+    p.add_argument("--policy-factory", default=None,
+                   help="'module:function' returning the nn.Module for a state_dict")
+    p.add_argument("--episodes", type=int, default=d["episodes"].default, help="episodes to run")
+    p.add_argument("--concurrency", type=int, default=d["concurrency"].default,
+                   help="environment instances alive at once across the cluster")
+    p.add_argument("--seed", type=int, default=d["seed"].default,
+                   help="base seed; episode i is reset with ledger(seed, i)")
+    p.add_argument("--max-steps", type=int, default=None,
+                   help="episode step cap (default: the env's registered max_episode_steps)")
+    p.add_argument("--stochastic", action="store_true",
+                   help="sample actions from the policy's logits (seeded per episode) "
+                   "instead of argmax")
+    p.add_argument("--device", default=d["device"].default, help="auto | cpu | cuda[:N]")
+    p.add_argument("--isolation", default=d["isolation"].default,
+                   help="inprocess | process | bwrap | auto")
+    p.add_argument("--episode-timeout", type=float, default=d["episode_timeout_s"].default,
+                   help="wall-clock seconds one episode may take (process/bwrap sandboxes)")
+    p.add_argument("--workers", type=int, default=d["workers"].default,
+                   help="local Dask worker processes (ignored with --dask-address)")
+    p.add_argument("--dask-address", default=None,
+                   help="scheduler address of an existing Dask cluster, e.g. tcp://host:8786")
+    p.add_argument("--output", default=str(d["output"].default), help="results folder")
+    p.add_argument("--report", default=None, help="also write the report JSON to this path")
+    p.add_argument("--mlflow-uri", default=None,
+                   help="MLflow tracking URI (default: sqlite:///OUTPUT/mlflow.db)")
+    p.add_argument("--experiment", default=d["experiment"].default, help="MLflow experiment")
+    p.add_argument("--training-run-id", default=None, help="trainer's run id, tagged everywhere")
+    p.add_argument("--step", type=int, default=None, help="training step of these weights")
+    p.add_argument("--allow-failures", action="store_true",
+                   help="exit 0 even when > 5%% of episodes failed (harness fault)")
+    p.add_argument("-q", "--quiet", action="store_true", help="only print the summary")
+    return p
+
+
+def request_from_args(args: argparse.Namespace) -> EvalRequest:
+    """Validate parsed arguments into an ``EvalRequest`` (raises ``RequestError``)."""
+    return EvalRequest.build(
+        env=args.env,
+        env_kwargs=args.env_kwargs,
+        policy=args.policy,
+        policy_factory=args.policy_factory,
+        episodes=args.episodes,
+        concurrency=args.concurrency,
+        seed=args.seed,
+        max_steps=args.max_steps,
+        deterministic=not args.stochastic,
+        device=args.device,
+        isolation=args.isolation,
+        episode_timeout_s=args.episode_timeout,
+        workers=args.workers,
+        dask_address=args.dask_address,
+        output=Path(args.output),
+        mlflow_uri=args.mlflow_uri,
+        experiment=args.experiment,
+        training_run_id=args.training_run_id,
+        step=args.step,
+    )
+
+
+def run_cli(
+    evaluate: Callable[[EvalRequest], EvalReport], argv: Sequence[str] | None = None
+) -> int:
+    """Parse ``argv``, evaluate, print the summary; returns the exit code."""
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        request = request_from_args(args)
+        report = evaluate(request)
+    except EvalfleetError as err:
+        print(f"evalfleet: error: {err}", file=sys.stderr)
+        return EXIT_BAD_REQUEST
+    if args.report:
+        Path(args.report).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.report).write_text(json.dumps(report.model_dump(mode="json"), indent=2) + "\n")
+    print(summary_text(report))
+    if report.harness_fault and not args.allow_failures:
+        print("evalfleet: harness fault: more than 5% of episodes failed "
+              "(pass --allow-failures to exit 0 anyway)", file=sys.stderr)
+        return EXIT_HARNESS_FAULT
+    return EXIT_OK

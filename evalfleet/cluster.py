@@ -1,0 +1,203 @@
+"""The Dask side: opening a cluster, distributing the policy, loading it once per worker."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from distributed import Client, LocalCluster, get_worker
+from distributed.diagnostics.plugin import WorkerPlugin
+
+from evalfleet.errors import PolicyIntegrityError, RequestError
+from evalfleet.models import PolicyHandle
+from evalfleet.policy import (
+    LoadedPolicy,
+    PolicyArtifact,
+    load_policy,
+    module_source,
+    resolve_device,
+    sha256_bytes,
+)
+
+logger = logging.getLogger(__name__)
+
+_clients: dict[str, Client] = {}
+_installed: dict[str, bytes] = {}
+_loaded: dict[tuple[str, str, bool], LoadedPolicy] = {}
+_lock = threading.Lock()
+
+
+def gpu_count() -> int:
+    """CUDA devices visible to torch here (0 without torch or CUDA)."""
+    try:
+        import torch
+
+        return int(torch.cuda.device_count()) if torch.cuda.is_available() else 0
+    except Exception:  # torch is optional for callable policies
+        return 0
+
+
+@contextmanager
+def fleet_cluster(address: str | None, workers: int) -> Iterator[str]:
+    """Yield a scheduler address: ``address`` as given, or a new ``LocalCluster``'s.
+
+    Local workers are processes with one thread each (torch and numpy get one core each), and
+    advertise a ``GPU`` resource when this machine has CUDA devices.
+    """
+    if address:
+        client = client_for(address)
+        if not client.scheduler_info().get("workers"):
+            client.wait_for_workers(1, timeout=30)
+        yield address
+        return
+    resources = {"GPU": gpu_count()} if gpu_count() else None
+    with LocalCluster(
+        n_workers=workers,
+        threads_per_worker=1,
+        processes=True,
+        dashboard_address=os.environ.get("EVALFLEET_DASHBOARD", ":0"),
+        resources=resources,
+    ) as cluster:
+        logger.info("local Dask cluster at %s (dashboard %s)", cluster.scheduler_address,
+                    cluster.dashboard_link)
+        try:
+            yield cluster.scheduler_address
+        finally:
+            forget_client(cluster.scheduler_address)
+
+
+def client_for(address: str) -> Client:
+    """One Dask client per scheduler address in this process."""
+    with _lock:
+        client = _clients.get(address)
+        if client is None or client.status not in ("running", "connecting", "newly-created"):
+            try:
+                client = Client(address, timeout=20, set_as_default=False)
+            except (OSError, TimeoutError) as err:
+                raise RequestError(
+                    f"cannot reach the Dask scheduler at {address!r} ({err}); start one with "
+                    "'dask scheduler' + 'dask worker ADDRESS', or drop --dask-address to run locally."
+                ) from err
+            _clients[address] = client
+        return client
+
+
+def forget_client(address: str) -> None:
+    """Close and drop the cached client of ``address``."""
+    with _lock:
+        client = _clients.pop(address, None)
+    if client is not None:
+        client.close()
+
+
+def worker_slots(address: str) -> int:
+    """Total worker threads of the cluster: how many shards run at once."""
+    info = client_for(address).scheduler_info(n_workers=-1)
+    return max(1, sum(int(w.get("nthreads", 1)) for w in info["workers"].values()))
+
+
+class PolicyInstaller(WorkerPlugin):
+    """Installs one policy's bytes on every worker, including workers that join or restart later.
+
+    The bytes travel once per worker; ``setup`` verifies their sha256 on arrival.
+    """
+
+    def __init__(self, sha256: str, payload: bytes) -> None:
+        self.sha256 = sha256
+        self.payload = payload
+        self.name = f"evalfleet-policy-{sha256[:16]}"
+
+    def setup(self, worker: Any) -> None:
+        """Verify and keep the bytes in this worker process."""
+        digest = sha256_bytes(self.payload)
+        if digest != self.sha256:
+            raise PolicyIntegrityError(
+                f"policy bytes arrived on worker {worker.name} hashing to {digest[:12]}, expected "
+                f"{self.sha256[:12]}: the transfer was corrupted"
+            )
+        with _lock:
+            _installed[self.sha256] = self.payload
+
+    def teardown(self, worker: Any) -> None:
+        """Forget the bytes and the loaded policy."""
+        with _lock:
+            _installed.pop(self.sha256, None)
+            for key in [k for k in _loaded if k[0] == self.sha256]:
+                del _loaded[key]
+
+
+def distribute(artifact: PolicyArtifact, address: str | None, device: str, deterministic: bool
+               ) -> PolicyHandle:
+    """Stage 3: one copy of the policy bytes per worker (a worker plugin), not per shard."""
+    plugin_name = None
+    if address is not None:
+        plugin = PolicyInstaller(artifact.sha256, artifact.payload)
+        client_for(address).register_plugin(plugin, name=plugin.name)
+        plugin_name = plugin.name
+    else:
+        with _lock:
+            _installed[artifact.sha256] = artifact.payload
+    return PolicyHandle(
+        sha256=artifact.sha256,
+        format=artifact.format,
+        factory=artifact.factory,
+        plugin_name=plugin_name,
+        nbytes=artifact.nbytes,
+        device=device,
+        deterministic=deterministic,
+        distributed_at=time.time(),
+    )
+
+
+def release(handle: PolicyHandle, address: str | None) -> None:
+    """Remove the policy from the workers once the evaluation no longer needs it."""
+    if handle.plugin_name is not None and address is not None:
+        try:
+            client_for(address).unregister_worker_plugin(handle.plugin_name)
+        except Exception as err:  # workers forget it anyway when they restart
+            logger.warning("could not unregister %s: %s", handle.plugin_name, err)
+
+
+def policy_on_worker(handle: PolicyHandle, source: str, action_space: Any) -> LoadedPolicy:
+    """Fetch, verify by sha256 and load the policy once per worker process."""
+    device = resolve_device(handle.device)
+    cache_key = (handle.sha256, device, handle.deterministic)
+    with _lock:
+        cached = _loaded.get(cache_key)
+    if cached is not None:
+        return cached
+    if handle.format == "callable":
+        blob = module_source(source)
+    else:
+        with _lock:
+            blob = _installed.get(handle.sha256, b"")
+        if not blob:
+            raise PolicyIntegrityError(
+                f"policy {handle.sha256[:12]} was not distributed to worker {worker_name()}"
+            )
+    digest = sha256_bytes(blob)
+    if digest != handle.sha256:
+        raise PolicyIntegrityError(
+            f"policy bytes on this worker hash to {digest[:12]}, expected {handle.sha256[:12]}; "
+            + ("the worker imports a different version of the module" if handle.format == "callable"
+               else "the transfer was corrupted")
+            + ". Install the same code on every worker."
+        )
+    policy = load_policy(handle.format, blob, handle.factory, source, action_space,
+                         device=device, deterministic=handle.deterministic)
+    with _lock:
+        _loaded[cache_key] = policy
+    return policy
+
+
+def worker_name() -> str:
+    """The Dask worker's name, or this process's pid outside a worker."""
+    try:
+        return str(get_worker().name)
+    except ValueError:
+        return f"pid-{os.getpid()}"

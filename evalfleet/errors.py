@@ -1,0 +1,44 @@
+"""The errors evalfleet raises.
+
+Hierarchy::
+
+    EvalfleetError
+    ├── RequestError          a request field is invalid (raised before anything is spawned)
+    │   ├── EnvSpecError      the environment cannot be made or does not fit the protocol
+    │   └── PolicyError       the policy cannot be loaded or does not fit the env's spaces
+    ├── IsolationUnavailable  the requested sandbox level cannot be had on this machine
+    ├── PolicyIntegrityError  a worker received policy bytes whose sha256 does not match
+    └── CacheCorruptError     a stored cache entry failed verification
+
+Messages say what was expected, what came (``!r``) and what to do next.
+"""
+
+from __future__ import annotations
+
+
+class EvalfleetError(Exception):
+    """Base class of every error evalfleet raises on purpose."""
+
+
+class RequestError(EvalfleetError, ValueError):
+    """A request is invalid; raised before any worker is touched."""
+
+
+class EnvSpecError(RequestError):
+    """The environment id, kwargs or spec cannot be used."""
+
+
+class PolicyError(RequestError):
+    """The policy cannot be loaded, or its outputs do not fit the action space."""
+
+
+class IsolationUnavailable(EvalfleetError):
+    """The requested isolation level needs something this machine does not allow."""
+
+
+class PolicyIntegrityError(EvalfleetError):
+    """Policy bytes that arrived on a worker do not hash to the expected sha256."""
+
+
+class CacheCorruptError(EvalfleetError):
+    """A cache entry is truncated, unreadable or does not match its manifest."""

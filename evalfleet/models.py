@@ -1,0 +1,209 @@
+"""Typed request, plan and report models shared by every stage.
+
+All models are frozen pydantic v2 models: they cross process boundaries (Prefect task results,
+Dask task arguments, JSON reports) and must never be mutated on the way.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from evalfleet.errors import RequestError
+
+ISOLATION_LEVELS = ("inprocess", "process", "bwrap", "auto")
+
+
+class EndReason(StrEnum):
+    """Why an episode ended. Every episode row carries exactly one."""
+
+    TERMINATED = "terminated"
+    TRUNCATED = "truncated"
+    ENV_ERROR = "env_error"
+    POLICY_ERROR = "policy_error"
+    TIMEOUT = "timeout"
+    CRASHED = "crashed"
+    OOM = "oom"
+    INVALID_REWARD = "invalid_reward"
+    INVALID_ACTION = "invalid_action"
+
+    @property
+    def is_failure(self) -> bool:
+        """True for every reason except a normal termination or truncation."""
+        return self not in (EndReason.TERMINATED, EndReason.TRUNCATED)
+
+    @property
+    def is_infrastructural(self) -> bool:
+        """Failures caused by the sandbox rather than the env's logic (retried once, not cached)."""
+        return self in (EndReason.TIMEOUT, EndReason.CRASHED, EndReason.OOM)
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class EvalRequest(_Frozen):
+    """One evaluation: which policy, on which env, under which protocol, run where."""
+
+    env: str = Field("CartPole-v1", description="Gymnasium id; 'module:EnvId-v0' imports module.")
+    env_kwargs: dict[str, Any] = Field(default_factory=dict, description="Kwargs for gym.make.")
+    policy: str = Field(
+        "", description="TorchScript file, state_dict file (+policy_factory) or 'module:function'."
+    )
+    policy_factory: str | None = Field(None, description="'module:function' building the nn.Module.")
+    episodes: int = Field(500, description="Number of episodes (indices 0..episodes-1).")
+    concurrency: int = Field(500, description="Environment instances alive at once, cluster-wide.")
+    seed: int = Field(0, description="Base seed of the seed ledger.")
+    max_steps: int | None = Field(None, description="Episode step cap; None = env's registered one.")
+    deterministic: bool = Field(True, description="argmax actions (True) or sampled (False).")
+    device: str = Field("auto", description="'auto', 'cpu' or 'cuda[:N]' for policy inference.")
+    isolation: str = Field("inprocess", description="Sandbox level: inprocess, process, bwrap, auto.")
+    episode_timeout_s: float = Field(
+        60.0, description="Wall-clock limit of one episode (enforced by process/bwrap sandboxes)."
+    )
+    workers: int = Field(2, description="Local Dask worker processes when no dask_address is given.")
+    dask_address: str | None = Field(None, description="Existing Dask scheduler to use instead.")
+    output: Path = Field(Path("results"), description="Results folder (Parquet, report, MLflow).")
+    mlflow_uri: str | None = Field(None, description="MLflow tracking URI; default under output.")
+    experiment: str = Field("evalfleet", description="MLflow experiment name.")
+    training_run_id: str | None = Field(None, description="Trainer's run id, tagged everywhere.")
+    step: int | None = Field(None, description="Training step of the evaluated weights.")
+    request_id: str = Field(default_factory=lambda: uuid.uuid4().hex[:16])
+
+    @field_validator("env_kwargs", mode="before")
+    @classmethod
+    def _parse_kwargs(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            try:
+                value = json.loads(value) if value.strip() else {}
+            except json.JSONDecodeError as err:
+                raise RequestError(
+                    f"'env_kwargs' must be a JSON object (got {value!r}: {err.msg} at column "
+                    f"{err.colno}); pass e.g. '{{\"max_episode_steps\": 200}}'."
+                ) from err
+        if not isinstance(value, dict):
+            raise RequestError(
+                f"'env_kwargs' must be a JSON object / dict (got {type(value).__name__}: {value!r})."
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _check(self) -> EvalRequest:
+        for name in ("episodes", "concurrency", "workers"):
+            value = getattr(self, name)
+            if value <= 0:
+                raise RequestError(f"'{name}' must be a positive integer (got {value!r}).")
+        if self.max_steps is not None and self.max_steps <= 0:
+            raise RequestError(
+                f"'max_steps' must be a positive integer or None (got {self.max_steps!r})."
+            )
+        if self.isolation not in ISOLATION_LEVELS:
+            raise RequestError(
+                f"Unknown isolation {self.isolation!r}. Choose one of {', '.join(ISOLATION_LEVELS)}."
+            )
+        if self.episode_timeout_s <= 0:
+            raise RequestError(
+                f"'episode_timeout_s' must be > 0 seconds (got {self.episode_timeout_s!r})."
+            )
+        if not (self.device in ("auto", "cpu") or self.device.startswith("cuda")):
+            raise RequestError(
+                f"Unknown device {self.device!r}. Choose 'auto', 'cpu', 'cuda' or 'cuda:N'."
+            )
+        if not self.policy:
+            raise RequestError("'policy' is empty: pass a policy file path or 'module:function'.")
+        return self
+
+    @classmethod
+    def build(cls, **fields: Any) -> EvalRequest:
+        """Validate ``fields`` into a request; every problem becomes one clear ``RequestError``."""
+        try:
+            return cls(**fields)
+        except ValidationError as err:
+            problems = []
+            for e in err.errors():
+                where = ".".join(str(p) for p in e["loc"]) or "request"
+                msg = str(e["msg"]).removeprefix("Value error, ")
+                problems.append(msg if msg.startswith("'") else f"'{where}': {msg} (got {e.get('input')!r})")
+            raise RequestError("; ".join(problems)) from None
+
+    @property
+    def wants_gpu(self) -> bool:
+        """True when inference must run on a CUDA device."""
+        return self.device.startswith("cuda")
+
+
+class Shard(_Frozen):
+    """Episodes one run-stage task executes, with how many env instances it keeps alive."""
+
+    shard_id: int
+    episode_indices: list[int]
+    seeds: list[int]
+    slots: int
+
+
+class ShardPlan(_Frozen):
+    """Stage-2 output: the shards, plus what the cache already answered."""
+
+    request_id: str
+    shards: list[Shard]
+    total_episodes: int
+    planned_episodes: int
+    cached_episodes: int = 0
+    cache_key: str | None = None
+    seconds: float = 0.0
+
+
+class PolicyHandle(_Frozen):
+    """What a worker needs to fetch, verify and load the policy once."""
+
+    sha256: str
+    format: str
+    factory: str | None
+    plugin_name: str | None
+    nbytes: int
+    device: str
+    deterministic: bool
+    distributed_at: float
+
+
+class EvalReport(_Frozen):
+    """Everything an evaluation tells its users; serialised as report.json."""
+
+    request_id: str
+    env_id: str
+    env_spec_hash: str
+    policy_sha256: str
+    training_run_id: str | None
+    step: int | None
+    isolation: str
+    episodes: int
+    completed: int
+    failures: dict[str, int]
+    failure_rate: float
+    harness_fault: bool
+    alarms: list[str]
+    returns: dict[str, Any]
+    lengths: dict[str, float]
+    success: dict[str, Any] | None
+    env_steps: int
+    steps_per_second: float
+    episodes_per_second: float
+    timings: dict[str, float]
+    cache: dict[str, Any]
+    outputs: dict[str, str]
+    manifest: dict[str, Any]
+
+    @property
+    def mean(self) -> float:
+        """Mean return over completed (non-failed) episodes."""
+        return float(self.returns["mean"])
+
+    @property
+    def ci(self) -> tuple[float, float]:
+        """95% confidence interval of the mean return."""
+        return float(self.returns["ci"]["low"]), float(self.returns["ci"]["high"])

@@ -1,0 +1,329 @@
+"""Receiving, hashing, validating and loading policies.
+
+Three formats:
+
+- ``torchscript``: a file written by ``torch.jit.save``.
+- ``state_dict``: a file written by ``torch.save(module.state_dict())`` plus a factory
+  ``module:function`` that builds the ``nn.Module`` (loaded with ``weights_only=True``).
+- ``callable``: ``module:function`` taking a float32 observation batch ``(B, *obs_shape)`` and
+  returning actions ``(B,)`` (Discrete) or ``(B, *shape)`` (Box) as a numpy array.
+
+A torch policy maps a float32 batch ``(B, *obs_shape)`` to logits ``(B, n)`` for ``Discrete``
+spaces (deterministic action = argmax, stochastic = a categorical sample) or to actions
+``(B, *shape)`` for ``Box`` spaces. The policy hash is the sha256 of the policy's bytes (the file,
+or for a callable the source file of its module).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import inspect
+import io
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+from gymnasium import spaces
+
+from evalfleet.errors import PolicyError
+
+logger = logging.getLogger(__name__)
+
+FORMATS = ("torchscript", "state_dict", "callable")
+DUMMY_BATCH = 4
+
+
+def import_object(ref: str, what: str) -> Any:
+    """Import ``module:attr`` with an error that says what was expected."""
+    if ref.count(":") != 1:
+        raise PolicyError(f"{what} must look like 'module:function' (got {ref!r}).")
+    module_name, attr = ref.split(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as err:
+        raise PolicyError(
+            f"{what} {ref!r}: cannot import module {module_name!r} ({err}); make it importable "
+            "(pip install your package) on this machine and every worker."
+        ) from err
+    try:
+        return getattr(module, attr)
+    except AttributeError as err:
+        raise PolicyError(f"{what} {ref!r}: module {module_name!r} has no {attr!r}.") from err
+
+
+def module_source(ref: str) -> bytes:
+    module = importlib.import_module(ref.split(":")[0])
+    try:
+        return inspect.getsource(module).encode()
+    except (OSError, TypeError) as err:
+        raise PolicyError(
+            f"callable policy {ref!r}: the source of its module cannot be read ({err}); "
+            "evalfleet hashes a callable policy by its module's source."
+        ) from err
+
+
+@dataclass(frozen=True)
+class PolicyArtifact:
+    """Stage-1 output: validated policy bytes and what they are."""
+
+    sha256: str
+    format: str
+    source: str
+    payload: bytes
+    factory: str | None
+    output_kind: str
+
+    @property
+    def nbytes(self) -> int:
+        """Size of the bytes distributed to workers."""
+        return len(self.payload)
+
+    def summary(self) -> dict[str, Any]:
+        """Small JSON-ready description (no payload)."""
+        return {
+            "sha256": self.sha256,
+            "format": self.format,
+            "source": self.source,
+            "factory": self.factory,
+            "nbytes": self.nbytes,
+            "output_kind": self.output_kind,
+        }
+
+
+def sha256_bytes(blob: bytes) -> str:
+    """Hex sha256 of ``blob``."""
+    return hashlib.sha256(blob).hexdigest()
+
+
+def detect_format(policy: str, factory: str | None) -> str:
+    """Which of ``FORMATS`` a ``--policy`` value denotes."""
+    if factory is not None:
+        return "state_dict"
+    if os.path.exists(policy):
+        return "torchscript"
+    if policy.count(":") == 1 and not policy.endswith((".pt", ".pth", ".ts")):
+        return "callable"
+    raise PolicyError(
+        f"policy file {policy!r} does not exist. Expected a TorchScript file, a state_dict file "
+        "with --policy-factory module:function, or a callable 'module:function'."
+    )
+
+
+class LoadedPolicy:
+    """A policy ready for batched inference on one device: ``act(obs_batch) -> actions``."""
+
+    def __init__(
+        self,
+        fn: Callable[[npt.NDArray[np.float32]], npt.NDArray[Any]],
+        action_space: spaces.Space[Any],
+        *,
+        is_torch: bool,
+        deterministic: bool,
+        device: str,
+    ) -> None:
+        self._fn = fn
+        self.action_space = action_space
+        self.is_torch = is_torch
+        self.deterministic = deterministic
+        self.device = device
+
+    def raw(self, obs: npt.NDArray[np.float32]) -> npt.NDArray[Any]:
+        """The policy's raw output for a batch (logits for torch+Discrete, else actions)."""
+        return self._fn(obs)
+
+    def act(
+        self, obs: npt.NDArray[np.float32], rngs: list[np.random.Generator] | None = None
+    ) -> npt.NDArray[Any]:
+        """Actions for a batch; ``rngs`` (one per row) are used only when sampling."""
+        out = self.raw(obs)
+        space = self.action_space
+        if self.is_torch and isinstance(space, spaces.Discrete):
+            if self.deterministic or rngs is None:
+                return np.asarray(out.argmax(axis=1), dtype=np.int64) + int(space.start)
+            z = out - out.max(axis=1, keepdims=True)
+            p = np.exp(z)
+            p /= p.sum(axis=1, keepdims=True)
+            u = np.array([g.random() for g in rngs])
+            idx = (p.cumsum(axis=1) < u[:, None]).sum(axis=1)
+            return np.minimum(idx, space.n - 1).astype(np.int64) + int(space.start)
+        return np.asarray(out)
+
+
+def _torch_fn(module: Any, device: str) -> Callable[[npt.NDArray[np.float32]], npt.NDArray[Any]]:
+    import torch
+
+    module.eval()
+
+    def fn(obs: npt.NDArray[np.float32]) -> npt.NDArray[Any]:
+        with torch.inference_mode():
+            x = torch.from_numpy(np.ascontiguousarray(obs, dtype=np.float32)).to(device)
+            y = module(x)
+            return np.asarray(y.detach().to("cpu").numpy())
+
+    return fn
+
+
+def resolve_device(device: str) -> str:
+    """Map 'auto' to 'cuda' when a GPU is visible, else 'cpu'; validate 'cuda[:N]'."""
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise PolicyError(
+                f"device {device!r} requested but torch sees no CUDA device here; use --device cpu "
+                "or run on a worker with a GPU (dask worker --resources GPU=1)."
+            )
+        index = int(device.split(":")[1]) if ":" in device else 0
+        if index >= torch.cuda.device_count():
+            raise PolicyError(
+                f"device {device!r}: only {torch.cuda.device_count()} CUDA device(s) visible."
+            )
+    return device
+
+
+def load_policy(
+    fmt: str,
+    payload: bytes,
+    factory: str | None,
+    source: str,
+    action_space: spaces.Space[Any],
+    *,
+    device: str = "cpu",
+    deterministic: bool = True,
+) -> LoadedPolicy:
+    """Build a ``LoadedPolicy`` from an artifact's bytes (on the driver or a worker)."""
+    if fmt == "callable":
+        fn = import_object(source, "callable policy")
+        if not callable(fn):
+            raise PolicyError(f"callable policy {source!r} is a {type(fn).__name__}, not callable.")
+        return LoadedPolicy(
+            fn, action_space, is_torch=False, deterministic=deterministic, device="cpu"
+        )
+    import torch
+
+    if fmt == "torchscript":
+        try:
+            module = torch.jit.load(io.BytesIO(payload), map_location=device)
+        except Exception as err:
+            raise PolicyError(
+                f"policy {source!r} is not a loadable TorchScript file ({type(err).__name__}: "
+                f"{str(err).splitlines()[0] if str(err) else ''}). Save it with torch.jit.save, or "
+                "pass a state_dict with --policy-factory module:function."
+            ) from err
+    elif fmt == "state_dict":
+        if factory is None:
+            raise PolicyError(f"state_dict policy {source!r} needs --policy-factory module:function.")
+        build = import_object(factory, "policy factory")
+        try:
+            state = torch.load(io.BytesIO(payload), map_location=device, weights_only=True)
+        except Exception as err:
+            raise PolicyError(
+                f"policy {source!r} is not a loadable state_dict ({type(err).__name__}: {err}). "
+                "Save it with torch.save(module.state_dict(), path)."
+            ) from err
+        if not isinstance(state, dict):
+            raise PolicyError(
+                f"policy {source!r} holds a {type(state).__name__}, expected a state_dict (dict)."
+            )
+        module = build()
+        try:
+            module.load_state_dict(state)
+        except Exception as err:
+            raise PolicyError(
+                f"state_dict {source!r} does not fit the module built by {factory!r}: {err}"
+            ) from err
+        module = module.to(device)
+    else:
+        raise PolicyError(f"Unknown policy format {fmt!r}. Choose one of {', '.join(FORMATS)}.")
+    for name, tensor in module.state_dict().items():
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise PolicyError(
+                f"policy {source!r} has non-finite weights in {name!r} (NaN/inf); refusing to "
+                "evaluate a diverged checkpoint."
+            )
+    return LoadedPolicy(
+        _torch_fn(module, device),
+        action_space,
+        is_torch=True,
+        deterministic=deterministic,
+        device=device,
+    )
+
+
+def check_outputs(
+    policy: LoadedPolicy, observation_space: spaces.Space[Any], source: str
+) -> str:
+    """Run one dummy batch and check the output against the action space; returns output kind."""
+    shape = observation_space.shape or ()
+    obs = np.zeros((DUMMY_BATCH, *shape), dtype=np.float32)
+    space = policy.action_space
+    try:
+        raw = np.asarray(policy.raw(obs))
+    except Exception as err:
+        raise PolicyError(
+            f"policy {source!r} failed on a dummy float32 batch of shape {obs.shape}: "
+            f"{type(err).__name__}: {err}"
+        ) from err
+    if isinstance(space, spaces.Discrete):
+        if policy.is_torch:
+            expected: tuple[int, ...] = (DUMMY_BATCH, int(space.n))
+            what = "logits"
+        else:
+            expected, what = (DUMMY_BATCH,), "integer actions"
+    else:
+        expected, what = (DUMMY_BATCH, *(space.shape or ())), "actions"
+    if raw.shape != expected:
+        raise PolicyError(
+            f"policy {source!r} output has shape {raw.shape} for a batch of {DUMMY_BATCH}, "
+            f"expected {what} of shape {expected} for action space {space}. "
+            "Fix the policy's output layer (or pick the matching env)."
+        )
+    if not np.all(np.isfinite(raw.astype(np.float64))):
+        raise PolicyError(f"policy {source!r} produced non-finite outputs on a dummy batch.")
+    return "logits" if policy.is_torch and isinstance(space, spaces.Discrete) else "actions"
+
+
+def receive_policy(
+    policy: str,
+    factory: str | None,
+    observation_space: spaces.Space[Any],
+    action_space: spaces.Space[Any],
+    deterministic: bool = True,
+) -> PolicyArtifact:
+    """Stage 1: read, hash, load and validate the policy against the env's spaces."""
+    fmt = detect_format(policy, factory)
+    if fmt == "callable":
+        import_object(policy, "callable policy")
+        payload = module_source(policy)
+    else:
+        try:
+            with open(policy, "rb") as fh:
+                payload = fh.read()
+        except OSError as err:
+            raise PolicyError(f"policy file {policy!r} cannot be read: {err}") from err
+        if not payload:
+            raise PolicyError(f"policy file {policy!r} is empty; expected a saved torch policy.")
+    if not deterministic and (fmt == "callable" or not isinstance(action_space, spaces.Discrete)):
+        raise PolicyError(
+            "deterministic=False samples from a torch policy's logits over a Discrete action "
+            f"space; this is a {fmt} policy with {action_space}. Use deterministic=True."
+        )
+    loaded = load_policy(
+        fmt, payload, factory, policy, action_space, device="cpu", deterministic=deterministic
+    )
+    kind = check_outputs(loaded, observation_space, policy)
+    return PolicyArtifact(
+        sha256=sha256_bytes(payload),
+        format=fmt,
+        source=policy,
+        payload=payload,
+        factory=factory,
+        output_kind=kind,
+    )

@@ -1,0 +1,82 @@
+"""Episode records and the one declared Parquet/Arrow schema of the episode table."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+
+import pyarrow as pa
+
+#: One row per episode, failures included. Declared once; every writer and reader uses it.
+EPISODE_SCHEMA = pa.schema(
+    [
+        pa.field("request_id", pa.string(), nullable=False),
+        pa.field("policy_sha256", pa.string(), nullable=False),
+        pa.field("env_id", pa.string(), nullable=False),
+        pa.field("env_spec_hash", pa.string(), nullable=False),
+        pa.field("episode_index", pa.int64(), nullable=False),
+        pa.field("seed", pa.uint64(), nullable=False),
+        pa.field("return", pa.float64(), nullable=False),
+        pa.field("length", pa.int64(), nullable=False),
+        pa.field("end_reason", pa.string(), nullable=False),
+        pa.field("error", pa.string()),
+        pa.field("success", pa.bool_()),
+        pa.field("wall_seconds", pa.float64(), nullable=False),
+        pa.field("worker", pa.string(), nullable=False),
+        pa.field("sandbox", pa.string(), nullable=False),
+        pa.field("isolation", pa.string(), nullable=False),
+        pa.field("retried", pa.bool_(), nullable=False),
+        pa.field("metrics", pa.map_(pa.string(), pa.float64())),
+    ],
+    metadata={"evalfleet.schema_version": "1"},
+)
+
+#: Columns that depend only on (policy, env, protocol, index): equal across reruns and cluster shapes.
+OUTCOME_COLUMNS = ("episode_index", "seed", "return", "length", "end_reason", "error", "success")
+
+
+@dataclass(slots=True)
+class EpisodeRecord:
+    """One finished episode (or failed attempt at one).
+
+    ``return`` is a Python keyword, hence ``episode_return`` here and ``return`` in the table.
+    """
+
+    request_id: str
+    policy_sha256: str
+    env_id: str
+    env_spec_hash: str
+    episode_index: int
+    seed: int
+    episode_return: float
+    length: int
+    end_reason: str
+    error: str | None
+    success: bool | None
+    wall_seconds: float
+    worker: str
+    sandbox: str
+    isolation: str
+    retried: bool = False
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    def as_row(self) -> dict[str, object]:
+        """The record as a row of ``EPISODE_SCHEMA``."""
+        row = asdict(self)
+        row["return"] = row.pop("episode_return")
+        row["metrics"] = list(self.metrics.items())
+        return row
+
+
+def records_to_table(records: Iterable[EpisodeRecord]) -> pa.Table:
+    """Build an Arrow table of ``EPISODE_SCHEMA`` from records."""
+    rows = [r.as_row() for r in records]
+    return pa.Table.from_pylist(rows, schema=EPISODE_SCHEMA)
+
+
+def concat_sorted(tables: Sequence[pa.Table]) -> pa.Table:
+    """Concatenate shard tables and sort by episode index (the table's canonical order)."""
+    if not tables:
+        return EPISODE_SCHEMA.empty_table()
+    table = pa.concat_tables([t.cast(EPISODE_SCHEMA) for t in tables])
+    return table.sort_by("episode_index")

@@ -1,0 +1,49 @@
+"""Writing results: the episode table as Parquet and the report as JSON, atomically."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from evalfleet.records import EPISODE_SCHEMA
+
+
+def run_dir(output: Path, request_id: str) -> Path:
+    """The folder of one evaluation's results."""
+    return Path(output) / "runs" / request_id
+
+
+def _atomic(path: Path, write: Any) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, path)  # readers see the old file or the whole new one, never a part
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def write_episodes(table: pa.Table, path: Path) -> Path:
+    """Write the episode table (``EPISODE_SCHEMA``) to ``path`` as Parquet."""
+    table = table.cast(EPISODE_SCHEMA)
+    return _atomic(Path(path), lambda tmp: pq.write_table(table, tmp, compression="zstd"))
+
+
+def read_episodes(path: Path) -> pa.Table:
+    """Read an episode table written by ``write_episodes``."""
+    return pq.read_table(path, schema=EPISODE_SCHEMA)
+
+
+def write_json(data: dict[str, Any], path: Path) -> Path:
+    """Write ``data`` as indented JSON."""
+    text = json.dumps(data, indent=2, sort_keys=True, default=str)
+    return _atomic(Path(path), lambda tmp: Path(tmp).write_text(text + "\n"))

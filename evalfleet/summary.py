@@ -1,0 +1,54 @@
+"""Human-readable summaries of a report: CLI table, Prefect table rows, markdown."""
+
+from __future__ import annotations
+
+from evalfleet.models import EvalReport
+
+
+def _fmt(x: float) -> str:
+    return f"{x:.4g}" if abs(x) < 1e5 else f"{x:.3e}"
+
+
+def summary_rows(report: EvalReport) -> list[dict[str, str]]:
+    """The summary as (metric, value) rows."""
+    r = report.returns
+    low, high = report.ci
+    failures = ", ".join(f"{k}={v}" for k, v in sorted(report.failures.items())) or "none"
+    rows = [
+        ("env", report.env_id),
+        ("policy sha256", report.policy_sha256[:16]),
+        ("isolation", report.isolation),
+        ("episodes", f"{report.episodes} ({report.completed} completed)"),
+        ("mean return ± 95% CI", f"{_fmt(r['mean'])}  [{_fmt(low)}, {_fmt(high)}]"),
+        ("std", _fmt(r["std"])),
+        ("IQM", f"{_fmt(r['iqm'])}  [{_fmt(r['iqm_ci']['low'])}, {_fmt(r['iqm_ci']['high'])}]"),
+        ("min / median / max", f"{_fmt(r['min'])} / {_fmt(r['median'])} / {_fmt(r['max'])}"),
+        ("episode length mean", _fmt(report.lengths["mean"])),
+        ("failures", f"{failures} (rate {report.failure_rate:.2%})"),
+    ]
+    if report.success:
+        s = report.success
+        rows.append(("success rate", f"{s['rate']:.3f}  [{s['ci']['low']:.3f}, {s['ci']['high']:.3f}]"))
+    if report.alarms:
+        rows.append(("ALARMS", "; ".join(report.alarms)))
+    rows.append(("cache", f"{report.cache.get('status')} (reused {report.cache.get('reused', 0)})"))
+    wall = sum(report.timings.values())
+    rows.append(("wall time", f"{wall:.2f} s ({report.steps_per_second:,.0f} env steps/s in run)"))
+    for key in ("episodes", "report", "mlflow_run_id", "mlflow_error"):
+        if key in report.outputs:
+            rows.append((key if key != "episodes" else "parquet", report.outputs[key]))
+    return [{"metric": k, "value": v} for k, v in rows]
+
+
+def summary_text(report: EvalReport) -> str:
+    """A two-column plain-text table for the terminal."""
+    rows = summary_rows(report)
+    width = max(len(r["metric"]) for r in rows)
+    return "\n".join(f"{r['metric']:<{width}}  {r['value']}" for r in rows)
+
+
+def summary_markdown(report: EvalReport) -> str:
+    """The summary as a markdown table (Prefect artifact, report page)."""
+    lines = [f"# evalfleet: {report.env_id}", "", "| metric | value |", "|---|---|"]
+    lines += [f"| {r['metric']} | {r['value'].replace('|', '/')} |" for r in summary_rows(report)]
+    return "\n".join(lines) + "\n"

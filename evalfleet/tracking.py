@@ -1,0 +1,110 @@
+"""MLflow feedback: one run per evaluation with params, ``eval/`` metrics, tags and artifacts."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+
+def default_tracking_uri(output: Path) -> str:
+    """A SQLite store under the results folder (MLflow's file store is deprecated)."""
+    return f"sqlite:///{Path(output).resolve() / 'mlflow.db'}"
+
+
+def flatten_metrics(report: dict[str, Any]) -> dict[str, float]:
+    """The report's numbers as ``eval/...`` metrics."""
+    r = report["returns"]
+    m: dict[str, float] = {
+        "eval/reward": r["mean"],
+        "eval/reward_std": r["std"],
+        "eval/reward_var": r["var"],
+        "eval/reward_stderr": r["stderr"],
+        "eval/reward_ci_low": r["ci"]["low"],
+        "eval/reward_ci_high": r["ci"]["high"],
+        "eval/reward_iqm": r["iqm"],
+        "eval/reward_median": r["median"],
+        "eval/reward_min": r["min"],
+        "eval/reward_max": r["max"],
+        "eval/episode_length": report["lengths"]["mean"],
+        "eval/episodes": report["episodes"],
+        "eval/failure_rate": report["failure_rate"],
+        "eval/harness_fault": float(report["harness_fault"]),
+        "eval/fps": report["steps_per_second"],
+        "eval/episodes_per_second": report["episodes_per_second"],
+    }
+    for reason, count in report["failures"].items():
+        m[f"eval/failures/{reason}"] = count
+    if report.get("success"):
+        m["eval/success_rate"] = report["success"]["rate"]
+        m["eval/success_ci_low"] = report["success"]["ci"]["low"]
+        m["eval/success_ci_high"] = report["success"]["ci"]["high"]
+    for stage, seconds in report["timings"].items():
+        m[f"eval/time/{stage}"] = seconds
+    return {k: float(v) for k, v in m.items() if v is not None}
+
+
+def _run_exists(client: Any, run_id: str) -> bool:
+    try:
+        client.get_run(run_id)
+    except Exception:  # MLflow raises its own exception type for unknown ids
+        return False
+    return True
+
+
+def log_evaluation(
+    tracking_uri: str,
+    experiment: str,
+    report: dict[str, Any],
+    params: dict[str, Any],
+    artifacts: list[Path],
+    run_name: str,
+) -> str:
+    """Log one evaluation as an MLflow run; returns the run id."""
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+    import mlflow
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=tracking_uri)
+    exp = client.get_experiment_by_name(experiment)
+    if exp is None:
+        location = None
+        if tracking_uri.startswith("sqlite:///"):
+            db = Path(tracking_uri.removeprefix("sqlite:///"))
+            location = (db.parent / "mlartifacts").resolve().as_uri()
+        exp_id = client.create_experiment(experiment, artifact_location=location)
+    else:
+        exp_id = exp.experiment_id
+    tags = {
+        "evalfleet.policy_sha256": report["policy_sha256"],
+        "evalfleet.env_id": report["env_id"],
+        "evalfleet.request_id": report["request_id"],
+        "evalfleet.isolation": report["isolation"],
+        "evalfleet.harness_fault": str(report["harness_fault"]).lower(),
+        "mlflow.runName": run_name,
+    }
+    if report.get("training_run_id"):
+        tags["evalfleet.training_run_id"] = report["training_run_id"]
+        if _run_exists(client, report["training_run_id"]):
+            tags["mlflow.parentRunId"] = report["training_run_id"]  # nests under the trainer's run
+    if report.get("step") is not None:
+        tags["evalfleet.step"] = str(report["step"])
+    for alarm in report["alarms"]:
+        tags[f"evalfleet.alarm.{alarm.split(':', 1)[0]}"] = "true"
+    run = client.create_run(exp_id, tags=tags, run_name=run_name)
+    run_id: str = run.info.run_id
+    from mlflow.entities import Metric, Param
+
+    step = int(report.get("step") or 0)
+    ts = int(run.info.start_time)
+    metrics = [Metric(k, v, ts, step) for k, v in flatten_metrics(report).items()]
+    str_params = [Param(k, str(v)[:6000]) for k, v in params.items()]
+    client.log_batch(run_id, metrics=metrics, params=str_params)
+    for path in artifacts:
+        client.log_artifact(run_id, str(path))
+    client.set_terminated(run_id, "FAILED" if report["harness_fault"] else "FINISHED")
+    del mlflow
+    return run_id

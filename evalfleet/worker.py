@@ -1,0 +1,50 @@
+"""What runs on a Dask worker for one shard: fetch the policy, open sandboxes, run, tabulate."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import pyarrow as pa
+
+from evalfleet.cluster import policy_on_worker, worker_name
+from evalfleet.envspec import env_thunk, resolve_env
+from evalfleet.models import EvalRequest, PolicyHandle, Shard
+from evalfleet.records import records_to_table
+from evalfleet.runner import EpisodeContext, run_shard
+from evalfleet.sandbox import open_slots
+
+logger = logging.getLogger(__name__)
+
+_resolved: dict[tuple[str, str, int | None], Any] = {}
+
+
+def execute_shard(shard: Shard, handle: PolicyHandle, request: EvalRequest, isolation: str
+                  ) -> pa.Table:
+    """Run one shard of ``request`` at ``isolation`` and return its rows as an Arrow table."""
+    key = (request.env, repr(sorted(request.env_kwargs.items())), request.max_steps)
+    resolved = _resolved.get(key)
+    if resolved is None:
+        resolved = _resolved[key] = resolve_env(request.env, request.env_kwargs, request.max_steps)
+    policy = policy_on_worker(handle, request.policy, resolved.action_space)
+    ctx = EpisodeContext(
+        request_id=request.request_id,
+        policy_sha256=handle.sha256,
+        env_id=request.env,
+        env_spec_hash=resolved.fingerprint.spec_hash,
+        worker=worker_name(),
+    )
+    slots = open_slots(
+        isolation,
+        env_thunk(request.env, request.env_kwargs, request.max_steps),
+        shard.slots,
+        episode_timeout_s=request.episode_timeout_s,
+        env_spec=resolved.fingerprint.as_dict(),
+    )
+    try:
+        records = run_shard(list(zip(shard.episode_indices, shard.seeds, strict=True)), slots,
+                            policy, ctx)
+    finally:
+        slots.close()
+    logger.info("shard %d: %d episodes on %s", shard.shard_id, len(records), ctx.worker)
+    return records_to_table(records)

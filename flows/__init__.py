@@ -1,0 +1,1 @@
+"""Prefect flows of evalfleet."""

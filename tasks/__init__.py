@@ -1,0 +1,1 @@
+"""One thin Prefect task per stage of an evaluation; the logic lives in ``evalfleet``."""

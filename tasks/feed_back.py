@@ -1,0 +1,19 @@
+"""Stage 7: feed back."""
+
+from prefect import task
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
+from prefect.cache_policies import NO_CACHE
+
+from evalfleet.models import EvalReport, EvalRequest
+from evalfleet.pipeline import Collected, feed_back as write_results
+from evalfleet.summary import summary_markdown, summary_rows
+
+
+@task(name="feed-back", cache_policy=NO_CACHE)
+def feed_back(request: EvalRequest, report: EvalReport, collected: Collected) -> EvalReport:
+    """Parquet, report.json and MLflow, then the Prefect artifacts the UI shows."""
+    final = write_results(request, report, collected.table)
+    key = f"eval-{final.policy_sha256[:12]}"
+    create_table_artifact(summary_rows(final), key=key, description=f"evalfleet {final.env_id}")
+    create_markdown_artifact(summary_markdown(final), key=f"{key}-report")
+    return final
