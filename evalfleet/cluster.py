@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import dask
 from distributed import Client, LocalCluster, get_worker
 from distributed.diagnostics.plugin import WorkerPlugin
 
@@ -56,7 +57,8 @@ def fleet_cluster(address: str | None, workers: int) -> Iterator[str]:
         yield address
         return
     resources = {"GPU": gpu_count()} if gpu_count() else None
-    with LocalCluster(
+    # Non-daemonic workers may start sandbox processes (a fork server needs children of its own).
+    with dask.config.set({"distributed.worker.daemon": False}), LocalCluster(
         n_workers=workers,
         threads_per_worker=1,
         processes=True,

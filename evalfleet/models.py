@@ -73,6 +73,7 @@ class EvalRequest(_Frozen):
     experiment: str = Field("evalfleet", description="MLflow experiment name.")
     training_run_id: str | None = Field(None, description="Trainer's run id, tagged everywhere.")
     step: int | None = Field(None, description="Training step of the evaluated weights.")
+    callback_url: str | None = Field(None, description="URL the report is POSTed to (HMAC-signed).")
     request_id: str = Field(default_factory=lambda: uuid.uuid4().hex[:16])
 
     @field_validator("env_kwargs", mode="before")
