@@ -167,7 +167,8 @@ def resolve_env(env_id: str, kwargs: dict[str, Any], max_steps: int | None) -> R
                     f"env {env_id!r} has a {type(space).__name__} {name} space; evalfleet batches "
                     "Box observations and Box/Discrete actions. Wrap the env (e.g. FlattenObservation)."
                 )
-        entry = spec.entry_point if isinstance(spec.entry_point, str) else repr(spec.entry_point)
+        ep = spec.entry_point
+        entry = ep if isinstance(ep, str) else f"{ep.__module__}:{getattr(ep, '__qualname__', ep)}"
         package, package_version = _package_of(entry.split(":", 1)[0])
         fingerprint = EnvFingerprint(
             env_id=env_id,

@@ -57,6 +57,7 @@ def import_object(ref: str, what: str) -> Any:
 
 
 def module_source(ref: str) -> bytes:
+    """The source bytes of the module of a ``module:function`` reference (its policy hash)."""
     module = importlib.import_module(ref.split(":")[0])
     try:
         return inspect.getsource(module).encode()
@@ -134,7 +135,7 @@ class LoadedPolicy:
 
     def raw(self, obs: npt.NDArray[np.float32]) -> npt.NDArray[Any]:
         """The policy's raw output for a batch (logits for torch+Discrete, else actions)."""
-        return self._fn(obs)
+        return np.asarray(self._fn(obs))
 
     def act(
         self, obs: npt.NDArray[np.float32], rngs: list[np.random.Generator] | None = None
@@ -150,7 +151,7 @@ class LoadedPolicy:
             p /= p.sum(axis=1, keepdims=True)
             u = np.array([g.random() for g in rngs])
             idx = (p.cumsum(axis=1) < u[:, None]).sum(axis=1)
-            return np.minimum(idx, space.n - 1).astype(np.int64) + int(space.start)
+            return np.asarray(np.minimum(idx, int(space.n) - 1), dtype=np.int64) + int(space.start)
         return np.asarray(out)
 
 

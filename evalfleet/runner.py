@@ -59,10 +59,10 @@ def _invalid_actions(space: spaces.Space[Any], actions: npt.NDArray[Any]) -> npt
         a = np.asarray(actions)
         if a.ndim != 1 or not np.issubdtype(a.dtype, np.integer):
             if a.ndim == 1 and np.issubdtype(a.dtype, np.floating):
-                return ~(np.isfinite(a) & (a == np.round(a)) & (a >= space.start)
-                         & (a < space.start + space.n))
+                ok = np.isfinite(a) & (a == np.round(a)) & (a >= space.start) & (a < space.start + space.n)
+                return np.asarray(~ok, dtype=bool)
             return np.ones(len(a), dtype=bool)
-        return (a < space.start) | (a >= space.start + space.n)
+        return np.asarray((a < space.start) | (a >= space.start + space.n), dtype=bool)
     if isinstance(space, spaces.Box):
         a = np.asarray(actions, dtype=np.float64)
         if a.shape[1:] != space.shape:
@@ -71,7 +71,7 @@ def _invalid_actions(space: spaces.Space[Any], actions: npt.NDArray[Any]) -> npt
         low = np.broadcast_to(space.low, space.shape).reshape(-1)
         high = np.broadcast_to(space.high, space.shape).reshape(-1)
         ok = np.isfinite(flat).all(axis=1) & (flat >= low).all(axis=1) & (flat <= high).all(axis=1)
-        return ~ok
+        return np.asarray(~ok, dtype=bool)
     return np.array([not space.contains(x) for x in actions], dtype=bool)
 
 
@@ -174,7 +174,8 @@ def run_shard(
         step_slots, step_actions, freed = [], [], []
         for k, s in enumerate(order):
             if bad[k]:
-                finish(s, EndReason.INVALID_ACTION.value, f"action {actions[k]!r} not in {space}", {})
+                text = f"action {np.asarray(actions[k]).tolist()!r} not in {space}"
+                finish(s, EndReason.INVALID_ACTION.value, text, {})
                 freed.append(s)
             else:
                 step_slots.append(s)

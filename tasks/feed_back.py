@@ -5,7 +5,8 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 
 from evalfleet.models import EvalReport, EvalRequest
-from evalfleet.pipeline import Collected, feed_back as write_results
+from evalfleet.pipeline import Collected
+from evalfleet.pipeline import feed_back as write_results
 from evalfleet.summary import summary_markdown, summary_rows
 
 

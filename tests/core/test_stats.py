@@ -1,0 +1,554 @@
+"""Tests of evalfleet.stats: exact values, validation, and Hypothesis properties.
+
+The Hypothesis strategies live in this file only.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+from evalfleet import stats
+from evalfleet.errors import EvalfleetError
+from evalfleet.stats import (
+    Interval,
+    ReturnStats,
+    StatsInputError,
+    iqm,
+    iqm_ci,
+    length_stats,
+    mean_ci,
+    needed_episodes,
+    paired_comparison,
+    summarize,
+    wilson_interval,
+)
+
+# Property tests use few resamples: the properties hold for any n_boot >= 100.
+N_BOOT = 200
+
+# ---------------------------------------------------------------------------------------------
+# Strategies
+# ---------------------------------------------------------------------------------------------
+
+seeds = st.integers(min_value=0, max_value=2**32 - 1)
+mean_ci_methods = st.sampled_from(["percentile", "bca", "t"])
+# Shift-equivariant methods: BCa's bias correction counts bootstrap means equal to the estimate,
+# and a shift can turn such a tie into a rounding-level inequality.
+shift_methods = st.sampled_from(["percentile", "t"])
+
+
+def returns_lists(bound: float = 1e6, max_size: int = 60) -> st.SearchStrategy[list[float]]:
+    """Episode returns: arbitrary floats mixed with small integers, so ties are common."""
+    arbitrary = st.floats(min_value=-bound, max_value=bound, allow_nan=False)
+    tied = st.integers(min_value=-5, max_value=5).map(float)
+    return st.lists(st.one_of(arbitrary, tied), min_size=1, max_size=max_size)
+
+
+@st.composite
+def paired_returns(draw: st.DrawFn) -> tuple[list[float], list[float]]:
+    """Returns of a new and a baseline policy on the same episode seeds."""
+    pairs = draw(
+        st.lists(
+            st.tuples(
+                st.floats(min_value=-1e4, max_value=1e4, allow_nan=False),
+                st.floats(min_value=-1e4, max_value=1e4, allow_nan=False),
+            ),
+            min_size=1,
+            max_size=40,
+        )
+    )
+    return [p[0] for p in pairs], [p[1] for p in pairs]
+
+
+def all_intervals(s: ReturnStats) -> list[tuple[str, Interval, float]]:
+    return [("ci", s.ci, s.mean), ("iqm_ci", s.iqm_ci, s.iqm)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Exact values
+# ---------------------------------------------------------------------------------------------
+
+
+def test_moments_of_a_known_sample() -> None:
+    x = [2.0, 4.0, 4.0, 4.0, 5.0, 5.0, 7.0, 9.0]  # mean 5, sum of squared deviations 32
+    s = summarize(x, seed=0)
+    assert s.n == 8
+    assert s.mean == 5.0
+    assert s.var == pytest.approx(32 / 7, rel=1e-15)
+    assert s.std == pytest.approx(math.sqrt(32 / 7), rel=1e-15)
+    assert s.stderr == pytest.approx(math.sqrt(32 / 7) / math.sqrt(8), rel=1e-15)
+    assert (s.min, s.max, s.median) == (2.0, 9.0, 4.5)
+
+
+def test_percentiles_use_linear_interpolation() -> None:
+    s = summarize(np.arange(1.0, 10.0), seed=0)  # 1..9: position q/100 * 8
+    assert s.percentiles == pytest.approx(
+        {"p5": 1.4, "p25": 3.0, "p50": 5.0, "p75": 7.0, "p95": 8.6}, rel=1e-15
+    )
+    assert s.median == s.percentiles["p50"]
+
+
+@pytest.mark.parametrize(
+    ("values", "expected"),
+    [
+        # scipy.stats.trim_mean(x, 0.25) cuts int(0.25 * n) values from each end.
+        (np.arange(1, 9), 4.5),  # n=8, cut 2: mean(3, 4, 5, 6)
+        ([1.0, 2.0, 3.0, 4.0, 100.0], 3.0),  # n=5, cut 1: mean(2, 3, 4)
+        ([100.0, 2.0, 1.0, 4.0, 3.0], 3.0),  # order does not matter
+        ([1.0, 2.0, 30.0], 11.0),  # n=3, cut 0: plain mean
+        ([7.0], 7.0),
+        ([0, 1, 2, 3, 4, 5, 6, 7, 8, 1000], 4.5),  # n=10, cut 2: mean(2..7)
+        ([-50, 1, 2, 3, 4, 5, 6, 8, 9, 10, 11, 500], 35 / 6),  # n=12, cut 3: mean(3, 4, 5, 6, 8, 9)
+    ],
+)
+def test_iqm_matches_trim_mean_quarter(values: list[float], expected: float) -> None:
+    assert iqm(values) == pytest.approx(expected, rel=1e-15)
+    assert summarize(values, seed=1).iqm == pytest.approx(expected, rel=1e-15)
+
+
+def test_wilson_interval_textbook_value() -> None:
+    ci = wilson_interval(8, 10)
+    assert (round(ci.low, 4), round(ci.high, 4)) == (0.4902, 0.9433)
+    assert ci.method == "wilson"
+    assert ci.level == 0.95
+
+
+def test_wilson_interval_edges_and_symmetry() -> None:
+    zero, full = wilson_interval(0, 10), wilson_interval(10, 10)
+    assert zero.low == 0.0 and zero.high > 0.0
+    assert full.high == 1.0 and full.low < 1.0
+    low2, high8 = wilson_interval(2, 10), wilson_interval(8, 10)
+    assert low2.low == pytest.approx(1 - high8.high, abs=1e-15)
+    assert low2.high == pytest.approx(1 - high8.low, abs=1e-15)
+
+
+def test_t_interval_matches_known_quantiles() -> None:
+    x = np.arange(1.0, 11.0)  # mean 5.5, std sqrt(110/12), df 9
+    stderr = math.sqrt(110 / 12) / math.sqrt(10)
+    ci = mean_ci(x, seed=0, method="t")
+    assert ci.method == "t"
+    assert ci.low == pytest.approx(5.5 - 2.2621571627982055 * stderr, rel=1e-13)
+    assert ci.high == pytest.approx(5.5 + 2.2621571627982055 * stderr, rel=1e-13)
+    # df = 1: t quantile is tan(0.475 pi); mean 1, stderr 1.
+    ci1 = mean_ci([0.0, 2.0], seed=0, method="t")
+    assert ci1.halfwidth == pytest.approx(math.tan(0.475 * math.pi), rel=1e-13)
+
+
+@pytest.mark.parametrize(
+    ("p", "expected"),
+    [
+        (0.5, 0.0),
+        (0.9, 1.2815515655446006),
+        (0.975, 1.9599639845400539),
+        (0.995, 2.5758293035489005),
+        (1e-10, -6.3613409024040562),
+    ],
+)
+def test_normal_quantile_reference_values(p: float, expected: float) -> None:
+    # References from mpmath at 40 digits.
+    assert stats._norm_ppf(p) == pytest.approx(expected, rel=1e-14, abs=1e-15)
+
+
+def test_normal_quantile_inverts_the_cdf_far_into_the_tails() -> None:
+    for p in [1e-300, 1e-100, 1e-20, 1e-5, 0.02425, 0.1, 0.3, 0.49, 0.5]:
+        assert stats._norm_cdf(stats._norm_ppf(p)) == pytest.approx(p, rel=1e-13)
+    for p in [2.0**-40, 2.0**-6, 0.125, 0.375]:  # 1 - p is exact
+        assert stats._norm_ppf(1 - p) == -stats._norm_ppf(p)
+
+
+@pytest.mark.parametrize(
+    ("q", "df", "expected"),
+    [
+        (0.025, 1, 12.706204736174707),
+        (0.025, 2, 4.302652729749464),
+        (0.025, 3, 3.1824463052837095),
+        (0.005, 5, 4.0321429835552281),
+        (1e-8, 4, 131.59473694062355),
+        (0.4, 50, 0.25469934298858811),
+        (0.025, 1000, 1.9623390808264085),
+        (0.025, 9999, 1.9602012636213577),  # last df solved numerically
+        (0.025, 10000, 1.9602012398906262),  # first df from the Cornish-Fisher expansion
+        (0.025, 10**6, 1.959966356814107),
+    ],
+)
+def test_t_quantile_reference_values(q: float, df: int, expected: float) -> None:
+    # References from mpmath (regularized incomplete beta) at 40 digits.
+    assert stats._t_isf(q, df) == pytest.approx(expected, rel=1e-11)
+
+
+def test_needed_episodes_normal_approximation() -> None:
+    assert needed_episodes(1.0, 0.1) == 385  # (1.96 * 1 / 0.1)^2 = 384.15
+    assert needed_episodes(2.0, 0.1) == 1537  # four times the variance
+    assert needed_episodes(1.0, 0.1, level=0.99) == 664  # (2.5758 / 0.1)^2 = 663.49
+    assert needed_episodes(0.0, 0.1) == 2
+    # Exactly (z * std / h)^2 = 4: rounding must not bump it to 5.
+    assert needed_episodes(1.0, stats._norm_ppf(0.975) / 2) == 4
+
+
+# ---------------------------------------------------------------------------------------------
+# Degenerate samples
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("method", ["percentile", "bca", "t"])
+def test_constant_sample_gives_degenerate_interval(method: str) -> None:
+    s = summarize([0.1] * 7, seed=3, method=method)
+    assert (s.mean, s.var, s.std, s.stderr) == (0.1, 0.0, 0.0, 0.0)
+    assert (s.ci.low, s.ci.high) == (0.1, 0.1)
+    assert (s.iqm, s.iqm_ci.low, s.iqm_ci.high) == (0.1, 0.1, 0.1)
+    assert s.ci.method in {"bootstrap-percentile", "bootstrap-bca", "t"}
+
+
+def test_single_episode() -> None:
+    s = summarize([-3.5], seed=0)
+    assert (s.n, s.mean, s.var, s.std, s.stderr) == (1, -3.5, 0.0, 0.0, 0.0)
+    assert (s.ci.low, s.ci.high, s.iqm_ci.low, s.iqm_ci.high) == (-3.5, -3.5, -3.5, -3.5)
+    assert length_stats([17]) == {
+        "mean": 17.0,
+        "std": 0.0,
+        "min": 17.0,
+        "max": 17.0,
+        "median": 17.0,
+    }
+
+
+def test_interval_is_widened_to_contain_the_estimate() -> None:
+    # One outlier, narrow level: the raw percentile bounds sit below the sample mean (104.5).
+    x = np.array([1, 2, 3, 4, 5, 6, 7, 8, 9, 1000], dtype=float)
+    boot, _ = stats._bootstrap(x, 0, 1000, with_iqm=False)
+    raw_high = float(np.quantile(boot, 0.51))
+    assert raw_high < 104.5
+    ci = mean_ci(x, seed=0, n_boot=1000, level=0.02)
+    assert ci.high == 104.5
+    assert ci.low == pytest.approx(float(np.quantile(boot, 0.49)))
+
+
+def test_std_is_accurate_for_tiny_spreads() -> None:
+    # Squared deviations of 1e-200 underflow; the scaled computation keeps full precision.
+    assert summarize([0.0, 1e-200, 3e-200], seed=0).std == pytest.approx(
+        1e-200 * math.sqrt(7 / 3), rel=1e-14
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# BCa
+# ---------------------------------------------------------------------------------------------
+
+
+def test_bca_moves_the_interval_towards_the_long_tail() -> None:
+    x = np.random.default_rng(11).exponential(1.0, size=50)
+    pct = mean_ci(x, seed=4, method="percentile")
+    bca = mean_ci(x, seed=4, method="bca")
+    assert bca.method == "bootstrap-bca"
+    assert bca.low > pct.low and bca.high > pct.high
+
+
+def test_bca_falls_back_to_percentile_when_acceleration_is_too_large() -> None:
+    # One success in 100: acceleration ~0.164, so 1 - a(z0 + z) <= 0 at a 1 - 1e-9 level.
+    x = [0.0] * 99 + [1.0]
+    level = 1 - 1e-9
+    bca = mean_ci(x, seed=0, level=level, method="bca")
+    assert bca.method == "bootstrap-percentile (bca degenerate)"
+    pct = mean_ci(x, seed=0, level=level, method="percentile")
+    assert (bca.low, bca.high) == (pct.low, pct.high)
+
+
+# ---------------------------------------------------------------------------------------------
+# Paired comparison
+# ---------------------------------------------------------------------------------------------
+
+
+def test_paired_comparison_detects_a_small_improvement_under_large_seed_variance() -> None:
+    rng = np.random.default_rng(2)
+    base = rng.normal(0.0, 10.0, size=200)  # per-seed difficulty dominates the returns
+    new = base + 1.0 + rng.normal(0.0, 0.1, size=200)
+    cmp = paired_comparison(new, base, seed=5)
+    assert cmp.verdict == "better"
+    assert cmp.mean_diff == pytest.approx(1.0, abs=0.05)
+    assert cmp.p_improvement == 1.0
+    assert cmp.ci.halfwidth < cmp.unpaired_ci.halfwidth / 10
+    # Unpaired, the same data cannot tell the policies apart.
+    assert cmp.unpaired_ci.low < 0.0 < cmp.unpaired_ci.high
+
+
+def test_paired_comparison_of_pure_noise_is_not_distinguishable() -> None:
+    rng = np.random.default_rng(3)
+    base = rng.normal(0.0, 1.0, size=200)
+    new = rng.normal(0.0, 1.0, size=200)
+    cmp = paired_comparison(new, base, seed=6)
+    assert cmp.verdict == "not distinguishable"
+    assert cmp.ci.low < 0.0 < cmp.ci.high
+
+
+def test_paired_comparison_worse_and_identical() -> None:
+    base = np.random.default_rng(4).normal(size=50)
+    assert paired_comparison(base - 1.0, base, seed=0).verdict == "worse"
+    same = paired_comparison(base, base, seed=0)
+    assert same.verdict == "not distinguishable"
+    assert (same.ci.low, same.ci.high, same.p_improvement) == (0.0, 0.0, 0.5)
+
+
+def test_paired_comparison_of_constant_samples_is_degenerate() -> None:
+    cmp = paired_comparison([0.3] * 5, [0.2] * 5, seed=0)  # differences 0.09999999999999998
+    assert cmp.ci.low == cmp.ci.high == cmp.mean_diff == 0.3 - 0.2
+    assert cmp.unpaired_ci.low == cmp.unpaired_ci.high == cmp.mean_new - cmp.mean_baseline
+    assert cmp.verdict == "better"
+
+
+def test_paired_ci_is_mean_ci_of_the_differences() -> None:
+    rng = np.random.default_rng(5)
+    base = rng.normal(size=30)
+    new = base + rng.normal(0.2, 0.5, size=30)
+    assert paired_comparison(new, base, seed=9).ci == mean_ci(new - base, seed=9)
+
+
+# ---------------------------------------------------------------------------------------------
+# Consistency, serialization, speed
+# ---------------------------------------------------------------------------------------------
+
+
+def test_summarize_shares_resamples_with_mean_ci_and_iqm_ci() -> None:
+    x = np.random.default_rng(6).gamma(2.0, size=333)
+    for method in ("percentile", "bca", "t"):
+        s = summarize(x, seed=8, method=method)
+        assert s.ci == mean_ci(x, seed=8, method=method)
+        assert s.iqm_ci == iqm_ci(x, seed=8)
+
+
+def test_chunk_size_does_not_change_results(monkeypatch: pytest.MonkeyPatch) -> None:
+    x = np.random.default_rng(7).normal(size=1001)
+    reference = summarize(x, seed=5, n_boot=1000, method="bca")
+    # 7007 indices per chunk: 7 rows each, last chunk shorter, odd index counts.
+    monkeypatch.setattr(stats, "_MAX_INDICES_PER_CHUNK", 7007)
+    assert summarize(x, seed=5, n_boot=1000, method="bca") == reference
+
+
+def test_to_dict_is_json_ready() -> None:
+    s = summarize([1.0, 2.0, 4.0, 8.0], seed=0)
+    d = s.to_dict()
+    assert json.loads(json.dumps(d)) == d
+    ci, percentiles = d["ci"], d["percentiles"]
+    assert isinstance(ci, dict) and Interval(**ci) == s.ci
+    assert isinstance(percentiles, dict)
+    assert set(percentiles) == {"p5", "p25", "p50", "p75", "p95"}
+    cmp = paired_comparison([1.0, 2.0, 3.0], [0.5, 2.5, 2.0], seed=0)
+    dc = cmp.to_dict()
+    assert json.loads(json.dumps(dc)) == dc
+    paired_ci, unpaired_ci = dc["ci"], dc["unpaired_ci"]
+    assert isinstance(paired_ci, dict) and Interval(**paired_ci) == cmp.ci
+    assert isinstance(unpaired_ci, dict) and Interval(**unpaired_ci) == cmp.unpaired_ci
+
+
+def test_halfwidth() -> None:
+    assert Interval(1.0, 4.0, 0.9, "t").halfwidth == 1.5
+
+
+def test_summarize_20k_episodes_is_fast() -> None:
+    x = np.random.default_rng(8).normal(size=20_000)
+    start = time.perf_counter()
+    summarize(x, seed=0, n_boot=2000)
+    # About 0.5 s on 2 slow cores; the bound only catches an accidental per-resample loop.
+    assert time.perf_counter() - start < 5.0
+
+
+def test_length_stats() -> None:
+    got = length_stats([40, 10, 30, 20])
+    assert got == pytest.approx(
+        {"mean": 25.0, "std": math.sqrt(500 / 3), "min": 10.0, "max": 40.0, "median": 25.0},
+        rel=1e-15,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation
+# ---------------------------------------------------------------------------------------------
+
+
+def test_non_finite_returns_are_rejected_with_their_index() -> None:
+    with pytest.raises(StatsInputError, match=r"returns must be finite \(got nan at index 3\)"):
+        summarize([1.0, 2.0, 3.0, float("nan"), 5.0], seed=0)
+    with pytest.raises(StatsInputError, match=r"got -inf at index 0 and 1 more"):
+        mean_ci([-math.inf, 1.0, math.inf], seed=0)
+    with pytest.raises(StatsInputError, match=r"baseline must be finite"):
+        paired_comparison([1.0, 2.0], [1.0, math.nan], seed=0)
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda: summarize([], seed=0), r"returns must not be empty \(got 0 values\)"),
+        (lambda: summarize([[1.0, 2.0]], seed=0), r"must be 1-D, .*got shape \(1, 2\)"),
+        (lambda: summarize(["a"], seed=0), r"returns must be a 1-D sequence of numbers"),
+        (lambda: summarize([1e300], seed=0), r"magnitude at most 1e\+100"),
+        (lambda: summarize([1.0], seed=0, level=1.0), r"level must be .* \(got 1.0\)"),
+        (lambda: summarize([1.0], seed=0, level=0), r"level must be"),
+        (lambda: mean_ci([1.0], seed=0, level=math.nan), r"level must be"),
+        (lambda: mean_ci([1.0], seed=0, level=True), r"level must be"),
+        (lambda: mean_ci([1.0], seed=0, n_boot=99), r"n_boot must be at least 100 \(got 99\)"),
+        (lambda: mean_ci([1.0], seed=0, n_boot=1000.0), r"n_boot must be an integer"),  # type: ignore[arg-type]
+        (lambda: iqm_ci([1.0], seed=-1), r"seed must be a non-negative integer \(got -1\)"),
+        (
+            lambda: mean_ci([1.0], seed=0, method="basic"),
+            r"Unknown method 'basic'. Choose 'percentile', 'bca' or 't'.",
+        ),
+        (lambda: wilson_interval(11, 10), r"successes must be between 0 and n=10 \(got 11\)"),
+        (lambda: wilson_interval(0, 0), r"n must be at least 1 \(got 0\)"),
+        (lambda: wilson_interval(2.5, 10), r"successes must be an integer \(got 2.5\)"),  # type: ignore[arg-type]
+        (lambda: paired_comparison([1.0], [1.0, 2.0], seed=0), r"got 1 and 2 values"),
+        (lambda: length_stats([3, -1]), r"lengths must be non-negative .*got -1.0"),
+        (lambda: needed_episodes(-1.0, 0.1), r"std must be a finite non-negative number"),
+        (lambda: needed_episodes(1.0, 0.0), r"target_halfwidth must be a finite positive"),
+        (lambda: needed_episodes(1e300, 1e-300), r"raise target_halfwidth"),
+        (lambda: Interval(2.0, 1.0, 0.95, "t"), r"low <= high"),
+    ],
+)
+def test_invalid_inputs_are_rejected(call: Callable[[], object], message: str) -> None:
+    with pytest.raises(StatsInputError, match=message) as info:
+        call()
+    assert isinstance(info.value, ValueError) and isinstance(info.value, EvalfleetError)
+
+
+# ---------------------------------------------------------------------------------------------
+# Properties
+# ---------------------------------------------------------------------------------------------
+
+prop = settings(deadline=None, max_examples=100)
+
+
+@prop
+@given(values=returns_lists(), seed=seeds, method=mean_ci_methods, data=st.data())
+def test_episode_order_does_not_matter(
+    values: list[float], seed: int, method: str, data: st.DataObject
+) -> None:
+    shuffled = data.draw(st.permutations(values))
+    assert summarize(shuffled, seed=seed, n_boot=N_BOOT, method=method) == summarize(
+        values, seed=seed, n_boot=N_BOOT, method=method
+    )
+
+
+@prop
+@given(values=returns_lists(), seed=seeds, method=mean_ci_methods)
+def test_estimates_lie_in_range_and_intervals_contain_them(
+    values: list[float], seed: int, method: str
+) -> None:
+    s = summarize(values, seed=seed, n_boot=N_BOOT, method=method)
+    assert s.min <= s.iqm <= s.max
+    assert s.min <= s.mean <= s.max
+    assert s.min <= s.median <= s.max
+    assert list(s.percentiles.values()) == sorted(s.percentiles.values())
+    assert s.var >= 0.0 and s.std >= 0.0 and s.stderr >= 0.0
+    for name, interval, estimate in all_intervals(s):
+        assert interval.low <= estimate <= interval.high, name
+        assert interval.level == 0.95
+    for number in (s.mean, s.var, s.std, s.iqm, s.ci.low, s.ci.high):
+        assert math.isfinite(number)
+
+
+@prop
+@given(values=returns_lists(), seed=seeds, method=mean_ci_methods)
+def test_same_seed_same_intervals(values: list[float], seed: int, method: str) -> None:
+    first = summarize(values, seed=seed, n_boot=N_BOOT, method=method)
+    assert summarize(values, seed=seed, n_boot=N_BOOT, method=method) == first
+    assert mean_ci(values, seed=seed, n_boot=N_BOOT, method=method) == first.ci
+    assert iqm_ci(values, seed=seed, n_boot=N_BOOT) == first.iqm_ci
+
+
+@prop
+@given(data_seed=seeds, n=st.integers(min_value=10, max_value=200), a=seeds, b=seeds)
+def test_different_seeds_give_different_bootstrap_intervals(
+    data_seed: int, n: int, a: int, b: int
+) -> None:
+    assume(a != b)
+    x = np.random.default_rng(data_seed).normal(size=n)  # continuous: no exact ties
+    assert mean_ci(x, seed=a, n_boot=N_BOOT) != mean_ci(x, seed=b, n_boot=N_BOOT)
+    assert iqm_ci(x, seed=a, n_boot=N_BOOT) != iqm_ci(x, seed=b, n_boot=N_BOOT)
+
+
+@prop
+@given(
+    values=returns_lists(bound=1e3),
+    shift=st.floats(min_value=-1e3, max_value=1e3),
+    seed=seeds,
+    method=shift_methods,
+)
+def test_shifting_returns_shifts_location_statistics(
+    values: list[float], shift: float, seed: int, method: str
+) -> None:
+    x = np.asarray(values)
+    base = summarize(x, seed=seed, n_boot=N_BOOT, method=method)
+    moved = summarize(x + shift, seed=seed, n_boot=N_BOOT, method=method)
+    tol = 1e-6 * max(1.0, float(np.max(np.abs(x))), abs(shift))
+    pairs = [
+        (moved.mean, base.mean),
+        (moved.median, base.median),
+        (moved.iqm, base.iqm),
+        (moved.min, base.min),
+        (moved.max, base.max),
+        (moved.ci.low, base.ci.low),
+        (moved.ci.high, base.ci.high),
+        (moved.iqm_ci.low, base.iqm_ci.low),
+        (moved.iqm_ci.high, base.iqm_ci.high),
+        *((moved.percentiles[k], base.percentiles[k]) for k in base.percentiles),
+    ]
+    for got, before in pairs:
+        assert got == pytest.approx(before + shift, abs=tol)
+    assert moved.std == pytest.approx(base.std, abs=tol)
+
+
+@prop
+@given(
+    values=returns_lists(),
+    k=st.floats(min_value=1e-3, max_value=1e3),
+    seed=seeds,
+)
+def test_scaling_returns_scales_spread(values: list[float], k: float, seed: int) -> None:
+    x = np.asarray(values)
+    base = summarize(x, seed=seed, n_boot=N_BOOT)
+    scaled = summarize(x * k, seed=seed, n_boot=N_BOOT)
+    # abs covers subnormal inputs, whose products with k lose relative precision.
+    assert scaled.std == pytest.approx(k * base.std, rel=1e-9, abs=1e-300)
+    assert scaled.stderr == pytest.approx(k * base.stderr, rel=1e-9, abs=1e-300)
+    assert scaled.mean == pytest.approx(k * base.mean, rel=1e-9, abs=1e-300)
+    assert scaled.ci.halfwidth == pytest.approx(k * base.ci.halfwidth, rel=1e-6, abs=1e-300)
+
+
+@prop
+@given(pair=paired_returns(), seed=seeds, data=st.data())
+def test_paired_comparison_properties(
+    pair: tuple[list[float], list[float]], seed: int, data: st.DataObject
+) -> None:
+    new, base = pair
+    cmp = paired_comparison(new, base, seed=seed, n_boot=N_BOOT)
+    assert cmp.ci.low <= cmp.mean_diff <= cmp.ci.high
+    assert cmp.unpaired_ci.low <= cmp.mean_new - cmp.mean_baseline <= cmp.unpaired_ci.high
+    assert 0.0 <= cmp.p_improvement <= 1.0
+    expected = "better" if cmp.ci.low > 0 else "worse" if cmp.ci.high < 0 else "not distinguishable"
+    assert cmp.verdict == expected
+    assert cmp.ci == mean_ci(np.asarray(new) - np.asarray(base), seed=seed, n_boot=N_BOOT)
+    # Reordering the episode pairs changes nothing.
+    order = data.draw(st.permutations(range(len(new))))
+    reordered = paired_comparison(
+        [new[i] for i in order], [base[i] for i in order], seed=seed, n_boot=N_BOOT
+    )
+    assert reordered == cmp
+
+
+@prop
+@given(
+    n=st.integers(min_value=1, max_value=100_000),
+    share=st.floats(min_value=0.0, max_value=1.0),
+    level=st.floats(min_value=0.5, max_value=0.9999),
+)
+def test_wilson_interval_contains_the_rate(n: int, share: float, level: float) -> None:
+    successes = round(share * n)
+    ci = wilson_interval(successes, n, level=level)
+    assert 0.0 <= ci.low <= successes / n <= ci.high <= 1.0
+    assert ci.level == level

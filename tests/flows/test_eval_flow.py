@@ -1,0 +1,151 @@
+"""The seven-stage flow end to end: real Prefect server, real Dask cluster, real MLflow, Parquet."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pyarrow.parquet as pq
+import pytest
+from mlflow.tracking import MlflowClient
+
+from evalfleet.models import EvalRequest
+from evalfleet.pipeline import outcome_table
+from evalfleet.records import EPISODE_SCHEMA
+from evalfleet.storage import read_episodes
+from flows.eval import evaluate
+
+pytestmark = pytest.mark.slow
+
+
+def _request(tmp_path, **fields):
+    base = dict(episodes=40, concurrency=16, workers=2, output=tmp_path / "results",
+                policy=os.path.join(os.path.dirname(__file__), "..", "..", "evalfleet", "data",
+                                    "cartpole_mlp.pt"))
+    base.update(fields)
+    return EvalRequest.build(**base)
+
+
+def test_flow_end_to_end(prefect_server, tmp_path):
+    request = _request(tmp_path, training_run_id="trainer-42", step=7)
+    report = evaluate(request)
+
+    assert report.episodes == 40 and report.completed == 40 and report.failures == {}
+    table = read_episodes(report.outputs["episodes"])
+    assert table.schema.equals(EPISODE_SCHEMA, check_metadata=False)
+    assert table.column("episode_index").to_pylist() == list(range(40))
+    returns = table.column("return").to_pylist()
+    assert report.returns["mean"] == pytest.approx(sum(returns) / 40, rel=1e-12)
+    low, high = report.ci
+    assert low <= report.mean <= high
+    assert set(table.column("worker").to_pylist()) == {"0", "1"}  # both workers ran shards
+    assert set(report.timings) >= {"receive_weights", "spawn_sandboxes", "run_episodes",
+                                   "collect_rewards", "aggregate", "feed_back"}
+    saved = json.loads(open(report.outputs["report"]).read())
+    assert saved["policy_sha256"] == report.policy_sha256
+    assert saved["manifest"]["versions"]["gymnasium"]
+
+    client = MlflowClient(tracking_uri=report.outputs["mlflow_uri"])
+    run = client.get_run(report.outputs["mlflow_run_id"])
+    assert run.data.metrics["eval/reward"] == pytest.approx(report.mean)
+    assert run.data.metrics["eval/episodes"] == 40
+    assert run.data.tags["evalfleet.policy_sha256"] == report.policy_sha256
+    assert run.data.tags["evalfleet.training_run_id"] == "trainer-42"
+    assert run.data.tags["evalfleet.step"] == "7"
+    assert run.data.params["seed"] == "0"
+    names = {a.path for a in client.list_artifacts(run.info.run_id)}
+    assert names == {"episodes.parquet", "report.json"}
+
+    # the Prefect run: named after the env and request, completed, with the summary artifact
+    api = prefect_server
+    runs = httpx.post(f"{api}/flow_runs/filter", json={
+        "flow_runs": {"name": {"any_": [f"CartPole-v1-{request.request_id}"]}}}).json()
+    assert len(runs) == 1 and runs[0]["state_type"] == "COMPLETED"
+    arts = httpx.post(f"{api}/artifacts/filter", json={
+        "artifacts": {"key": {"any_": [f"eval-{report.policy_sha256[:12]}"]}}}).json()
+    assert arts and arts[0]["type"] == "table"
+    assert any(row["metric"] == "episodes" for row in json.loads(arts[0]["data"])
+               if isinstance(row, dict))
+
+
+def test_same_table_whatever_the_worker_count_and_on_rerun(prefect_server, tmp_path):
+    tables = []
+    for workers, concurrency in ((1, 40), (2, 16), (2, 16)):
+        report = evaluate(_request(tmp_path, workers=workers, concurrency=concurrency, seed=11))
+        tables.append(outcome_table(read_episodes(report.outputs["episodes"])))
+    assert tables[0].equals(tables[1]), "1 worker vs 2 workers differ"
+    assert tables[1].equals(tables[2]), "same request twice differs"
+
+
+def test_users_own_env_module_syntax(prefect_server, tmp_path):
+    report = evaluate(_request(tmp_path, env="tests.flows.user_envs:Warehouse-v0",
+                               policy="tests.flows.user_envs:toward_goal", episodes=30))
+    assert report.completed == 30
+    assert report.success is not None and report.success["rate"] == 1.0
+    assert report.manifest["policy"]["format"] == "callable"
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_existing_scheduler_via_dask_address(prefect_server, tmp_path):
+    port = _free_port()
+    address = f"tcp://127.0.0.1:{port}"
+    bindir = os.path.dirname(sys.executable)
+    env = dict(os.environ)
+    procs = [subprocess.Popen([os.path.join(bindir, "dask"), "scheduler", "--host", "127.0.0.1",
+                               "--port", str(port), "--no-dashboard"], env=env,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
+    try:
+        time.sleep(1.0)
+        procs.append(subprocess.Popen(
+            [os.path.join(bindir, "dask"), "worker", address, "--nthreads", "1", "--nworkers",
+             "2", "--no-dashboard", "--name", "ext"], env=env,
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        report = evaluate(_request(tmp_path, dask_address=address, episodes=24, seed=11))
+        table = read_episodes(report.outputs["episodes"])
+        assert table.num_rows == 24
+        assert all(w.startswith("ext") for w in table.column("worker").to_pylist())
+        local = evaluate(_request(tmp_path, episodes=24, seed=11))
+        assert outcome_table(table).equals(outcome_table(read_episodes(local.outputs["episodes"])))
+    finally:
+        for p in reversed(procs):
+            p.terminate()
+            try:
+                p.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+def test_cli_help_documents_every_option():
+    out = subprocess.run([sys.executable, "flows/eval.py", "--help"], capture_output=True,
+                         text=True, timeout=120, check=True).stdout
+    for option in ("--env", "--env-kwargs", "--policy", "--episodes", "--concurrency", "--seed",
+                   "--max-steps", "--workers", "--dask-address", "--output", "--report",
+                   "--mlflow-uri", "--training-run-id", "--step", "--device", "--isolation"):
+        assert option in out, option
+
+
+def test_cli_run_and_bad_input(prefect_server, tmp_path):
+    report_path = tmp_path / "report.json"
+    done = subprocess.run(
+        [sys.executable, "flows/eval.py", "--episodes", "12", "--concurrency", "6", "--output",
+         str(tmp_path / "out"), "--report", str(report_path), "--quiet"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "mean return ± 95% CI" in done.stdout and "parquet" in done.stdout
+    data = json.loads(report_path.read_text())
+    assert data["episodes"] == 12
+    assert pq.read_table(data["outputs"]["episodes"]).num_rows == 12
+
+    bad = subprocess.run([sys.executable, "flows/eval.py", "--episodes", "0"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2
+    assert "'episodes' must be a positive integer (got 0)" in bad.stderr

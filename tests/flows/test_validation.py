@@ -1,0 +1,94 @@
+"""Bad input fails before anything is spawned, saying what was expected and what came."""
+
+import pytest
+import torch
+
+import flows.eval as eval_module
+from evalfleet.errors import EnvSpecError, PolicyError, RequestError
+from evalfleet.models import EvalRequest
+
+
+@pytest.fixture
+def no_spawn(monkeypatch):
+    """Fail the test if the flow gets as far as starting Prefect or a cluster."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a server or cluster was started for a bad request")
+
+    monkeypatch.setattr(eval_module, "prefect_api", refuse)
+    monkeypatch.setattr(eval_module, "fleet_cluster", refuse)
+
+
+def _evaluate(**fields):
+    return eval_module.evaluate(EvalRequest.build(**fields))
+
+
+def test_unknown_env(no_spawn, example_policy):
+    with pytest.raises(EnvSpecError, match=r"unknown env id 'CartPol-v9'.*'module:EnvId-v0'"):
+        _evaluate(env="CartPol-v9", policy=example_policy)
+
+
+def test_missing_policy_file(no_spawn, tmp_path):
+    missing = tmp_path / "nope.pt"
+    with pytest.raises(PolicyError, match=r"policy file '.*nope.pt' does not exist.*TorchScript"):
+        _evaluate(policy=str(missing))
+
+
+def test_corrupt_policy_file(no_spawn, tmp_path, example_policy):
+    corrupt = tmp_path / "corrupt.pt"
+    corrupt.write_bytes(open(example_policy, "rb").read()[:500])
+    with pytest.raises(PolicyError, match=r"not a loadable TorchScript file"):
+        _evaluate(policy=str(corrupt))
+
+
+def test_output_shape_mismatch(no_spawn, tmp_path):
+    path = tmp_path / "three.pt"
+    torch.jit.save(torch.jit.script(torch.nn.Linear(4, 3)), str(path))
+    with pytest.raises(PolicyError, match=r"output has shape \(4, 3\).*expected logits of shape \(4, 2\)"):
+        _evaluate(policy=str(path))
+
+
+def test_nan_weights_are_refused(no_spawn, tmp_path):
+    net = torch.nn.Linear(4, 2)
+    with torch.no_grad():
+        net.weight[0, 0] = float("nan")
+    path = tmp_path / "nan.pt"
+    torch.jit.save(torch.jit.script(net), str(path))
+    with pytest.raises(PolicyError, match=r"non-finite weights in 'weight'"):
+        _evaluate(policy=str(path))
+
+
+@pytest.mark.parametrize(
+    "field,value,message",
+    [
+        ("episodes", 0, r"'episodes' must be a positive integer \(got 0\)"),
+        ("episodes", -5, r"'episodes' must be a positive integer \(got -5\)"),
+        ("concurrency", 0, r"'concurrency' must be a positive integer \(got 0\)"),
+        ("env_kwargs", "{not json", r"'env_kwargs' must be a JSON object \(got '\{not json'"),
+        ("env_kwargs", "[1, 2]", r"'env_kwargs' must be a JSON object / dict \(got list"),
+        ("isolation", "vm", r"Unknown isolation 'vm'. Choose one of inprocess, process, bwrap"),
+    ],
+)
+def test_bad_fields(field, value, message, example_policy):
+    with pytest.raises(RequestError, match=message):
+        EvalRequest.build(policy=example_policy, **{field: value})
+
+
+def test_bad_env_kwargs_for_the_constructor(no_spawn, example_policy):
+    with pytest.raises(EnvSpecError, match=r"could not be made with kwargs \{'gravity': 1\}"):
+        _evaluate(policy=example_policy, env_kwargs='{"gravity": 1}')
+
+
+def test_state_dict_with_factory(tmp_path):
+    from evalfleet.envspec import resolve_env
+    from evalfleet.policy import receive_policy
+
+    path = tmp_path / "sd.pt"
+    torch.save(torch.nn.Linear(4, 2).state_dict(), path)
+    env = resolve_env("CartPole-v1", {}, None)
+    art = receive_policy(str(path), "tests.flows.factories:linear_4_2", env.observation_space,
+                         env.action_space)
+    assert art.format == "state_dict" and len(art.sha256) == 64
+    with pytest.raises(PolicyError, match="does not fit the module built by"):
+        receive_policy(str(path), "tests.flows.factories:linear_4_3", env.observation_space,
+                       env.action_space)

@@ -1,0 +1,49 @@
+"""A user's own env, reachable as 'tests.flows.user_envs:Warehouse-v0' without touching evalfleet.
+
+Rewards are 0.1 per step (plus a seed-dependent bonus), so returns are sums of non-representable
+floats: a harness that rounds or re-sums in another order would change them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+from gymnasium import spaces
+
+
+class WarehouseEnv(gym.Env[np.ndarray, int]):
+    """Move a picker left/right; the episode ends when it reaches a seed-dependent shelf."""
+
+    def __init__(self, width: int = 20) -> None:
+        self.width = width
+        self.observation_space = spaces.Box(-1.0, 1.0, shape=(2,), dtype=np.float32)
+        self.action_space = spaces.Discrete(2)
+        self._pos = 0
+        self._goal = 0
+
+    def _obs(self) -> np.ndarray:
+        return np.array([self._pos / self.width, self._goal / self.width], dtype=np.float32)
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None
+              ) -> tuple[np.ndarray, dict[str, Any]]:
+        super().reset(seed=seed)
+        self._pos = int(self.np_random.integers(0, self.width))
+        self._goal = int(self.np_random.integers(0, self.width))
+        return self._obs(), {}
+
+    def step(self, action: int) -> tuple[np.ndarray, float, bool, bool, dict[str, Any]]:
+        self._pos = max(0, min(self.width - 1, self._pos + (1 if action == 1 else -1)))
+        noise = float(self.np_random.random()) * 0.01
+        done = self._pos == self._goal
+        reward = 0.1 + noise + (1.0 if done else 0.0)
+        return self._obs(), reward, done, False, {"success": done} if done else {}
+
+
+def toward_goal(obs: np.ndarray) -> np.ndarray:
+    """Callable policy: step toward the goal (goal > pos ⇒ right)."""
+    return (obs[:, 1] > obs[:, 0]).astype(np.int64)
+
+
+gym.register("Warehouse-v0", entry_point=WarehouseEnv, max_episode_steps=60)
