@@ -64,6 +64,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--experiment", default=d["experiment"].default, help="MLflow experiment")
     p.add_argument("--training-run-id", default=None, help="trainer's run id, tagged everywhere")
     p.add_argument("--step", type=int, default=None, help="training step of these weights")
+    p.add_argument("--no-cache", action="store_true",
+                   help="ignore the episode cache: run everything, store nothing")
+    p.add_argument("--refresh", action="store_true",
+                   help="recompute every episode and replace the cache entry")
+    p.add_argument("--cache-dir", default=None,
+                   help="episode cache root (default $EVALFLEET_CACHE_DIR or OUTPUT/cache)")
     p.add_argument("--allow-failures", action="store_true",
                    help="exit 0 even when > 5%% of episodes failed (harness fault)")
     p.add_argument("-q", "--quiet", action="store_true", help="only print the summary")
@@ -92,7 +98,41 @@ def request_from_args(args: argparse.Namespace) -> EvalRequest:
         experiment=args.experiment,
         training_run_id=args.training_run_id,
         step=args.step,
+        cache="off" if args.no_cache else "refresh" if args.refresh else "use",
+        cache_dir=Path(args.cache_dir) if args.cache_dir else None,
     )
+
+
+def cache_command(argv: Sequence[str]) -> int:
+    """``evalfleet cache ls|rm [KEY...|--all] [--cache-dir DIR]``: see and clear stored episodes."""
+    from evalfleet.cache import EpisodeCache, default_cache_dir
+
+    p = argparse.ArgumentParser(prog="evalfleet cache", description="List or remove cache entries.")
+    p.add_argument("action", choices=("ls", "rm"))
+    p.add_argument("keys", nargs="*", help="keys (or unique prefixes) to remove")
+    p.add_argument("--all", action="store_true", help="with rm: remove every entry")
+    p.add_argument("--cache-dir", default=None, help="cache root (default OUTPUT/cache)")
+    p.add_argument("--output", default="results", help="results folder whose cache to use")
+    args = p.parse_args(argv)
+    cache = EpisodeCache(Path(args.cache_dir) if args.cache_dir else default_cache_dir(Path(args.output)))
+    entries = cache.entries()
+    if args.action == "ls":
+        print(f"{'key':<16}  {'env':<28} {'policy':<12} {'seed':>6} {'episodes':>9} {'bytes':>10}  updated")
+        for e in entries:
+            print(f"{str(e['key'])[:16]:<16}  {str(e['env'])[:28]:<28} {str(e['policy_sha256'])[:12]:<12} "
+                  f"{e['seed']!s:>6} {e['rows']!s:>9} {e['bytes']:>10}  {e['updated']}")
+        print(f"{len(entries)} entries in {cache.root}")
+        return EXIT_OK
+    if not args.keys and not args.all:
+        print("evalfleet cache rm: name keys (or prefixes) to remove, or pass --all", file=sys.stderr)
+        return EXIT_BAD_REQUEST
+    removed = 0
+    for e in entries:
+        key = str(e["key"])
+        if args.all or any(key.startswith(k) for k in args.keys):
+            removed += cache.remove(key)
+    print(f"removed {removed} entries from {cache.root}")
+    return EXIT_OK
 
 
 def run_cli(

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from evalfleet.errors import RequestError
 
 ISOLATION_LEVELS = ("inprocess", "process", "bwrap", "auto")
+CACHE_MODES = ("use", "off", "refresh")
 
 
 class EndReason(StrEnum):
@@ -73,6 +74,8 @@ class EvalRequest(_Frozen):
     experiment: str = Field("evalfleet", description="MLflow experiment name.")
     training_run_id: str | None = Field(None, description="Trainer's run id, tagged everywhere.")
     step: int | None = Field(None, description="Training step of the evaluated weights.")
+    cache: str = Field("use", description="'use' the cache, ignore it ('off'), or 'refresh' it.")
+    cache_dir: Path | None = Field(None, description="Cache root; default $EVALFLEET_CACHE_DIR or output/cache.")
     callback_url: str | None = Field(None, description="URL the report is POSTed to (HMAC-signed).")
     request_id: str = Field(default_factory=lambda: uuid.uuid4().hex[:16])
 
@@ -107,6 +110,8 @@ class EvalRequest(_Frozen):
             raise RequestError(
                 f"Unknown isolation {self.isolation!r}. Choose one of {', '.join(ISOLATION_LEVELS)}."
             )
+        if self.cache not in CACHE_MODES:
+            raise RequestError(f"Unknown cache mode {self.cache!r}. Choose one of {', '.join(CACHE_MODES)}.")
         if self.episode_timeout_s <= 0:
             raise RequestError(
                 f"'episode_timeout_s' must be > 0 seconds (got {self.episode_timeout_s!r})."

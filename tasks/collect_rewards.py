@@ -5,13 +5,13 @@ from typing import Any
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from evalfleet.models import PolicyHandle, ShardPlan
-from evalfleet.pipeline import Collected, collect
+from evalfleet.models import PolicyHandle
+from evalfleet.pipeline import Collected, Planned, collect
 
 
 @task(name="collect-rewards", cache_policy=NO_CACHE)
 def collect_rewards(
-    shard_tables: list[Any], handle: PolicyHandle, plan: ShardPlan, address: str
+    shard_tables: list[Any], handle: PolicyHandle, planned: Planned, address: str | None
 ) -> Collected:
-    """Gather the shards' rows into one Arrow table, one row per planned episode."""
-    return collect(shard_tables, handle, plan.planned_episodes, address)
+    """Gather cached and fresh rows into one Arrow table, one row per episode."""
+    return collect(shard_tables, handle, planned, address)

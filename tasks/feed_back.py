@@ -5,15 +5,17 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 
 from evalfleet.models import EvalReport, EvalRequest
-from evalfleet.pipeline import Collected
+from evalfleet.pipeline import Collected, Received
 from evalfleet.pipeline import feed_back as write_results
 from evalfleet.summary import summary_markdown, summary_rows
 
 
 @task(name="feed-back", cache_policy=NO_CACHE)
-def feed_back(request: EvalRequest, report: EvalReport, collected: Collected) -> EvalReport:
-    """Parquet, report.json and MLflow, then the Prefect artifacts the UI shows."""
-    final = write_results(request, report, collected.table)
+def feed_back(
+    request: EvalRequest, received: Received, report: EvalReport, collected: Collected
+) -> EvalReport:
+    """Parquet, cache, report.json and MLflow, then the Prefect artifacts the UI shows."""
+    final = write_results(request, received, report, collected)
     key = f"eval-{final.policy_sha256[:12]}"
     create_table_artifact(summary_rows(final), key=key, description=f"evalfleet {final.env_id}")
     create_markdown_artifact(summary_markdown(final), key=f"{key}-report")

@@ -1,0 +1,222 @@
+"""The episode cache: stored episodes addressed by a key over everything that can change them.
+
+Key = sha256 over canonical JSON of:
+
+- the policy: sha256 of its bytes, format, factory, output kind (logits/actions);
+- the env: id, kwargs, registered spec (entry point, version, max_episode_steps) and the version
+  of the package that provides it (or the sha256 of its module source when it is not installed);
+- the protocol: base seed, max steps, deterministic flag;
+- versions: evalfleet, gymnasium, numpy, torch.
+
+The episode count is not in the key: an entry holds episodes by index, so a request for 3,000
+episodes after one for 1,000 reuses 0..999 and runs only 1,000..2,999 (a top-up), and the result
+equals a cold 3,000-episode run because episode ``i`` always has seed ``ledger(seed, i)``.
+Isolation level and worker count are not in the key: they must not change results.
+
+Rows that failed for infrastructural reasons (timeout, crashed, oom) or through the policy's
+runtime (policy_error) are never stored; env failures that are deterministic for a seed are.
+
+Each entry is ``<root>/<key[:2]>/<key>/episodes.parquet`` plus ``manifest.json`` holding the key's
+ingredients, the row count and the sha256 of the Parquet file; an entry whose file does not match
+its manifest is corrupt: it is removed and recomputed, never returned. An exclusive file lock per
+key makes concurrent identical requests compute once: the second waits and then hits.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import shutil
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from evalfleet.errors import CacheCorruptError
+from evalfleet.records import EPISODE_SCHEMA
+from evalfleet.storage import read_episodes, write_episodes, write_json
+
+logger = logging.getLogger(__name__)
+
+#: End reasons that are results of the policy on the env, and therefore cacheable.
+CACHEABLE_REASONS = ("terminated", "truncated", "env_error", "invalid_reward", "invalid_action")
+
+
+def cache_key(ingredients: dict[str, Any]) -> str:
+    """sha256 (hex) over the canonical JSON of ``ingredients``."""
+    blob = json.dumps(ingredients, sort_keys=True, separators=(",", ":"), default=str).encode()
+    return hashlib.sha256(blob).hexdigest()
+
+
+def key_ingredients(
+    policy: dict[str, Any], env: dict[str, Any], seed: int, max_steps: int | None,
+    deterministic: bool, versions: dict[str, str],
+) -> dict[str, Any]:
+    """Everything that can change an episode's outcome (see the module docstring)."""
+    return {
+        "policy": {k: policy[k] for k in ("sha256", "format", "factory", "output_kind")},
+        "env": env,
+        "protocol": {"seed": seed, "max_steps": max_steps, "deterministic": deterministic},
+        "versions": {k: versions[k] for k in ("evalfleet", "gymnasium", "numpy", "torch")},
+    }
+
+
+@dataclass(frozen=True)
+class Lookup:
+    """What the cache holds for a request: stored rows of wanted indices, and the missing ones."""
+
+    key: str
+    stored: pa.Table
+    missing: list[int]
+    corrupt: bool = False
+
+    @property
+    def status(self) -> str:
+        """'hit' (nothing to run), 'partial' (top-up) or 'miss'."""
+        if not self.missing:
+            return "hit"
+        return "partial" if self.stored.num_rows else "miss"
+
+
+def _sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+class EpisodeCache:
+    """Episodes stored by cache key under ``root``."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = Path(root)
+
+    def entry(self, key: str) -> Path:
+        """The folder of one key."""
+        return self.root / key[:2] / key
+
+    @contextmanager
+    def exclusive(self, key: str, timeout_s: float = 3600.0) -> Iterator[None]:
+        """Hold the key's lock: one computation per key at a time, across processes."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        lock_path = self.root / f".{key}.lock"
+        with open(lock_path, "a+") as fh:
+            deadline = time.monotonic() + timeout_s
+            while True:
+                try:
+                    fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"cache key {key[:12]} stayed locked {timeout_s:.0f} s") from None
+                    time.sleep(0.05)
+            try:
+                yield
+            finally:
+                fcntl.flock(fh, fcntl.LOCK_UN)
+
+    def _read(self, key: str) -> pa.Table | None:
+        folder = self.entry(key)
+        manifest_path, data_path = folder / "manifest.json", folder / "episodes.parquet"
+        if not manifest_path.exists() and not data_path.exists():
+            return None
+        try:
+            manifest = json.loads(manifest_path.read_text())
+            if manifest.get("key") != key:
+                raise CacheCorruptError(f"manifest names key {manifest.get('key')!r}")
+            if _sha256_file(data_path) != manifest["parquet_sha256"]:
+                raise CacheCorruptError("episodes.parquet does not match its manifest's sha256")
+            table = read_episodes(data_path)
+            if table.num_rows != manifest["rows"]:
+                raise CacheCorruptError(f"{table.num_rows} rows, manifest says {manifest['rows']}")
+            return table
+        except (OSError, ValueError, KeyError, pa.ArrowException, CacheCorruptError) as err:
+            raise CacheCorruptError(f"cache entry {key[:12]} is corrupt: {err}") from err
+
+    def lookup(self, key: str, indices: Sequence[int]) -> Lookup:
+        """Stored rows among ``indices`` and the indices still to run; corrupt entries are dropped."""
+        try:
+            table = self._read(key)
+        except CacheCorruptError as err:
+            logger.warning("%s; removing it and recomputing", err)
+            self.remove(key)
+            return Lookup(key, EPISODE_SCHEMA.empty_table(), list(indices), corrupt=True)
+        if table is None:
+            return Lookup(key, EPISODE_SCHEMA.empty_table(), list(indices))
+        wanted = pa.array(np.asarray(indices, dtype=np.int64))
+        stored = table.filter(pc.is_in(table.column("episode_index"), value_set=wanted))
+        have = set(stored.column("episode_index").to_pylist())
+        return Lookup(key, stored.sort_by("episode_index"), [i for i in indices if i not in have])
+
+    def store(self, key: str, table: pa.Table, ingredients: dict[str, Any], *, replace: bool = False
+              ) -> int:
+        """Merge cacheable rows of ``table`` into the entry (or replace it); returns rows stored."""
+        keep = table.filter(pc.is_in(table.column("end_reason"), value_set=pa.array(CACHEABLE_REASONS)))
+        old = None
+        if not replace:
+            try:
+                old = self._read(key)
+            except CacheCorruptError:
+                old = None
+        if old is not None and old.num_rows:
+            new_idx = pa.array(keep.column("episode_index").to_numpy())
+            old = old.filter(pc.invert(pc.is_in(old.column("episode_index"), value_set=new_idx)))
+            keep = pa.concat_tables([old, keep.cast(EPISODE_SCHEMA)])
+        keep = keep.sort_by("episode_index")
+        folder = self.entry(key)
+        data_path = write_episodes(keep, folder / "episodes.parquet")
+        write_json(
+            {
+                "key": key,
+                "rows": keep.num_rows,
+                "parquet_sha256": _sha256_file(data_path),
+                "ingredients": ingredients,
+                "updated": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            },
+            folder / "manifest.json",
+        )
+        return int(keep.num_rows)
+
+    def remove(self, key: str) -> bool:
+        """Delete one entry; True if something was there."""
+        folder = self.entry(key)
+        existed = folder.exists()
+        shutil.rmtree(folder, ignore_errors=True)
+        return existed
+
+    def entries(self) -> list[dict[str, Any]]:
+        """Every entry's manifest summary (key, env, policy, rows, bytes, updated)."""
+        out = []
+        for manifest_path in sorted(self.root.glob("*/*/manifest.json")):
+            try:
+                m = json.loads(manifest_path.read_text())
+            except (OSError, ValueError):
+                m = {"key": manifest_path.parent.name, "rows": None, "ingredients": {}}
+            ing = m.get("ingredients", {})
+            size = sum(p.stat().st_size for p in manifest_path.parent.iterdir() if p.is_file())
+            out.append({
+                "key": m.get("key"),
+                "env": ing.get("env", {}).get("env_id"),
+                "policy_sha256": ing.get("policy", {}).get("sha256"),
+                "seed": ing.get("protocol", {}).get("seed"),
+                "rows": m.get("rows"),
+                "bytes": size,
+                "updated": m.get("updated"),
+            })
+        return out
+
+
+def default_cache_dir(output: Path) -> Path:
+    """``$EVALFLEET_CACHE_DIR`` if set, else ``OUTPUT/cache``."""
+    env = os.environ.get("EVALFLEET_CACHE_DIR")
+    return Path(env) if env else Path(output) / "cache"

@@ -1,0 +1,144 @@
+"""The cache key must change with every ingredient that can change an episode, and only those."""
+
+import importlib
+import sys
+import threading
+
+import pyarrow as pa
+import pytest
+import torch
+
+import evalfleet
+from evalfleet.cache import EpisodeCache
+from evalfleet.models import EvalRequest
+from evalfleet.pipeline import lookup, receive
+from evalfleet.records import EpisodeRecord, records_to_table
+
+
+def _key(**fields):
+    return receive(EvalRequest.build(**fields)).cache_key
+
+
+@pytest.fixture
+def base(example_policy, tmp_path):
+    return dict(policy=example_policy, episodes=10, output=tmp_path)
+
+
+@pytest.mark.parametrize("change", [
+    {"env_kwargs": {"sutton_barto_reward": True}},
+    {"max_steps": 200},
+    {"seed": 1},
+    {"deterministic": False},
+    {"env": "CartPole-v0"},
+])
+def test_protocol_and_env_changes_miss(base, change):
+    assert _key(**base) != _key(**{**base, **change})
+
+
+def test_execution_settings_do_not_change_the_key(base):
+    key = _key(**base)
+    assert key == _key(**{**base, "workers": 1, "concurrency": 3, "isolation": "inprocess",
+                          "request_id": "other", "training_run_id": "t", "step": 9})
+
+
+def test_evalfleet_version_is_in_the_key(base, monkeypatch):
+    key = _key(**base)
+    monkeypatch.setattr(evalfleet, "__version__", "99.0.0")
+    assert _key(**base) != key
+
+
+def test_env_source_version_is_in_the_key(tmp_path, monkeypatch):
+    mod = tmp_path / "keyenv_mod.py"
+    src = open("tests/flows/user_envs.py").read().replace('gym.register("Warehouse-v0"',
+                                                          'gym.register("KeyWarehouse-v0"')
+    mod.write_text(src)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    fields = dict(env="keyenv_mod:KeyWarehouse-v0", policy="tests.flows.user_envs:toward_goal",
+                  output=tmp_path)
+    key = _key(**fields)
+    mod.write_text(src.replace("noise = float(self.np_random.random()) * 0.01",
+                               "noise = float(self.np_random.random()) * 0.02"))
+    importlib.reload(sys.modules["keyenv_mod"])
+    assert _key(**fields) != key
+
+
+def test_same_weights_elsewhere_hit_other_weights_same_name_miss(tmp_path, example_policy):
+    a, b = tmp_path / "a" / "policy.pt", tmp_path / "b" / "policy.pt"
+    for p in (a, b):
+        p.parent.mkdir()
+        p.write_bytes(open(example_policy, "rb").read())
+    assert _key(policy=str(a), output=tmp_path) == _key(policy=str(b), output=tmp_path)
+    net = torch.jit.load(str(a))
+    with torch.no_grad():
+        next(net.parameters()).add_(0.01)
+    torch.jit.save(net, str(b))
+    assert _key(policy=str(a), output=tmp_path) != _key(policy=str(b), output=tmp_path)
+
+
+def _table(indices, reason="terminated"):
+    return records_to_table([
+        EpisodeRecord("r", "sha", "env", "spec", i, 1000 + i, float(i) + 0.5, 10, reason, None,
+                      None, 0.1, "w", "s", "inprocess") for i in indices])
+
+
+def test_top_up_reports_what_is_missing_and_merges(tmp_path):
+    cache = EpisodeCache(tmp_path)
+    cache.store("k" * 64, _table(range(10)), {})
+    found = cache.lookup("k" * 64, range(25))
+    assert found.status == "partial" and found.missing == list(range(10, 25))
+    assert found.stored.column("episode_index").to_pylist() == list(range(10))
+    cache.store("k" * 64, _table(range(10, 25)), {})
+    full = cache.lookup("k" * 64, range(25))
+    assert full.status == "hit" and full.stored.num_rows == 25
+    assert cache.lookup("k" * 64, range(5)).stored.num_rows == 5  # fewer episodes: a subset hit
+
+
+def test_infrastructure_failures_are_not_stored(tmp_path):
+    cache = EpisodeCache(tmp_path)
+    rows = pa.concat_tables([_table([0, 1]), _table([2], "crashed"), _table([3], "timeout"),
+                             _table([4], "env_error"), _table([5], "policy_error")])
+    assert cache.store("a" * 64, rows, {}) == 3
+    assert cache.lookup("a" * 64, range(6)).missing == [2, 3, 5]
+
+
+@pytest.mark.parametrize("damage", ["truncate", "manifest", "swap"])
+def test_corrupt_entries_are_detected_removed_and_never_returned(tmp_path, damage):
+    cache = EpisodeCache(tmp_path)
+    key = "c" * 64
+    cache.store(key, _table(range(10)), {})
+    data = cache.entry(key) / "episodes.parquet"
+    if damage == "truncate":
+        data.write_bytes(data.read_bytes()[:-40])
+    elif damage == "manifest":
+        (cache.entry(key) / "manifest.json").write_text("{not json")
+    else:
+        other = EpisodeCache(tmp_path / "other")
+        other.store(key, _table(range(3)), {})
+        data.write_bytes((other.entry(key) / "episodes.parquet").read_bytes())
+    found = cache.lookup(key, range(10))
+    assert found.corrupt and found.status == "miss" and found.stored.num_rows == 0
+    assert not cache.entry(key).exists()
+
+
+def test_exclusive_lock_serialises_holders(tmp_path):
+    cache = EpisodeCache(tmp_path)
+    order = []
+
+    def hold(name):
+        with cache.exclusive("k" * 64):
+            order.append(f"{name}-in")
+            threading.Event().wait(0.2)
+            order.append(f"{name}-out")
+
+    threads = [threading.Thread(target=hold, args=(n,)) for n in "ab"]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert order[0][0] == order[1][0] and order[2][0] == order[3][0]
+
+
+def test_lookup_respects_cache_modes(base):
+    request = EvalRequest.build(**base, cache="off")
+    found = lookup(request, receive(request))
+    assert found.status == "miss" and found.missing == list(range(10))
