@@ -187,6 +187,15 @@ class EpisodeCache:
         )
         return int(keep.num_rows)
 
+    def ingredients(self, key: str) -> dict[str, Any] | None:
+        """The key's ingredients as stored in its manifest (None if unreadable)."""
+        try:
+            data = json.loads((self.entry(key) / "manifest.json").read_text())
+        except (OSError, ValueError):
+            return None
+        ing = data.get("ingredients")
+        return ing if isinstance(ing, dict) else None
+
     def remove(self, key: str) -> bool:
         """Delete one entry; True if something was there."""
         folder = self.entry(key)

@@ -64,6 +64,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--experiment", default=d["experiment"].default, help="MLflow experiment")
     p.add_argument("--training-run-id", default=None, help="trainer's run id, tagged everywhere")
     p.add_argument("--step", type=int, default=None, help="training step of these weights")
+    p.add_argument("--target-ci-halfwidth", type=float, default=None,
+                   help="adaptive: add rounds of episodes until the 95%% CI half-width <= this")
+    p.add_argument("--max-episodes", type=int, default=None,
+                   help="adaptive: never run more episodes than this (required with the target)")
+    p.add_argument("--baseline", default=None,
+                   help="baseline policy (file, module:function, or sha256:HEX of a cached one): "
+                   "evaluated on the same seeds, paired difference reported")
+    p.add_argument("--baseline-factory", default=None, help="factory for a state_dict baseline")
+    p.add_argument("--no-audit", action="store_true",
+                   help="skip the determinism audit (re-running 2%% of episodes)")
     p.add_argument("--no-cache", action="store_true",
                    help="ignore the episode cache: run everything, store nothing")
     p.add_argument("--refresh", action="store_true",
@@ -98,6 +108,11 @@ def request_from_args(args: argparse.Namespace) -> EvalRequest:
         experiment=args.experiment,
         training_run_id=args.training_run_id,
         step=args.step,
+        target_ci_halfwidth=args.target_ci_halfwidth,
+        max_episodes=args.max_episodes,
+        baseline=args.baseline,
+        baseline_factory=args.baseline_factory,
+        audit=not args.no_audit,
         cache="off" if args.no_cache else "refresh" if args.refresh else "use",
         cache_dir=Path(args.cache_dir) if args.cache_dir else None,
     )

@@ -156,6 +156,15 @@ def distribute(artifact: PolicyArtifact, address: str | None, device: str, deter
     )
 
 
+@contextmanager
+def installed(handle: PolicyHandle, address: str | None) -> Iterator[PolicyHandle]:
+    """Keep the policy on the workers for the duration of the block, then remove it."""
+    try:
+        yield handle
+    finally:
+        release(handle, address)
+
+
 def release(handle: PolicyHandle, address: str | None) -> None:
     """Remove the policy from the workers once the evaluation no longer needs it."""
     if handle.plugin_name is not None and address is not None:

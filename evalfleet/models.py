@@ -76,6 +76,15 @@ class EvalRequest(_Frozen):
     step: int | None = Field(None, description="Training step of the evaluated weights.")
     cache: str = Field("use", description="'use' the cache, ignore it ('off'), or 'refresh' it.")
     cache_dir: Path | None = Field(None, description="Cache root; default $EVALFLEET_CACHE_DIR or output/cache.")
+    target_ci_halfwidth: float | None = Field(
+        None, description="Adaptive mode: add rounds until the 95% CI half-width is at most this."
+    )
+    max_episodes: int | None = Field(None, description="Adaptive mode: never more episodes than this.")
+    baseline: str | None = Field(
+        None, description="Baseline policy (file, module:function or 'sha256:HEX' in the cache)."
+    )
+    baseline_factory: str | None = Field(None, description="Factory for a state_dict baseline.")
+    audit: bool = Field(True, description="Re-run 2% of episodes (at least 2) to check determinism.")
     callback_url: str | None = Field(None, description="URL the report is POSTed to (HMAC-signed).")
     request_id: str = Field(default_factory=lambda: uuid.uuid4().hex[:16])
 
@@ -112,6 +121,19 @@ class EvalRequest(_Frozen):
             )
         if self.cache not in CACHE_MODES:
             raise RequestError(f"Unknown cache mode {self.cache!r}. Choose one of {', '.join(CACHE_MODES)}.")
+        if self.target_ci_halfwidth is not None:
+            if self.target_ci_halfwidth <= 0:
+                raise RequestError(
+                    f"'target_ci_halfwidth' must be > 0 (got {self.target_ci_halfwidth!r})."
+                )
+            if self.max_episodes is None:
+                raise RequestError(
+                    "adaptive evaluation needs a cap: pass --max-episodes M with --target-ci-halfwidth."
+                )
+        if self.max_episodes is not None and self.max_episodes < self.episodes:
+            raise RequestError(
+                f"'max_episodes' ({self.max_episodes}) must be >= 'episodes' ({self.episodes})."
+            )
         if self.episode_timeout_s <= 0:
             raise RequestError(
                 f"'episode_timeout_s' must be > 0 seconds (got {self.episode_timeout_s!r})."
@@ -150,6 +172,7 @@ class Shard(_Frozen):
     episode_indices: list[int]
     seeds: list[int]
     slots: int
+    audit: bool = False
 
 
 class ShardPlan(_Frozen):
@@ -203,6 +226,10 @@ class EvalReport(_Frozen):
     cache: dict[str, Any]
     outputs: dict[str, str]
     manifest: dict[str, Any]
+    adaptive: dict[str, Any] | None = None
+    audit: dict[str, Any] | None = None
+    comparison: dict[str, Any] | None = None
+    failure_clusters: list[dict[str, Any]] = []
 
     @property
     def mean(self) -> float:

@@ -7,20 +7,30 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
 
 from evalfleet import cluster
+from evalfleet.audit import (
+    RoundSchedule,
+    audit_sample,
+    compare_with_baseline,
+    determinism_audit,
+    reward_integrity,
+)
 from evalfleet.cache import EpisodeCache, Lookup, cache_key, default_cache_dir, key_ingredients
 from evalfleet.envspec import resolve_env
+from evalfleet.errors import RequestError
 from evalfleet.models import EvalReport, EvalRequest, PolicyHandle, Shard, ShardPlan
 from evalfleet.planning import plan_shards
 from evalfleet.policy import PolicyArtifact, receive_policy
 from evalfleet.records import EPISODE_SCHEMA, OUTCOME_COLUMNS, concat_sorted
 from evalfleet.report import aggregate, versions
 from evalfleet.sandbox.isolation import resolve_isolation
+from evalfleet.seeds import SeedLedger
 from evalfleet.storage import run_dir, write_episodes, write_json
 from evalfleet.tracking import default_tracking_uri, log_evaluation
 
@@ -61,8 +71,13 @@ class Collected:
 
     table: pa.Table
     fresh: pa.Table
+    audit_rows: pa.Table
     run_seconds: float
     seconds: float
+    plan_cached: int
+    plan_seconds: float
+    cache_status: str
+    cache_corrupt: bool
 
 
 def receive(request: EvalRequest) -> Received:
@@ -87,28 +102,49 @@ def episode_cache(request: EvalRequest) -> EpisodeCache:
     return EpisodeCache(request.cache_dir or default_cache_dir(request.output))
 
 
-def lookup(request: EvalRequest, received: Received) -> Lookup:
+def lookup(request: EvalRequest, received: Received, indices: Sequence[int] | None = None) -> Lookup:
     """What the cache holds for ``request`` ('off' and 'refresh' see an empty cache)."""
-    indices = range(request.episodes)
+    indices = range(request.episodes) if indices is None else indices
     if request.cache != "use":
         return Lookup(received.cache_key, EPISODE_SCHEMA.empty_table(), list(indices))
     return episode_cache(request).lookup(received.cache_key, indices)
 
 
-def plan(request: EvalRequest, received: Received, address: str | None) -> Planned:
-    """Stage 2: fix episodes by index, take what the cache holds, shard the rest over the workers."""
+def plan(
+    request: EvalRequest, received: Received, address: str | None, episodes: int,
+    prior: Collected | None = None,
+) -> Planned:
+    """Stage 2: fix episodes ``0..episodes-1`` by index and shard what remains to run.
+
+    Rows that the cache or earlier rounds hold are reused; the rest is split over the worker
+    slots, plus one determinism-audit shard.
+    """
     t0 = time.perf_counter()
-    found = lookup(request, received)
-    slots = cluster.worker_slots(address) if found.missing and address else 1
-    if found.missing and address is None:
+    have = set(prior.table.column("episode_index").to_pylist()) if prior is not None else set()
+    wanted = [i for i in range(episodes) if i not in have]
+    found = lookup(request, received, wanted)
+    round_indices = sorted(set(found.missing) | set(found.stored.column("episode_index").to_pylist()))
+    # Audit rounds that run something; a full cache hit was audited when it was computed.
+    audit = audit_sample(round_indices, request.seed) if request.audit and found.missing else []
+    work = len(found.missing) + len(audit)
+    slots = cluster.worker_slots(address) if work and address else 1
+    if work and address is None:
         raise RuntimeError("episodes are missing from the cache but no Dask cluster was given")
     shard_plan = plan_shards(
         request.request_id, request.seed, found.missing, request.concurrency, slots,
-        total_episodes=request.episodes,
-    ).model_copy(update={
-        "cached_episodes": found.stored.num_rows,
+        total_episodes=episodes,
+    )
+    shards = list(shard_plan.shards)
+    if audit:
+        ledger = SeedLedger(request.seed)
+        shards.append(Shard(shard_id=len(shards), episode_indices=audit,
+                            seeds=[ledger.seed(i) for i in audit],
+                            slots=min(len(audit), request.concurrency), audit=True))
+    shard_plan = shard_plan.model_copy(update={
+        "shards": shards,
+        "cached_episodes": found.stored.num_rows + (prior.plan_cached if prior else 0),
         "cache_key": received.cache_key,
-        "seconds": time.perf_counter() - t0,
+        "seconds": time.perf_counter() - t0 + (prior.plan_seconds if prior else 0.0),
     })
     return Planned(shard_plan, found.stored, found.status if request.cache == "use" else request.cache,
                    found.corrupt)
@@ -120,30 +156,42 @@ def distribute(request: EvalRequest, received: Received, address: str | None) ->
 
 
 def collect(
-    tables: list[pa.Table], handle: PolicyHandle, planned: Planned, address: str | None
+    tables: list[pa.Table], handle: PolicyHandle, planned: Planned, prior: Collected | None = None
 ) -> Collected:
-    """Stage 5: one table, one row per episode (cached + run), in episode order."""
+    """Stage 5: one table, one row per episode (earlier rounds + cached + run), in episode order."""
     t0 = time.perf_counter()
     run_seconds = time.time() - handle.distributed_at
-    cluster.release(handle, address)
-    fresh = concat_sorted(tables)
-    if fresh.num_rows != planned.plan.planned_episodes:
+    fresh = concat_sorted([t for t, s in zip(tables, planned.shards, strict=True) if not s.audit])
+    audit_rows = concat_sorted([t for t, s in zip(tables, planned.shards, strict=True) if s.audit])
+    expected = sum(len(s.episode_indices) for s in planned.shards if not s.audit)
+    if fresh.num_rows != expected:
         raise RuntimeError(
-            f"run stage returned {fresh.num_rows} rows for {planned.plan.planned_episodes} planned "
+            f"run stage returned {fresh.num_rows} rows for {expected} planned "
             "episodes; this is a harness bug, please report it with the request"
         )
-    table = concat_sorted([planned.cached, fresh])
-    return Collected(table, fresh, run_seconds, time.perf_counter() - t0)
+    parts = [planned.cached, fresh] + ([prior.table] if prior else [])
+    return Collected(
+        table=concat_sorted(parts),
+        fresh=concat_sorted([fresh] + ([prior.fresh] if prior else [])),
+        audit_rows=concat_sorted([audit_rows] + ([prior.audit_rows] if prior else [])),
+        run_seconds=run_seconds,
+        seconds=time.perf_counter() - t0 + (prior.seconds if prior else 0.0),
+        plan_cached=planned.plan.cached_episodes,
+        plan_seconds=planned.plan.seconds,
+        cache_status=planned.cache_status,
+        cache_corrupt=planned.cache_corrupt or (prior.cache_corrupt if prior else False),
+    )
 
 
 def summarize(
-    request: EvalRequest, received: Received, planned: Planned, collected: Collected
+    request: EvalRequest, received: Received, schedule: RoundSchedule, collected: Collected,
+    baseline: tuple[pa.Table, str] | None = None,
 ) -> EvalReport:
-    """Stage 6: statistics, failures and alarms over the episode table."""
+    """Stage 6: statistics, failures, audits, alarms and the comparison with a baseline."""
     t0 = time.perf_counter()
     timings = {
         "receive_weights": received.seconds,
-        "spawn_sandboxes": planned.plan.seconds,
+        "spawn_sandboxes": collected.plan_seconds,
         "run_episodes": collected.run_seconds,
         "collect_rewards": collected.seconds,
     }
@@ -155,14 +203,38 @@ def summarize(
         policy=received.artifact.summary(),
         isolation=received.isolation,
         timings=timings,
-        cache={"status": planned.cache_status, "key": received.cache_key,
-               "reused": planned.plan.cached_episodes, "computed": planned.plan.planned_episodes,
-               "corrupt_entry_recomputed": planned.cache_corrupt},
+        cache={"status": cache_status(request, collected), "key": received.cache_key,
+               "reused": collected.plan_cached, "computed": collected.fresh.num_rows,
+               "corrupt_entry_recomputed": collected.cache_corrupt},
         run_seconds=collected.run_seconds,
     )
-    return report.model_copy(
-        update={"timings": dict(timings, aggregate=time.perf_counter() - t0)}
-    )
+    alarms = list(report.alarms) + reward_integrity(collected.table)
+    audit = determinism_audit(collected.table, collected.audit_rows) if request.audit else None
+    if audit and audit["mismatches"]:
+        seeds = ", ".join(str(m["seed"]) for m in audit["mismatches"][:5])
+        alarms.append(
+            f"non_deterministic_env: {len(audit['mismatches'])} of {audit['checked']} re-run "
+            f"episodes differ (seeds {seeds}); results are not reproducible"
+        )
+    comparison = None
+    if baseline is not None:
+        comparison = compare_with_baseline(collected.table, baseline[0], request.seed, baseline[1])
+    return report.model_copy(update={
+        "timings": dict(timings, aggregate=time.perf_counter() - t0),
+        "alarms": alarms,
+        "audit": audit,
+        "adaptive": schedule.summary(),
+        "comparison": comparison,
+    })
+
+
+def cache_status(request: EvalRequest, collected: Collected) -> str:
+    """'hit', 'partial' or 'miss' over all rounds; 'off' / 'refresh' when the cache was bypassed."""
+    if request.cache != "use":
+        return request.cache
+    if not collected.fresh.num_rows:
+        return "hit"
+    return "partial" if collected.plan_cached else "miss"
 
 
 def feed_back(
@@ -172,7 +244,9 @@ def feed_back(
     t0 = time.perf_counter()
     folder = run_dir(request.output, request.request_id)
     parquet = write_episodes(collected.table, folder / "episodes.parquet")
-    if request.cache != "off" and (collected.fresh.num_rows or request.cache == "refresh"):
+    deterministic = not (report.audit and report.audit["mismatches"])
+    if (request.cache != "off" and deterministic
+            and (collected.fresh.num_rows or request.cache == "refresh")):
         episode_cache(request).store(received.cache_key, collected.table, received.cache_ingredients,
                                      replace=request.cache == "refresh")
     outputs = {"folder": str(folder.resolve()), "episodes": str(parquet.resolve())}
@@ -197,7 +271,41 @@ def feed_back(
     timings = dict(report.timings, feed_back=time.perf_counter() - t0)
     final = report.model_copy(update={"outputs": outputs, "timings": timings})
     write_json(final.model_dump(mode="json"), report_path)
+    if request.callback_url:  # last, so the trainer gets the MLflow run id; never raises
+        from evalfleet.callback import send_report_callback
+
+        outcome = send_report_callback(request.callback_url, final.model_dump(mode="json"))
+        final = final.model_copy(update={"outputs": {**final.outputs, "callback": outcome}})
+        write_json(final.model_dump(mode="json"), report_path)
     return final
+
+
+def baseline_request(request: EvalRequest, episodes: int) -> EvalRequest:
+    """The baseline's evaluation: same env, seeds and protocol; its own run and cache entry."""
+    return request.model_copy(update={
+        "policy": request.baseline, "policy_factory": request.baseline_factory, "baseline": None,
+        "episodes": episodes, "target_ci_halfwidth": None, "max_episodes": None,
+        "request_id": f"{request.request_id}-baseline", "callback_url": None,
+    })
+
+
+def cached_baseline(request: EvalRequest, received: Received, episodes: int) -> tuple[pa.Table, str]:
+    """Episodes of a baseline given as 'sha256:HEX', found in the cache under the same protocol."""
+    ref = str(request.baseline)
+    prefix = ref.removeprefix("sha256:").lower()
+    cache = episode_cache(request)
+    for entry in cache.entries():
+        ing = cache.ingredients(str(entry["key"]))
+        if not str(entry.get("policy_sha256") or "").startswith(prefix) or ing is None:
+            continue
+        same = {k: v for k, v in ing.items() if k != "policy"}
+        mine = {k: v for k, v in received.cache_ingredients.items() if k != "policy"}
+        if same == mine:
+            return cache.lookup(str(entry["key"]), range(episodes)).stored, ref
+    raise RequestError(
+        f"baseline {ref!r}: no cached episodes of a policy with that hash under this env and "
+        f"protocol in {cache.root}; pass the baseline policy file instead."
+    )
 
 
 def mlflow_params(request: EvalRequest, report: EvalReport) -> dict[str, Any]:

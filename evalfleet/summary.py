@@ -29,6 +29,21 @@ def summary_rows(report: EvalReport) -> list[dict[str, str]]:
     if report.success:
         s = report.success
         rows.append(("success rate", f"{s['rate']:.3f}  [{s['ci']['low']:.3f}, {s['ci']['high']:.3f}]"))
+    if report.adaptive:
+        a = report.adaptive
+        rows.append(("adaptive", f"{len(a['rounds'])} rounds, CI half-width {_fmt(a['achieved_halfwidth'])} "
+                                 f"(target {_fmt(a['target_halfwidth'])}): {a['stop_reason']}"))
+    if report.comparison:
+        c = report.comparison
+        if "ci" in c:
+            rows.append(("vs baseline", f"{_fmt(c['mean_diff'])}  [{_fmt(c['ci']['low'])}, "
+                                        f"{_fmt(c['ci']['high'])}] paired over {c['n']} episodes: "
+                                        f"{c['verdict']}; P(new > baseline) {c['p_improvement']:.3f}"))
+        else:
+            rows.append(("vs baseline", f"{c['verdict']} ({c.get('note', '')})"))
+    if report.audit is not None:
+        rows.append(("determinism audit", f"{report.audit['checked']} re-run, "
+                                          f"{len(report.audit['mismatches'])} mismatches"))
     if report.alarms:
         rows.append(("ALARMS", "; ".join(report.alarms)))
     rows.append(("cache", f"{report.cache.get('status')} (reused {report.cache.get('reused', 0)})"))

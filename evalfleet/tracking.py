@@ -42,6 +42,19 @@ def flatten_metrics(report: dict[str, Any]) -> dict[str, float]:
         m["eval/success_rate"] = report["success"]["rate"]
         m["eval/success_ci_low"] = report["success"]["ci"]["low"]
         m["eval/success_ci_high"] = report["success"]["ci"]["high"]
+    if report.get("adaptive"):
+        m["eval/adaptive_rounds"] = len(report["adaptive"]["rounds"])
+        m["eval/ci_halfwidth"] = report["adaptive"]["achieved_halfwidth"]
+    if report.get("comparison") and "ci" in report["comparison"]:
+        c = report["comparison"]
+        m["eval/baseline_diff"] = c["mean_diff"]
+        m["eval/baseline_diff_ci_low"] = c["ci"]["low"]
+        m["eval/baseline_diff_ci_high"] = c["ci"]["high"]
+        m["eval/p_improvement"] = c["p_improvement"]
+    if report.get("audit"):
+        m["eval/audit_checked"] = report["audit"]["checked"]
+        m["eval/audit_mismatches"] = len(report["audit"]["mismatches"])
+    m["eval/cache_reused"] = report["cache"].get("reused", 0)
     for stage, seconds in report["timings"].items():
         m[f"eval/time/{stage}"] = seconds
     return {k: float(v) for k, v in m.items() if v is not None}
@@ -92,6 +105,8 @@ def log_evaluation(
             tags["mlflow.parentRunId"] = report["training_run_id"]  # nests under the trainer's run
     if report.get("step") is not None:
         tags["evalfleet.step"] = str(report["step"])
+    if report.get("comparison"):
+        tags["evalfleet.baseline_verdict"] = str(report["comparison"].get("verdict"))
     for alarm in report["alarms"]:
         tags[f"evalfleet.alarm.{alarm.split(':', 1)[0]}"] = "true"
     run = client.create_run(exp_id, tags=tags, run_name=run_name)

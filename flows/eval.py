@@ -5,13 +5,24 @@ from __future__ import annotations
 from contextlib import nullcontext
 
 import dask
+import pyarrow as pa
 from prefect import flow, unmapped
 from prefect.task_runners import ThreadPoolTaskRunner
 from prefect_dask import DaskTaskRunner
 
-from evalfleet.cluster import fleet_cluster
+from evalfleet.audit import RoundSchedule
+from evalfleet.cluster import fleet_cluster, installed
 from evalfleet.models import EvalReport, EvalRequest
-from evalfleet.pipeline import episode_cache, lookup, receive
+from evalfleet.pipeline import (
+    Collected,
+    Received,
+    baseline_request,
+    cached_baseline,
+    episode_cache,
+    lookup,
+    receive,
+)
+from evalfleet.storage import read_episodes
 from flows.runtime import prefect_api
 from tasks.aggregate import aggregate
 from tasks.collect_rewards import collect_rewards
@@ -25,16 +36,40 @@ from tasks.spawn_sandboxes import spawn_sandboxes
 @flow(name="evalfleet-eval", flow_run_name="{request.env}-{request.request_id}", log_prints=False)
 def eval_flow(request: EvalRequest, address: str | None) -> EvalReport:
     """Evaluate ``request.policy`` on ``request.env`` over the Dask cluster at ``address``."""
-    received = receive_weights(request)                                        # 1 receive weights
-    with episode_cache(request).exclusive(received.cache_key):                 # one run per key
-        planned = spawn_sandboxes(request, received, address)                  # 2 spawn sandboxes
-        handle = distribute_policy(request, received, planned, address)        # 3 distribute policy
-        with dask.annotate(resources={"GPU": 1} if request.wants_gpu else {}):
-            shards = run_episodes.map(planned.shards, unmapped(handle), unmapped(request),
-                                      unmapped(received.isolation))            # 4 run episodes
-        collected = collect_rewards(shards.result(), handle, planned, address)  # 5 collect rewards
-        report = aggregate(request, received, planned, collected)              # 6 aggregate
-        return feed_back(request, received, report, collected)                 # 7 feed back
+    received = receive_weights(request)                                          # 1 receive weights
+    schedule, collected = RoundSchedule(request), None
+    with episode_cache(request).exclusive(received.cache_key):                   # one run per key
+        planned = spawn_sandboxes(request, received, address, request.episodes)  # 2 spawn sandboxes
+        handle = distribute_policy(request, received, planned, address)          # 3 distribute policy
+        with installed(handle, address), dask.annotate(resources=gpu(request)):
+            while planned is not None:                                           # rounds (adaptive)
+                shards = run_episodes.map(planned.shards, unmapped(handle), unmapped(request),
+                                          unmapped(received.isolation))          # 4 run episodes
+                collected = collect_rewards(shards.result(), handle, planned, collected)  # 5 collect
+                more = schedule.next_episodes(collected.table)
+                planned = spawn_sandboxes(request, received, address, more, collected) if more else None
+        baseline = baseline_episodes(request, received, collected, address)
+        report = aggregate(request, received, schedule, collected, baseline)     # 6 aggregate
+        return feed_back(request, received, report, collected)                   # 7 feed back
+
+
+def gpu(request: EvalRequest) -> dict[str, int]:
+    """Dask resources the run stage asks for: a GPU worker when inference must run on CUDA."""
+    return {"GPU": 1} if request.wants_gpu else {}
+
+
+def baseline_episodes(
+    request: EvalRequest, received: Received, collected: Collected | None, address: str | None
+) -> tuple[pa.Table, str] | None:
+    """The baseline's episodes on the same seeds: from the cache by hash, or a nested evaluation."""
+    if request.baseline is None or collected is None:
+        return None
+    episodes = collected.table.num_rows
+    if request.baseline.startswith("sha256:"):
+        return cached_baseline(request, received, episodes)
+    runner = DaskTaskRunner(address=address) if address else ThreadPoolTaskRunner()
+    report = eval_flow.with_options(task_runner=runner)(baseline_request(request, episodes), address)
+    return read_episodes(report.outputs["episodes"]), request.baseline
 
 
 def evaluate(request: EvalRequest) -> EvalReport:
@@ -43,7 +78,11 @@ def evaluate(request: EvalRequest) -> EvalReport:
     Stage 1's checks run once here first, so bad input fails before anything is spawned; a request
     the cache answers whole starts no cluster at all.
     """
-    hit = lookup(request, receive(request)).status == "hit"
+    received = receive(request)
+    if request.baseline and not request.baseline.startswith("sha256:"):
+        receive(baseline_request(request, request.episodes))
+    fixed = request.target_ci_halfwidth is None and request.baseline is None
+    hit = fixed and lookup(request, received).status == "hit"
     cluster = nullcontext(None) if hit else fleet_cluster(request.dask_address, request.workers)
     with prefect_api(), cluster as address:
         runner = DaskTaskRunner(address=address) if address else ThreadPoolTaskRunner()

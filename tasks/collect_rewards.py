@@ -11,7 +11,7 @@ from evalfleet.pipeline import Collected, Planned, collect
 
 @task(name="collect-rewards", cache_policy=NO_CACHE)
 def collect_rewards(
-    shard_tables: list[Any], handle: PolicyHandle, planned: Planned, address: str | None
+    shard_tables: list[Any], handle: PolicyHandle, planned: Planned, prior: Collected | None = None
 ) -> Collected:
-    """Gather cached and fresh rows into one Arrow table, one row per episode."""
-    return collect(shard_tables, handle, planned, address)
+    """Gather earlier rounds', cached and fresh rows into one Arrow table, one row per episode."""
+    return collect(shard_tables, handle, planned, prior)

@@ -11,5 +11,6 @@ from evalfleet.pipeline import Planned, Received, distribute
 def distribute_policy(
     request: EvalRequest, received: Received, planned: Planned, address: str | None
 ) -> PolicyHandle:
-    """Send the policy bytes once per worker (only if episodes remain to run); verified on arrival."""
-    return distribute(request, received, address if planned.shards else None)
+    """Send the policy bytes once per worker (only if there is work); verified on arrival."""
+    needed = planned.shards or request.target_ci_halfwidth is not None
+    return distribute(request, received, address if needed else None)

@@ -4,16 +4,19 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from evalfleet.models import EvalRequest
-from evalfleet.pipeline import Planned, Received, plan
+from evalfleet.pipeline import Collected, Planned, Received, plan
 
 
 @task(name="spawn-sandboxes", cache_policy=NO_CACHE)
-def spawn_sandboxes(request: EvalRequest, received: Received, address: str | None) -> Planned:
+def spawn_sandboxes(
+    request: EvalRequest, received: Received, address: str | None, episodes: int,
+    prior: Collected | None = None,
+) -> Planned:
     """Take what the cache holds; fix the rest by index, seeds from the ledger, shards' env slots."""
-    planned = plan(request, received, address)
+    planned = plan(request, received, address, episodes, prior)
     get_run_logger().info(
-        "cache %s (%d reused); %d episodes to run in %d shards, %d env slots alive at once",
-        planned.cache_status, planned.plan.cached_episodes, planned.plan.planned_episodes,
-        len(planned.shards), sum(s.slots for s in planned.shards),
+        "episodes 0..%d: cache %s (%d reused); %d to run in %d shards (+audit), %d env slots at once",
+        episodes - 1, planned.cache_status, planned.cached.num_rows, planned.plan.planned_episodes,
+        len([s for s in planned.shards if not s.audit]), sum(s.slots for s in planned.shards),
     )
     return planned

@@ -47,3 +47,23 @@ def toward_goal(obs: np.ndarray) -> np.ndarray:
 
 
 gym.register("Warehouse-v0", entry_point=WarehouseEnv, max_episode_steps=60)
+
+
+def toward_goal_dawdling(obs: np.ndarray) -> np.ndarray:
+    """A worse callable policy: steps away from the goal on every third cell."""
+    right = obs[:, 1] > obs[:, 0]
+    cell = np.rint(obs[:, 0] * 20).astype(np.int64)
+    return np.where(cell % 3 == 0, ~right, right).astype(np.int64)
+
+
+class FlakyEnv(WarehouseEnv):
+    """Uses the global numpy RNG instead of ``self.np_random``: not reproducible from its seed."""
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None
+              ) -> tuple[np.ndarray, dict[str, Any]]:
+        obs, info = super().reset(seed=seed)
+        self._goal = int(np.random.randint(0, self.width))  # noqa: NPY002 - the planted bug
+        return self._obs(), info
+
+
+gym.register("Flaky-v0", entry_point=FlakyEnv, max_episode_steps=60)

@@ -1,0 +1,151 @@
+"""Adaptive rounds, harness audits and the paired comparison with a baseline (seeds 000, 004).
+
+- Adaptive evaluation: run in rounds (first round = ``episodes``), adding the next ledger indices
+  until the 95% CI half-width of the mean is at most the target or ``max_episodes`` ran.
+- Determinism audit: a seeded sample of episodes (2%, at least 2) runs a second time on the
+  cluster; any difference in return or length flags ``non_deterministic_env`` with the seeds.
+- Reward integrity: identical returns across episodes of varying length flag a constant or gamed
+  reward.
+- Paired comparison: both policies on the same seeds (common random numbers).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from evalfleet import stats
+from evalfleet.models import EndReason, EvalRequest
+
+AUDIT_FRACTION = 0.02
+AUDIT_MIN = 2
+
+
+def completed_returns(table: pa.Table) -> np.ndarray[Any, np.dtype[np.float64]]:
+    """Returns of the episodes that did not fail, in episode order."""
+    reasons = table.column("end_reason").to_pylist()
+    ok = np.array([not EndReason(r).is_failure for r in reasons], dtype=bool)
+    returns: np.ndarray[Any, np.dtype[np.float64]] = np.asarray(
+        table.column("return").to_numpy(), dtype=np.float64
+    )[ok]
+    return returns
+
+
+@dataclass
+class RoundSchedule:
+    """Decides how many episodes each round asks for, and records why it stopped."""
+
+    request: EvalRequest
+    rounds: list[dict[str, Any]] = field(default_factory=list)
+    stop_reason: str = ""
+
+    def next_episodes(self, table: pa.Table | None) -> int | None:
+        """Episodes the next round should cover in total, or None when done."""
+        r = self.request
+        if table is None:
+            return r.episodes
+        n = table.num_rows
+        returns = completed_returns(table)
+        halfwidth = (
+            stats.mean_ci(returns, seed=r.seed).halfwidth if returns.size >= 2 else math.inf
+        )
+        self.rounds.append({"round": len(self.rounds) + 1, "episodes": n, "halfwidth": halfwidth,
+                            "mean": float(returns.mean()) if returns.size else math.nan})
+        if r.target_ci_halfwidth is None:
+            self.stop_reason = "fixed episode count"
+            return None
+        if halfwidth <= r.target_ci_halfwidth:
+            self.stop_reason = "target CI half-width reached"
+            return None
+        cap = r.max_episodes or n
+        if n >= cap:
+            self.stop_reason = "max episodes reached"
+            return None
+        std = float(returns.std(ddof=1)) if returns.size >= 2 else 0.0
+        needed = stats.needed_episodes(std, r.target_ci_halfwidth) if std > 0 else n + 1
+        # Aim 10% past the normal-approximation estimate; grow by at least half a round.
+        target = max(math.ceil(needed * 1.1), n + max(1, r.episodes // 2))
+        return int(min(cap, target))
+
+    def summary(self) -> dict[str, Any] | None:
+        """The adaptive section of the report (None for a fixed-count evaluation)."""
+        r = self.request
+        if r.target_ci_halfwidth is None:
+            return None
+        last = self.rounds[-1] if self.rounds else {"halfwidth": math.nan}
+        return {
+            "target_halfwidth": r.target_ci_halfwidth,
+            "max_episodes": r.max_episodes,
+            "achieved_halfwidth": last["halfwidth"],
+            "rounds": self.rounds,
+            "stop_reason": self.stop_reason,
+        }
+
+
+def audit_sample(indices: list[int], seed: int) -> list[int]:
+    """The episodes the determinism audit re-runs: 2% of them, at least 2, seeded."""
+    if not indices:
+        return []
+    k = min(len(indices), max(AUDIT_MIN, math.ceil(AUDIT_FRACTION * len(indices))))
+    rng = np.random.default_rng([seed, 0xA0D17])
+    return sorted(int(i) for i in rng.choice(np.asarray(indices), size=k, replace=False))
+
+
+def determinism_audit(table: pa.Table, rerun: pa.Table) -> dict[str, Any]:
+    """Compare re-run episodes with the originals: return, length and end reason must match."""
+    original = {r["episode_index"]: r for r in table.to_pylist()}
+    mismatches = []
+    for row in rerun.to_pylist():
+        first = original.get(row["episode_index"])
+        if first is None:
+            continue
+        if EndReason(row["end_reason"]).is_infrastructural:
+            continue  # a sandbox crash on re-run says nothing about the env's determinism
+        if (first["return"], first["length"], first["end_reason"]) != (
+            row["return"], row["length"], row["end_reason"]
+        ):
+            mismatches.append({
+                "episode_index": row["episode_index"], "seed": row["seed"],
+                "first": [first["return"], first["length"], first["end_reason"]],
+                "rerun": [row["return"], row["length"], row["end_reason"]],
+            })
+    return {"checked": rerun.num_rows, "mismatches": mismatches}
+
+
+def reward_integrity(table: pa.Table) -> list[str]:
+    """Alarms about the rewards themselves (constant returns over varying lengths)."""
+    alarms = []
+    reasons = table.column("end_reason").to_pylist()
+    ok = np.array([not EndReason(r).is_failure for r in reasons], dtype=bool)
+    returns = table.column("return").to_numpy()[ok]
+    lengths = table.column("length").to_numpy()[ok]
+    if returns.size >= 10 and np.all(returns == returns[0]) and len(np.unique(lengths)) > 1:
+        alarms.append(
+            f"constant_returns: all {returns.size} episodes returned exactly {returns[0]!r} although "
+            f"their lengths range {lengths.min()}..{lengths.max()}: the reward may be constant or gamed"
+        )
+    return alarms
+
+
+def compare_with_baseline(table: pa.Table, baseline: pa.Table, seed: int, source: str
+                          ) -> dict[str, Any]:
+    """Paired comparison over the episodes both policies completed, matched by index (and seed)."""
+    new = {r["episode_index"]: r for r in table.to_pylist() if not EndReason(r["end_reason"]).is_failure}
+    base = {r["episode_index"]: r for r in baseline.to_pylist()
+            if not EndReason(r["end_reason"]).is_failure}
+    common = sorted(i for i in new if i in base and new[i]["seed"] == base[i]["seed"])
+    if len(common) < 2:
+        return {"baseline": source, "n": len(common),
+                "verdict": "not distinguishable", "note": "fewer than 2 paired episodes"}
+    result = stats.paired_comparison(
+        np.array([new[i]["return"] for i in common]), np.array([base[i]["return"] for i in common]),
+        seed=seed,
+    )
+    out = dict(result.to_dict())
+    out["baseline"] = source
+    out["baseline_policy_sha256"] = baseline.column("policy_sha256")[0].as_py()
+    return out

@@ -1,0 +1,68 @@
+"""Adaptive rounds, the determinism audit and the paired baseline through the real flow."""
+
+import pytest
+import torch
+
+from evalfleet.models import EvalRequest
+from flows.eval import evaluate
+
+pytestmark = pytest.mark.slow
+
+
+def _linear(path, w):
+    net = torch.nn.Linear(4, 2)
+    with torch.no_grad():
+        net.weight.zero_()
+        net.bias.zero_()
+        net.weight[1] = torch.tensor(w)
+    torch.jit.save(torch.jit.script(net), str(path))
+    return str(path)
+
+
+def test_high_variance_policy_gets_more_episodes(prefect_server, tmp_path, example_policy):
+    steady = _linear(tmp_path / "steady.pt", [0.0, 0.0, 1.0, 0.5])  # always 500: std 0
+    reports = {}
+    for name, policy in (("steady", steady), ("varied", example_policy)):
+        reports[name] = evaluate(EvalRequest.build(
+            policy=policy, episodes=30, concurrency=15, target_ci_halfwidth=25.0, max_episodes=240,
+            output=tmp_path / "out"))
+    low, high = reports["steady"], reports["varied"]
+    assert low.episodes == 30 and low.adaptive["stop_reason"] == "target CI half-width reached"
+    assert len(low.adaptive["rounds"]) == 1
+    assert high.episodes > 30 and len(high.adaptive["rounds"]) >= 2
+    assert high.adaptive["achieved_halfwidth"] <= 25.0 or high.episodes == 240
+    assert [r["episodes"] for r in high.adaptive["rounds"]] == sorted(
+        r["episodes"] for r in high.adaptive["rounds"])
+
+
+def test_nondeterministic_env_is_flagged_and_not_cached(prefect_server, tmp_path):
+    report = evaluate(EvalRequest.build(
+        env="tests.flows.user_envs:Flaky-v0", policy="tests.flows.user_envs:toward_goal",
+        episodes=100, concurrency=20, output=tmp_path / "out"))
+    assert report.audit["checked"] == 2
+    assert any(a.startswith("non_deterministic_env") for a in report.alarms), report.alarms
+    again = evaluate(EvalRequest.build(
+        env="tests.flows.user_envs:Flaky-v0", policy="tests.flows.user_envs:toward_goal",
+        episodes=100, concurrency=20, output=tmp_path / "out"))
+    assert again.cache["status"] == "miss"  # a non-reproducible table was never stored
+
+    steady = evaluate(EvalRequest.build(
+        env="tests.flows.user_envs:Warehouse-v0", policy="tests.flows.user_envs:toward_goal",
+        episodes=100, concurrency=20, output=tmp_path / "out"))
+    assert steady.audit == {"checked": 2, "mismatches": []}
+    assert not any(a.startswith("non_deterministic_env") for a in steady.alarms)
+
+
+def test_paired_baseline_from_a_file_and_from_the_cache(prefect_server, tmp_path, example_policy):
+    worse = _linear(tmp_path / "worse.pt", [0.0, -0.1, 1.0, 0.05])
+    common = dict(episodes=60, concurrency=20, seed=2, output=tmp_path / "out")
+    base_report = evaluate(EvalRequest.build(policy=worse, **common))
+    report = evaluate(EvalRequest.build(policy=example_policy, baseline=worse, **common))
+    c = report.comparison
+    assert c["n"] == 60 and c["baseline_policy_sha256"] == base_report.policy_sha256
+    assert c["ci"]["low"] <= c["mean_diff"] <= c["ci"]["high"]
+    assert c["verdict"] in ("better", "worse", "not distinguishable")
+    by_hash = evaluate(EvalRequest.build(
+        policy=example_policy, baseline=f"sha256:{base_report.policy_sha256[:16]}", **common))
+    assert by_hash.comparison["mean_diff"] == c["mean_diff"]
+    assert by_hash.comparison["ci"] == c["ci"]
