@@ -74,6 +74,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--baseline-factory", default=None, help="factory for a state_dict baseline")
     p.add_argument("--no-audit", action="store_true",
                    help="skip the determinism audit (re-running 2%% of episodes)")
+    p.add_argument("--record-trajectories", type=int, default=0, metavar="K",
+                   help="store every step of K episodes (worst, best, failed, then sampled)")
+    p.add_argument("--record-video", type=int, default=0, metavar="K",
+                   help="render K episodes (same choice) to MP4/GIF, logged to MLflow")
     p.add_argument("--no-cache", action="store_true",
                    help="ignore the episode cache: run everything, store nothing")
     p.add_argument("--refresh", action="store_true",
@@ -113,6 +117,8 @@ def request_from_args(args: argparse.Namespace) -> EvalRequest:
         baseline=args.baseline,
         baseline_factory=args.baseline_factory,
         audit=not args.no_audit,
+        record_trajectories=args.record_trajectories,
+        record_video=args.record_video,
         cache="off" if args.no_cache else "refresh" if args.refresh else "use",
         cache_dir=Path(args.cache_dir) if args.cache_dir else None,
     )

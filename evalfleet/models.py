@@ -85,6 +85,8 @@ class EvalRequest(_Frozen):
     )
     baseline_factory: str | None = Field(None, description="Factory for a state_dict baseline.")
     audit: bool = Field(True, description="Re-run 2% of episodes (at least 2) to check determinism.")
+    record_trajectories: int = Field(0, description="Store every step of K chosen episodes (Parquet).")
+    record_video: int = Field(0, description="Render K chosen episodes to MP4/GIF (envs that render).")
     callback_url: str | None = Field(None, description="URL the report is POSTed to (HMAC-signed).")
     request_id: str = Field(default_factory=lambda: uuid.uuid4().hex[:16])
 
@@ -134,6 +136,9 @@ class EvalRequest(_Frozen):
             raise RequestError(
                 f"'max_episodes' ({self.max_episodes}) must be >= 'episodes' ({self.episodes})."
             )
+        for name in ("record_trajectories", "record_video"):
+            if getattr(self, name) < 0:
+                raise RequestError(f"'{name}' must be >= 0 (got {getattr(self, name)!r}).")
         if self.episode_timeout_s <= 0:
             raise RequestError(
                 f"'episode_timeout_s' must be > 0 seconds (got {self.episode_timeout_s!r})."

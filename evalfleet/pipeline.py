@@ -9,6 +9,7 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
@@ -31,7 +32,11 @@ from evalfleet.records import EPISODE_SCHEMA, OUTCOME_COLUMNS, concat_sorted
 from evalfleet.report import aggregate, versions
 from evalfleet.sandbox.isolation import resolve_isolation
 from evalfleet.seeds import SeedLedger
-from evalfleet.storage import run_dir, write_episodes, write_json
+from evalfleet.plots import render_plots
+from evalfleet.policy import load_policy
+from evalfleet.replay import record_episodes, replay_inputs
+from evalfleet.review import choose_episodes, cluster_failures, report_page
+from evalfleet.storage import run_dir, write_episodes, write_json, write_table
 from evalfleet.tracking import default_tracking_uri, log_evaluation
 
 logger = logging.getLogger(__name__)
@@ -228,6 +233,62 @@ def summarize(
     })
 
 
+#: Episodes replayed for the action-distribution plot when nothing more is asked for.
+ACTION_SAMPLE = 16
+
+
+def review(
+    request: EvalRequest, received: Received, report: EvalReport, table: pa.Table, folder: Path
+) -> tuple[EvalReport, list[Path]]:
+    """Failure clusters, replays (trajectories, videos, actions), plots and the report page."""
+    clusters = cluster_failures(table)
+    files: list[Path] = []
+    notes: list[str] = []
+    actions = None
+    videos: dict[int, Path] = {}
+    if received.isolation == "inprocess":
+        k = max(request.record_trajectories, request.record_video, ACTION_SAMPLE)
+        chosen = choose_episodes(table, k, seed=request.seed)
+        episodes, expected, reasons = replay_inputs(table, chosen)
+        env = resolve_env(request.env, request.env_kwargs, request.max_steps)
+        art = received.artifact
+        policy = load_policy(art.format, art.payload, art.factory, art.source, env.action_space,
+                             device="cpu", deterministic=request.deterministic)
+        result = record_episodes(
+            request.env, request.env_kwargs, request.max_steps, policy, episodes,
+            video_dir=folder / "videos" if request.record_video else None,
+            trajectories=request.record_trajectories > 0, expected=expected, end_reasons=reasons,
+            video_for=chosen[: request.record_video],
+            trajectories_for=chosen[: request.record_trajectories],
+        )
+        if result.trajectories is not None and result.trajectories.num_rows:
+            files.append(write_table(result.trajectories, folder / "trajectories.parquet"))
+        videos = dict(result.videos)
+        files += list(videos.values())
+        actions = dict(result.actions, note="replayed: worst, best, failed, then a seeded sample")
+        notes += result.notes()
+        if result.mismatches:
+            report = report.model_copy(update={"alarms": [*report.alarms, (
+                f"replay_nondeterminism: {len(result.mismatches)} replayed episodes differ from "
+                "their rows")]})
+    elif request.record_trajectories or request.record_video:
+        notes.append(f"trajectories and videos are replayed in the flow process, which would run "
+                     f"the env with less isolation than '{received.isolation}': skipped")
+    adaptive = report.adaptive or {}
+    plots = render_plots(table, folder / "plots", actions=actions, rounds=adaptive.get("rounds"),
+                         ci=report.ci if report.completed else None,
+                         target_halfwidth=adaptive.get("target_halfwidth"))
+    report = report.model_copy(update={"failure_clusters": clusters})
+    page = report_page(report, clusters, plots, folder / "report.html", videos=videos, notes=notes)
+    return report, [*files, *plots.values(), page]
+
+
+def review_files_by_name(files: list[Path]) -> dict[str, Path]:
+    """The review outputs a user looks for by name."""
+    named = {"report.html": "report_html", "trajectories.parquet": "trajectories"}
+    return {named[p.name]: p for p in files if p.name in named}
+
+
 def cache_status(request: EvalRequest, collected: Collected) -> str:
     """'hit', 'partial' or 'miss' over all rounds; 'off' / 'refresh' when the cache was bypassed."""
     if request.cache != "use":
@@ -250,6 +311,14 @@ def feed_back(
         episode_cache(request).store(received.cache_key, collected.table, received.cache_ingredients,
                                      replace=request.cache == "refresh")
     outputs = {"folder": str(folder.resolve()), "episodes": str(parquet.resolve())}
+    artifacts = [parquet]
+    try:
+        report, review_files = review(request, received, report, collected.table, folder)
+        artifacts += review_files
+        outputs.update({k: str(v.resolve()) for k, v in review_files_by_name(review_files).items()})
+    except Exception as err:  # plots and replays must never cost the results
+        logger.error("review step failed (%s); results are in %s", err, folder)
+        outputs["review_error"] = f"{type(err).__name__}: {err}"
     report_path = folder / "report.json"
     write_json(report.model_dump(mode="json"), report_path)
     outputs["report"] = str(report_path.resolve())
@@ -260,7 +329,7 @@ def feed_back(
             request.experiment,
             report.model_dump(mode="json"),
             params=mlflow_params(request, report),
-            artifacts=[parquet, report_path],
+            artifacts=[*artifacts, report_path],
             run_name=f"eval-{request.env.rsplit(':', 1)[-1]}-{report.policy_sha256[:12]}",
         )
         outputs["mlflow_uri"] = tracking_uri

@@ -38,6 +38,11 @@ def write_episodes(table: pa.Table, path: Path) -> Path:
     return _atomic(Path(path), lambda tmp: pq.write_table(table, tmp, compression="zstd"))
 
 
+def write_table(table: pa.Table, path: Path) -> Path:
+    """Write any Arrow table to ``path`` as Parquet, atomically."""
+    return _atomic(Path(path), lambda tmp: pq.write_table(table, tmp, compression="zstd"))
+
+
 def read_episodes(path: Path) -> pa.Table:
     """Read an episode table written by ``write_episodes``."""
     return pq.read_table(path, schema=EPISODE_SCHEMA)

@@ -7,7 +7,8 @@ from prefect.cache_policies import NO_CACHE
 from evalfleet.models import EvalReport, EvalRequest
 from evalfleet.pipeline import Collected, Received
 from evalfleet.pipeline import feed_back as write_results
-from evalfleet.summary import summary_markdown, summary_rows
+from evalfleet.review import report_markdown
+from evalfleet.summary import summary_rows
 
 
 @task(name="feed-back", cache_policy=NO_CACHE)
@@ -18,5 +19,5 @@ def feed_back(
     final = write_results(request, received, report, collected)
     key = f"eval-{final.policy_sha256[:12]}"
     create_table_artifact(summary_rows(final), key=key, description=f"evalfleet {final.env_id}")
-    create_markdown_artifact(summary_markdown(final), key=f"{key}-report")
+    create_markdown_artifact(report_markdown(final, final.failure_clusters), key=f"{key}-report")
     return final

@@ -57,7 +57,10 @@ def test_flow_end_to_end(prefect_server, tmp_path):
     assert run.data.tags["evalfleet.step"] == "7"
     assert run.data.params["seed"] == "0"
     names = {a.path for a in client.list_artifacts(run.info.run_id)}
-    assert names == {"episodes.parquet", "report.json"}
+    assert {"episodes.parquet", "report.json", "report.html", "returns_hist.png",
+            "lengths_hist.png", "return_by_episode.png", "actions.png"} <= names
+    html = open(report.outputs["report_html"]).read()
+    assert "data:image/png;base64," in html and f"{report.mean:.4g}" in html
 
     # the Prefect run: named after the env and request, completed, with the summary artifact
     api = prefect_server

@@ -66,3 +66,22 @@ def test_paired_baseline_from_a_file_and_from_the_cache(prefect_server, tmp_path
         policy=example_policy, baseline=f"sha256:{base_report.policy_sha256[:16]}", **common))
     assert by_hash.comparison["mean_diff"] == c["mean_diff"]
     assert by_hash.comparison["ci"] == c["ci"]
+
+
+def test_trajectories_videos_and_failure_clusters(prefect_server, tmp_path):
+    import pyarrow.parquet as pq
+
+    report = evaluate(EvalRequest.build(
+        env="evalfleet/ConnectFour-v0", policy="envs.reference_policies:connect_four_heuristic",
+        episodes=40, concurrency=20, record_trajectories=5, record_video=2, output=tmp_path / "out"))
+    assert report.success is not None and 0.0 <= report.success["rate"] <= 1.0
+    traj = pq.read_table(report.outputs["trajectories"])
+    assert len(set(traj.column("episode_index").to_pylist())) == 5
+    episodes = pq.read_table(report.outputs["episodes"]).to_pylist()
+    by_index = {r["episode_index"]: r for r in episodes}
+    for idx in set(traj.column("episode_index").to_pylist()):
+        steps = [r for r in traj.to_pylist() if r["episode_index"] == idx]
+        assert sum(s["reward"] for s in steps) == by_index[idx]["return"]
+        assert len(steps) == by_index[idx]["length"]
+    videos = list((tmp_path / "out" / "runs" / report.request_id / "videos").iterdir())
+    assert len(videos) == 2 and all(v.stat().st_size > 1000 for v in videos)

@@ -1,0 +1,651 @@
+"""Replaying chosen episodes: per-step trajectories, videos and a determinism check.
+
+An episode is fully identified by its seed: the runner resets a fresh env with exactly that seed
+and the policy is a function of the observation (plus, when sampling, a generator seeded with the
+same seed). Replaying it here therefore reproduces the evaluated episode step for step, so the
+trajectory table and the video show the episode that was scored, not a lookalike. Replays compare
+their return and length with the recorded ones; a difference is a non-determinism signal (an env
+that leaks state across resets, a policy that depends on batch composition) and is reported in
+the result rather than raised.
+
+Replays run in the calling process, one env at a time, stepping the env directly. They are meant
+for a handful of episodes (``--record-trajectories K``, ``--record-video K``), not for scoring.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+import numpy.typing as npt
+import pyarrow as pa
+from gymnasium import spaces
+
+from evalfleet.envspec import make_env
+from evalfleet.models import EndReason
+from evalfleet.policy import LoadedPolicy
+
+# The runner's own action checks, so a replay fails exactly where the evaluated episode failed.
+from evalfleet.runner import _invalid_actions, _to_env_action
+from evalfleet.sandbox.base import error_text, scalar_info
+
+__all__ = [
+    "ReplayResult",
+    "ReplayedEpisode",
+    "action_summary",
+    "record_episodes",
+    "replay_inputs",
+    "trajectory_schema",
+]
+
+logger = logging.getLogger(__name__)
+
+#: Frames per second when neither ``fps`` nor the env's ``metadata["render_fps"]`` says.
+DEFAULT_FPS = 30
+#: Browsers play GIF frames shorter than 20 ms at 100 ms, so GIFs are capped at 50 fps.
+MAX_GIF_FPS = 50
+#: Frames kept per GIF; longer episodes keep every 2nd, 4th, ... frame (memory stays bounded).
+MAX_GIF_FRAMES = 600
+#: The final frame is held this long, so the outcome of the episode can be seen.
+HOLD_LAST_S = 1.0
+
+#: Recorded end reasons whose episodes are not replayed in-process: the sandbox that ran them
+#: hung, crashed or ran out of memory, and so could the calling process.
+UNSAFE_TO_REPLAY = frozenset(
+    {EndReason.TIMEOUT.value, EndReason.CRASHED.value, EndReason.OOM.value}
+)
+
+
+def trajectory_schema(action_space: spaces.Space[Any]) -> pa.Schema:
+    """The Arrow schema of a trajectory table for ``action_space``.
+
+    One row per step ``t`` of a replayed episode: ``obs`` is the observation the action was
+    chosen from (flattened, float64 so float64 envs lose nothing), ``action`` the action taken
+    (int64 for Discrete, flattened float64 list for Box), then the step's ``reward`` (raw, so a
+    non-finite reward that ended the episode shows as such), ``terminated``, ``truncated`` and
+    the scalar entries of the step's ``info``. Summing ``reward`` over an episode's rows gives
+    its return (for episodes that ended normally).
+    """
+    action = pa.int64() if isinstance(action_space, spaces.Discrete) else pa.list_(pa.float64())
+    return pa.schema(
+        [
+            pa.field("episode_index", pa.int64(), nullable=False),
+            pa.field("seed", pa.uint64(), nullable=False),
+            pa.field("step", pa.int64(), nullable=False),
+            pa.field("obs", pa.list_(pa.float64()), nullable=False),
+            pa.field("action", action, nullable=False),
+            pa.field("reward", pa.float64(), nullable=False),
+            pa.field("terminated", pa.bool_(), nullable=False),
+            pa.field("truncated", pa.bool_(), nullable=False),
+            pa.field("info", pa.map_(pa.string(), pa.float64())),
+        ],
+        metadata={"evalfleet.trajectory_schema_version": "1", "evalfleet.action_space": str(action_space)},
+    )
+
+
+@dataclass(frozen=True)
+class ReplayedEpisode:
+    """One replayed episode and how it compares with the evaluated one."""
+
+    episode_index: int
+    """Index of the episode in the evaluation."""
+    seed: int
+    """Its ledger seed (the reset seed)."""
+    episode_return: float
+    """float64 sum of the rewards of the replay (up to a failure)."""
+    length: int
+    """Steps taken, counted the way the runner counts them."""
+    end_reason: str
+    """How the replay ended (an ``EndReason`` value)."""
+    error: str | None
+    """Error text of a failed replay."""
+    expected: tuple[float, int] | None
+    """Recorded ``(return, length)``, when given."""
+    matches: bool | None
+    """True when return, length (and end reason, when given) equal the recorded ones; None when
+    nothing was recorded to compare with."""
+    video: Path | None = None
+    """The episode's video, if one was written."""
+
+
+@dataclass(frozen=True)
+class ReplayResult:
+    """What :func:`record_episodes` produced."""
+
+    trajectories: pa.Table
+    """One row per step of every replayed episode (``trajectory_schema``); empty when
+    trajectories were not asked for."""
+    videos: dict[int, Path]
+    """Episode index → MP4 or GIF file."""
+    episodes: tuple[ReplayedEpisode, ...]
+    """Every replayed episode, in the order asked."""
+    actions: dict[str, Any]
+    """Action distribution over every replayed step (``action_summary``'s format)."""
+    mismatches: tuple[str, ...] = ()
+    """One line per episode whose replay differs from the recorded outcome (non-determinism)."""
+    skipped: dict[int, str] = field(default_factory=dict)
+    """Episodes not replayed at all, with why."""
+    video_skipped: dict[int, str] = field(default_factory=dict)
+    """Episodes replayed without a video, with why (env cannot render, writer failed, ...)."""
+
+    @property
+    def reproducible(self) -> bool:
+        """True when every compared replay matched its recorded outcome."""
+        return not self.mismatches
+
+    def notes(self) -> list[str]:
+        """Human-readable findings for the report page (mismatches first)."""
+        out = [f"replay mismatch (non-determinism): {m}" for m in self.mismatches]
+        reasons = sorted(set(self.video_skipped.values()))
+        out += [f"videos skipped: {r}" for r in reasons]
+        out += [f"episode {i} not replayed: {r}" for i, r in sorted(self.skipped.items())]
+        return out
+
+
+def replay_inputs(
+    table: pa.Table, indices: Sequence[int]
+) -> tuple[list[tuple[int, int]], dict[int, tuple[float, int]], dict[int, str]]:
+    """``(episodes, expected, end_reasons)`` for :func:`record_episodes` from the episode table.
+
+    Keeps the order of ``indices``; raises ``KeyError`` naming an index not in the table.
+    """
+    rows = {
+        int(r["episode_index"]): r
+        for r in table.select(["episode_index", "seed", "return", "length", "end_reason"]).to_pylist()
+    }
+    missing = [i for i in indices if i not in rows]
+    if missing:
+        raise KeyError(f"episode indices {missing!r} are not in the episode table")
+    episodes = [(int(i), int(rows[i]["seed"])) for i in indices]
+    expected = {int(i): (float(rows[i]["return"]), int(rows[i]["length"])) for i in indices}
+    reasons = {int(i): str(rows[i]["end_reason"]) for i in indices}
+    return episodes, expected, reasons
+
+
+def action_summary(
+    trajectories: pa.Table,
+    action_space: spaces.Space[Any],
+    *,
+    note: str | None = None,
+) -> dict[str, Any]:
+    """The action distribution of a trajectory table, in the format ``render_plots`` takes.
+
+    Discrete: ``{"kind": "Discrete", "counts": [n per action], "start": ...}``; Box:
+    ``{"kind": "Box", "samples": array (steps, dims), "low": ..., "high": ...}``; both with
+    ``steps`` and ``episodes``. The episode table has no per-step actions, hence replays.
+    Replayed episodes over-represent the extremes and failures (see ``choose_episodes``); pass a
+    ``note`` to say so on the plot.
+    """
+    column = trajectories.column("action")
+    episodes = len(set(trajectories.column("episode_index").to_pylist())) if trajectories.num_rows else 0
+    if isinstance(action_space, spaces.Discrete):
+        values = np.asarray(column.to_numpy(), dtype=np.int64) - int(action_space.start)
+        counts = np.bincount(values[(values >= 0) & (values < int(action_space.n))],
+                             minlength=int(action_space.n))
+        return _summary_discrete(counts, int(action_space.start), episodes, note)
+    if isinstance(action_space, spaces.Box):
+        dims = int(np.prod(action_space.shape)) if action_space.shape else 1
+        flat = column.combine_chunks().flatten() if trajectories.num_rows else pa.array([], pa.float64())
+        samples = np.asarray(flat.to_numpy(zero_copy_only=False), dtype=np.float64).reshape(-1, dims)
+        return _summary_box(samples, action_space, episodes, note)
+    raise TypeError(
+        f"action_summary supports Discrete and Box action spaces (got {action_space}); "
+        "summarise other spaces yourself."
+    )
+
+
+def _summary_discrete(
+    counts: npt.NDArray[np.int64], start: int, episodes: int, note: str | None
+) -> dict[str, Any]:
+    return {"kind": "Discrete", "counts": [int(c) for c in counts], "start": start,
+            "steps": int(counts.sum()), "episodes": episodes, "note": note}
+
+
+def _summary_box(
+    samples: npt.NDArray[np.float64], space: spaces.Box, episodes: int, note: str | None
+) -> dict[str, Any]:
+    return {"kind": "Box", "samples": samples, "low": space.low.reshape(-1).astype(np.float64),
+            "high": space.high.reshape(-1).astype(np.float64), "steps": int(samples.shape[0]),
+            "episodes": episodes, "note": note}
+
+
+# ---------------------------------------------------------------------------------------------
+# Video writers
+
+
+def _mp4_available() -> bool:
+    try:
+        import imageio_ffmpeg  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _as_rgb(frame: Any) -> npt.NDArray[np.uint8] | None:
+    """An ``(H, W, 3)`` uint8 frame from what ``render()`` returned, or None if it is not one."""
+    if frame is None:
+        return None
+    arr = np.asarray(frame)
+    if arr.ndim != 3 or arr.shape[2] not in (3, 4) or arr.shape[0] < 2 or arr.shape[1] < 2:
+        return None
+    if arr.dtype != np.uint8:
+        if np.issubdtype(arr.dtype, np.floating) and arr.size and float(np.nanmax(arr)) <= 1.0:
+            arr = arr * 255.0
+        arr = np.clip(np.nan_to_num(arr), 0, 255).astype(np.uint8)
+    return np.ascontiguousarray(arr[:, :, :3])
+
+
+class _VideoSink:
+    """Frames of one episode on their way to a video file.
+
+    MP4 frames stream straight into ffmpeg, so any episode length fits in memory. GIF frames are
+    kept palette-quantised (one byte per pixel); past ``MAX_GIF_FRAMES`` every other kept frame
+    is dropped and the stride doubles, so a long episode becomes an evenly sampled, faster GIF.
+    """
+
+    def __init__(self, path: Path, fps: float) -> None:
+        self.path = path
+        self.fps = fps
+        self._tmp = path.with_name(f".{path.name}.tmp{path.suffix}")
+        self._mp4 = path.suffix == ".mp4"
+        self._writer: Any = None
+        self._pad: tuple[tuple[int, int], ...] = ((0, 0), (0, 0), (0, 0))
+        self._shape: tuple[int, ...] | None = None
+        self._last: npt.NDArray[np.uint8] | None = None
+        self._gif: list[Any] = []
+        self._last_kept = False
+        self._stride = max(1, math.ceil(fps / MAX_GIF_FPS))
+        self._seen = 0
+
+    def add(self, frame: npt.NDArray[np.uint8]) -> None:
+        if self._shape is None:
+            self._shape = frame.shape
+        elif frame.shape != self._shape:  # a video has one size: pad or crop to the first frame's
+            fixed = np.full(self._shape, 255, dtype=np.uint8)
+            h, w = min(frame.shape[0], self._shape[0]), min(frame.shape[1], self._shape[1])
+            fixed[:h, :w] = frame[:h, :w]
+            frame = fixed
+        self._last = frame
+        if self._mp4:
+            self._send(frame)
+        else:
+            self._keep_gif(frame)
+        self._seen += 1
+
+    def _send(self, frame: npt.NDArray[np.uint8]) -> None:
+        if self._writer is None:
+            import imageio_ffmpeg
+
+            h, w = frame.shape[:2]
+            # yuv420p needs even sizes; pad with the edge colour rather than rescale the picture.
+            self._pad = ((0, h % 2), (0, w % 2), (0, 0))
+            self._writer = imageio_ffmpeg.write_frames(
+                str(self._tmp), (w + w % 2, h + h % 2), fps=self.fps, codec="libx264", quality=7,
+                macro_block_size=1, ffmpeg_log_level="error",
+            )
+            self._writer.send(None)
+        self._writer.send(np.ascontiguousarray(np.pad(frame, self._pad, mode="edge")).tobytes())
+
+    def _keep_gif(self, frame: npt.NDArray[np.uint8]) -> None:
+        from PIL import Image
+
+        self._last_kept = self._seen % self._stride == 0
+        if self._last_kept:
+            self._gif.append(Image.fromarray(frame, mode="RGB").quantize(colors=256))
+            if len(self._gif) > MAX_GIF_FRAMES:
+                self._gif = self._gif[::2]
+                self._stride *= 2
+
+    def write(self) -> Path:
+        """Finish the file (the last frame held ``HOLD_LAST_S``) and move it into place."""
+        if self._last is None:
+            raise ValueError("no frames were rendered")
+        if self._mp4:
+            for _ in range(max(1, round(self.fps * HOLD_LAST_S))):
+                self._send(self._last)
+            self._writer.close()
+            self._writer = None
+        else:
+            from PIL import Image
+
+            frames = list(self._gif)
+            if not self._last_kept:  # always end on the outcome
+                frames.append(Image.fromarray(self._last, mode="RGB").quantize(colors=256))
+            ms = max(20, round(1000 * self._stride / self.fps))
+            durations = [ms] * len(frames)
+            durations[-1] = max(ms, round(1000 * HOLD_LAST_S))
+            frames[0].save(self._tmp, format="GIF", save_all=True, append_images=frames[1:],
+                           duration=durations, loop=0, optimize=False, disposal=1)
+        self._tmp.replace(self.path)
+        return self.path
+
+    def abort(self) -> None:
+        """Drop a half-written video (rendering or writing failed)."""
+        if self._writer is not None:
+            try:
+                self._writer.close()
+            except Exception:  # ffmpeg may already be gone; the temp file is removed either way
+                pass
+            self._writer = None
+        self._tmp.unlink(missing_ok=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Replaying
+
+
+@dataclass
+class _Episode:
+    index: int
+    seed: int
+    ret: float = 0.0
+    length: int = 0
+    reason: str = EndReason.TRUNCATED.value
+    error: str | None = None
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    actions: list[Any] = field(default_factory=list)
+
+
+def _flat(x: Any) -> list[float]:
+    return [float(v) for v in np.asarray(x, dtype=np.float64).reshape(-1)]
+
+
+def _open_env(
+    env_id: str, env_kwargs: Mapping[str, Any], max_steps: int | None, render: bool
+) -> gym.Env[Any, Any]:
+    return make_env(env_id, dict(env_kwargs), max_steps, render_mode="rgb_array" if render else None)
+
+
+class _RenderError(Exception):
+    """``render()`` failed or returned something that is not an RGB image."""
+
+
+def _render_frame(env: gym.Env[Any, Any]) -> npt.NDArray[np.uint8]:
+    try:
+        frame = _as_rgb(env.render())
+    except Exception as err:
+        raise _RenderError(error_text(err)) from err
+    if frame is None:
+        raise _RenderError("render() returned no (H, W, 3) image")
+    return frame
+
+
+def _probe_rendering(
+    env_id: str, env_kwargs: Mapping[str, Any], max_steps: int | None, seed: int
+) -> str | None:
+    """None when the env renders rgb_array frames, else why not."""
+    try:
+        plain = _open_env(env_id, env_kwargs, max_steps, render=False)
+        modes = list(plain.metadata.get("render_modes") or [])
+        _close(plain)
+    except Exception as err:
+        return f"{env_id} cannot be made ({error_text(err)})"
+    if "rgb_array" not in modes:
+        return f"{env_id} does not declare the 'rgb_array' render mode (its render_modes: {modes})"
+    try:
+        env = _open_env(env_id, env_kwargs, max_steps, render=True)
+    except Exception as err:
+        return f"{env_id} cannot be made with render_mode='rgb_array' ({error_text(err)})"
+    try:
+        env.reset(seed=seed)
+        _render_frame(env)
+    except _RenderError as err:
+        return f"{env_id} could not render an rgb_array frame ({err})"
+    except Exception as err:
+        return f"{env_id} could not be reset for a render check ({error_text(err)})"
+    finally:
+        _close(env)
+    return None
+
+
+def _replay_one(
+    env: gym.Env[Any, Any], policy: LoadedPolicy, ep: _Episode, keep_rows: bool,
+    sink: _VideoSink | None,
+) -> None:
+    """Run one episode the way ``run_shard`` does, recording steps and frames.
+
+    The policy sees the observation as the runner's float32 buffer row holds it, and every
+    failure ends the episode at the same step with the same return and length as in the runner.
+    """
+    space = policy.action_space
+    rng = None if policy.deterministic else np.random.default_rng(ep.seed)
+    try:
+        obs, _ = env.reset(seed=ep.seed)
+        row = np.zeros(np.asarray(obs, dtype=np.float32).shape, dtype=np.float32)
+        row[...] = obs
+    except Exception as err:
+        ep.reason, ep.error = EndReason.ENV_ERROR.value, error_text(err)
+        return
+    if sink is not None:
+        sink.add(_render_frame(env))
+    while True:
+        try:
+            action = policy.act(row[None].copy(), None if rng is None else [rng])
+            if len(action) != 1:
+                raise ValueError(f"policy returned {len(action)} actions for 1 rows")
+        except Exception as err:
+            ep.reason, ep.error = EndReason.POLICY_ERROR.value, error_text(err)
+            return
+        if _invalid_actions(space, action)[0]:
+            ep.reason = EndReason.INVALID_ACTION.value
+            ep.error = f"action {np.asarray(action[0]).tolist()!r} not in {space}"
+            return
+        env_action = _to_env_action(space, action[0])
+        try:
+            next_obs, raw_reward, raw_terminated, raw_truncated, info = env.step(env_action)
+            reward = float(raw_reward)
+            terminated, truncated = bool(raw_terminated), bool(raw_truncated)
+            if not (terminated or truncated):
+                row[...] = next_obs  # as the runner's buffer does: a misfit is an env_error
+        except Exception as err:
+            ep.reason, ep.error = EndReason.ENV_ERROR.value, error_text(err)
+            return
+        ep.length += 1
+        ep.actions.append(env_action)
+        if keep_rows:
+            ep.rows.append({
+                "episode_index": ep.index,
+                "seed": ep.seed,
+                "step": ep.length - 1,
+                "obs": _flat(obs),
+                "action": int(env_action) if isinstance(space, spaces.Discrete) else _flat(env_action),
+                "reward": reward,
+                "terminated": terminated,
+                "truncated": truncated,
+                "info": list(scalar_info(info).items()) if isinstance(info, dict) else [],
+            })
+        if sink is not None:
+            sink.add(_render_frame(env))
+        if not math.isfinite(reward):
+            ep.reason, ep.error = EndReason.INVALID_REWARD.value, f"reward {reward!r} at step {ep.length}"
+            return
+        ep.ret += reward
+        if terminated or truncated:
+            ep.reason = (EndReason.TERMINATED if terminated else EndReason.TRUNCATED).value
+            return
+        obs = next_obs
+
+
+def _compare(
+    ep: _Episode, expected: tuple[float, int] | None, recorded_reason: str | None
+) -> tuple[bool | None, str | None]:
+    if expected is None:
+        return None, None
+    ret, length = expected
+    same = ep.ret == ret and ep.length == length  # exact: returns are replayable bit for bit
+    if recorded_reason is not None:
+        same = same and ep.reason == recorded_reason
+    if same:
+        return True, None
+    got = f"{ep.ret!r} over {ep.length} steps ({ep.reason})"
+    want = f"{ret!r} over {length} steps" + (f" ({recorded_reason})" if recorded_reason else "")
+    return False, f"episode {ep.index} (seed {ep.seed}): replayed {got}, recorded {want}"
+
+
+def _run_episode(
+    env_id: str, env_kwargs: Mapping[str, Any], max_steps: int | None, policy: LoadedPolicy,
+    index: int, seed: int, keep_rows: bool, video: Path | None, fps: int | None,
+) -> tuple[_Episode, Path | None, str | None]:
+    """Replay one episode in a fresh env; returns it, its video (if written) and why not."""
+    ep = _Episode(index, seed)
+    try:
+        env = _open_env(env_id, env_kwargs, max_steps, render=video is not None)
+    except Exception as err:
+        ep.reason, ep.error = EndReason.ENV_ERROR.value, error_text(err)
+        return ep, None, "the env could not be made"
+    sink = None
+    if video is not None:
+        sink = _VideoSink(video, float(fps or env.metadata.get("render_fps") or DEFAULT_FPS))
+    try:
+        _replay_one(env, policy, ep, keep_rows, sink)
+    except _RenderError as err:
+        # Rendering broke mid-episode: replay again without it, so the trajectory stays whole.
+        if sink is not None:
+            sink.abort()
+        problem = f"render failed at step {ep.length}: {err}"
+        ep, _, _ = _run_episode(env_id, env_kwargs, max_steps, policy, index, seed, keep_rows, None, fps)
+        return ep, None, problem
+    except BaseException:
+        if sink is not None:
+            sink.abort()
+        raise
+    finally:
+        _close(env)
+    if sink is None:
+        return ep, None, None
+    try:
+        return ep, sink.write(), None
+    except Exception as err:
+        sink.abort()
+        return ep, None, f"writing the video failed: {error_text(err)}"
+
+
+def _close(env: gym.Env[Any, Any]) -> None:
+    try:
+        env.close()
+    except Exception as err:  # a broken env may fail to close; its result stands
+        logger.debug("closing %s failed: %s", env, err)
+
+
+def record_episodes(
+    env_id: str,
+    env_kwargs: Mapping[str, Any],
+    max_steps: int | None,
+    policy: LoadedPolicy,
+    episodes: Sequence[tuple[int, int]],
+    *,
+    video_dir: Path | None,
+    trajectories: bool,
+    fps: int | None = None,
+    expected: Mapping[int, tuple[float, int]] | None = None,
+    end_reasons: Mapping[int, str] | None = None,
+    video_format: str = "auto",
+    video_for: Collection[int] | None = None,
+    trajectories_for: Collection[int] | None = None,
+) -> ReplayResult:
+    """Replay ``episodes`` (``(index, seed)`` pairs) in this process; record steps and videos.
+
+    - ``trajectories``: keep every step in ``result.trajectories`` (``trajectory_schema``).
+    - ``video_dir``: render each episode with ``render_mode="rgb_array"`` and write
+      ``episode-{index:06d}-seed-{seed}.mp4`` (imageio-ffmpeg installed) or ``.gif`` (Pillow) at
+      ``fps`` (default: the env's ``render_fps``). Envs that cannot render get no videos and a
+      reason in ``result.video_skipped``; a failed episode's video ends at the failure.
+    - ``expected``: recorded ``(return, length)`` by index; every replay is compared exactly and
+      differences are listed in ``result.mismatches``. ``end_reasons`` (recorded end reason by
+      index) adds the end reason to the comparison and skips episodes recorded as ``timeout``,
+      ``crashed`` or ``oom`` (replaying those could hang or kill this process).
+    - ``video_format``: ``"auto"``, ``"mp4"`` or ``"gif"``.
+    - ``video_for`` / ``trajectories_for``: the episode indices that get a video / trajectory
+      rows (default: all of ``episodes``), so ``--record-video 3 --record-trajectories 10`` is
+      one replay of 10 episodes. Every replayed episode counts in ``result.actions``.
+
+    Never raises for an episode's failure: it becomes the replay's end reason, as in the runner.
+    """
+    if video_format not in ("auto", "mp4", "gif"):
+        raise ValueError(f"Unknown video_format {video_format!r}. Choose 'auto', 'mp4' or 'gif'.")
+    if fps is not None and fps <= 0:
+        raise ValueError(f"'fps' must be a positive integer or None (got {fps!r}).")
+    if video_format == "mp4" and video_dir is not None and not _mp4_available():
+        raise ValueError("video_format='mp4' needs imageio-ffmpeg: pip install imageio-ffmpeg, or use 'gif'.")
+    expected = dict(expected or {})
+    end_reasons = dict(end_reasons or {})
+    suffix = ".mp4" if video_format == "mp4" or (video_format == "auto" and _mp4_available()) else ".gif"
+
+    skipped: dict[int, str] = {}
+    todo: list[tuple[int, int]] = []
+    for index, seed in episodes:
+        reason = end_reasons.get(index)
+        if reason in UNSAFE_TO_REPLAY:
+            skipped[index] = (
+                f"recorded as {reason} in its sandbox; not replayed in-process (it could hang or "
+                "kill this process). Reproduce it with the same seed under isolation='process'."
+            )
+        else:
+            todo.append((index, seed))
+
+    render_problem: str | None = None
+    if video_dir is not None and todo and (video_for is None or set(video_for) & {i for i, _ in todo}):
+        render_problem = _probe_rendering(env_id, env_kwargs, max_steps, todo[0][1])
+        if render_problem:
+            logger.warning("videos skipped: %s", render_problem)
+        else:
+            video_dir = Path(video_dir)
+            video_dir.mkdir(parents=True, exist_ok=True)
+    rendering = video_dir is not None and render_problem is None
+
+    rows: list[dict[str, Any]] = []
+    actions: list[Any] = []
+    videos: dict[int, Path] = {}
+    video_skipped: dict[int, str] = {}
+    replayed: list[ReplayedEpisode] = []
+    mismatches: list[str] = []
+    wants_video = set(video_for) if video_for is not None else {i for i, _ in todo}
+    wants_rows = set(trajectories_for) if trajectories_for is not None else {i for i, _ in todo}
+    for index, seed in todo:
+        target = None
+        if rendering and video_dir is not None and index in wants_video:
+            target = Path(video_dir) / f"episode-{index:06d}-seed-{seed}{suffix}"
+        keep_rows = trajectories and index in wants_rows
+        ep, video, problem = _run_episode(
+            env_id, env_kwargs, max_steps, policy, index, seed, keep_rows, target, fps
+        )
+        if video is not None:
+            videos[index] = video
+        elif video_dir is not None and index in wants_video:
+            video_skipped[index] = problem or render_problem or "no frames were rendered"
+        matches, mismatch = _compare(ep, expected.get(index), end_reasons.get(index))
+        if mismatch:
+            mismatches.append(mismatch)
+            logger.warning("replay mismatch: %s", mismatch)
+        rows.extend(ep.rows)
+        actions.extend(ep.actions)
+        replayed.append(ReplayedEpisode(ep.index, ep.seed, ep.ret, ep.length, ep.reason, ep.error,
+                                        expected.get(index), matches, video))
+
+    space = policy.action_space
+    schema = trajectory_schema(space)
+    table = pa.Table.from_pylist(rows, schema=schema) if rows else schema.empty_table()
+    if isinstance(space, spaces.Discrete):
+        counts = np.bincount(np.asarray(actions, dtype=np.int64) - int(space.start), minlength=int(space.n))
+        summary = _summary_discrete(counts, int(space.start), len(replayed), None)
+    elif isinstance(space, spaces.Box):
+        dims = int(np.prod(space.shape)) if space.shape else 1
+        samples = np.asarray(actions, dtype=np.float64).reshape(-1, dims)
+        summary = _summary_box(samples, space, len(replayed), None)
+    else:
+        summary = {"kind": type(space).__name__, "steps": len(actions), "episodes": len(replayed)}
+    return ReplayResult(
+        trajectories=table,
+        videos=videos,
+        episodes=tuple(replayed),
+        actions=summary,
+        mismatches=tuple(mismatches),
+        skipped=skipped,
+        video_skipped=video_skipped,
+    )

@@ -1,0 +1,392 @@
+"""Reviewing a finished evaluation: failure clustering, episode choice and the report page.
+
+Three pure functions over results, for stage 7 and for people reading results afterwards:
+
+- :func:`cluster_failures` groups failed episodes by end reason and by an error *signature*
+  (exception type and raising location, numbers normalised out), so one bug that failed 40
+  episodes with 40 different step counts shows up as one row with 40 episodes.
+- :func:`choose_episodes` picks the episodes worth replaying for trajectories and videos.
+- :func:`report_page` / :func:`report_markdown` render the report as a self-contained HTML page
+  (images embedded, so it survives being opened from MLflow's artifact store) and as the markdown
+  of the Prefect artifact.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import json
+import os
+import re
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from evalfleet.models import EndReason, EvalReport
+from evalfleet.summary import summary_markdown, summary_rows
+
+__all__ = [
+    "choose_episodes",
+    "cluster_failures",
+    "error_signature",
+    "failed_mask",
+    "report_markdown",
+    "report_page",
+]
+
+#: Videos up to this size (bytes, all together) are embedded in the HTML page; larger ones linked.
+EMBED_VIDEO_LIMIT = 8 * 1024 * 1024
+
+#: Longest normalised message kept in a signature (error texts are cut at 500 chars upstream,
+#: so the tail is unreliable for grouping anyway).
+_MAX_MESSAGE = 120
+
+_NO_ERROR = "(no error text)"
+
+# ``Type: message (at file.py:42)`` as written by ``evalfleet.sandbox.base.error_text``. The type
+# must look like a Python class name so that prose such as ``killed by signal 11`` is not split.
+_TYPED = re.compile(r"^(?P<type>(?:[A-Za-z_]\w*\.)*[A-Z]\w*): ?(?P<message>.*)$", re.DOTALL)
+_LOCATION = re.compile(r"\s*\(at (?P<location>[^()\s]+:\d+)\)\s*$")
+_HEX = re.compile(r"0x[0-9a-fA-F]+")
+# A number that is not part of an identifier (``float32``, ``v1``, ``SIGSEGV`` stay as they are).
+_NUMBER = re.compile(r"(?<![\w.])[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?(?![\w])")
+_SPACES = re.compile(r"\s+")
+
+
+def _normalise_message(message: str) -> str:
+    text = _HEX.sub("0x#", message.strip().splitlines()[0] if message.strip() else "")
+    text = _SPACES.sub(" ", _NUMBER.sub("#", text))
+    return text[:_MAX_MESSAGE]
+
+
+def error_signature(error: str | None) -> str:
+    """A grouping key for an error text: the same bug gives the same signature.
+
+    ``"RuntimeError: boom at step 3 (at myenv.py:42)"`` → ``"RuntimeError at myenv.py:42"``: the
+    exception type and the raising location identify the bug; the message is left out because it
+    usually carries per-episode values. Texts without a location keep their message with every
+    number replaced by ``#`` (``"killed by signal 11 (SIGSEGV)"`` → ``"killed by signal #
+    (SIGSEGV)"``; the signal's name keeps distinct signals apart).
+    """
+    if error is None or not error.strip():
+        return _NO_ERROR
+    text = error.strip()
+    location = _LOCATION.search(text)
+    where = location.group("location") if location else None
+    if location:
+        text = text[: location.start()]
+    typed = _TYPED.match(text)
+    if typed:
+        if where:
+            return f"{typed.group('type')} at {where}"
+        return f"{typed.group('type')}: {_normalise_message(typed.group('message'))}"
+    message = _normalise_message(text)
+    return f"{message} at {where}" if where else message
+
+
+def _is_failure(reason: str) -> bool:
+    try:
+        return EndReason(reason).is_failure
+    except ValueError:  # an unknown reason is not a normal ending either
+        return True
+
+
+def failed_mask(table: pa.Table) -> np.ndarray[Any, np.dtype[np.bool_]]:
+    """Per-row flag: the episode failed (its end reason is neither terminated nor truncated)."""
+    return np.array([_is_failure(r) for r in table.column("end_reason").to_pylist()], dtype=bool)
+
+
+def cluster_failures(table: pa.Table, max_examples: int = 5) -> list[dict[str, Any]]:
+    """Group failed episodes by ``(end_reason, error_signature(error))``.
+
+    Each cluster is a dict with ``reason``, ``signature``, ``count``, ``example_seeds`` and
+    ``example_indices`` (the lowest ``max_examples`` episode indices, with their seeds; replaying
+    one reproduces the failure), and ``example_error`` (the raw text of the first example).
+    Sorted by count, largest first; ties by reason, then signature, so the order is stable.
+    """
+    if max_examples < 0:
+        raise ValueError(f"'max_examples' must be >= 0 (got {max_examples!r}).")
+    if table.num_rows == 0:
+        return []
+    ordered = table.sort_by("episode_index")
+    failed = failed_mask(ordered)
+    clusters: dict[tuple[str, str], dict[str, Any]] = {}
+    columns = ("episode_index", "seed", "end_reason", "error")
+    rows = ordered.select(list(columns)).to_pylist()
+    for row, is_failed in zip(rows, failed, strict=True):
+        if not is_failed:
+            continue
+        key = (str(row["end_reason"]), error_signature(row["error"]))
+        cluster = clusters.get(key)
+        if cluster is None:
+            cluster = clusters[key] = {
+                "reason": key[0],
+                "signature": key[1],
+                "count": 0,
+                "example_seeds": [],
+                "example_indices": [],
+                "example_error": row["error"],
+            }
+        cluster["count"] += 1
+        if len(cluster["example_indices"]) < max_examples:
+            cluster["example_indices"].append(int(row["episode_index"]))
+            cluster["example_seeds"].append(int(row["seed"]))
+    return sorted(clusters.values(), key=lambda c: (-c["count"], c["reason"], c["signature"]))
+
+
+def choose_episodes(table: pa.Table, k: int, seed: int) -> list[int]:
+    """The episode indices to replay for trajectories or videos, at most ``k``, in priority order.
+
+    1. the worst completed episode (lowest return; ties go to the lowest index),
+    2. the best completed episode (highest return; ties go to the lowest index),
+    3. every failed episode, in index order,
+    4. a uniform sample without replacement of the remaining completed episodes, drawn with
+       ``np.random.default_rng(seed)`` and listed in index order.
+
+    Each step only adds what is still missing and stops at ``k``, so with few slots the extremes
+    win over failures, and failures over the sample. The result depends only on the table's
+    contents (not its row order), ``k`` and ``seed``.
+    """
+    if k <= 0 or table.num_rows == 0:
+        return []
+    ordered = table.sort_by("episode_index")
+    indices = np.asarray(ordered.column("episode_index").to_numpy(), dtype=np.int64)
+    returns = np.asarray(ordered.column("return").to_numpy(), dtype=np.float64)
+    failed = failed_mask(ordered)
+    chosen: list[int] = []
+
+    def add(index: int) -> None:
+        if len(chosen) < k and index not in chosen:
+            chosen.append(index)
+
+    completed = np.flatnonzero(~failed)
+    if completed.size:
+        # argmin/argmax return the first extreme, i.e. the lowest index, as rows are index-sorted.
+        add(int(indices[completed[np.argmin(returns[completed])]]))
+        add(int(indices[completed[np.argmax(returns[completed])]]))
+    for index in indices[failed]:
+        add(int(index))
+    rest = [int(i) for i in indices[completed] if int(i) not in chosen]
+    room = k - len(chosen)
+    if room > 0 and rest:
+        rng = np.random.default_rng(seed)
+        sample = rng.choice(len(rest), size=min(room, len(rest)), replace=False)
+        chosen.extend(sorted(rest[i] for i in sample))
+    return chosen
+
+
+# ---------------------------------------------------------------------------------------------
+# Report page and markdown
+
+
+def _md(text: object) -> str:
+    # Error texts are user data: no raw HTML or table breaks in the rendered markdown.
+    return html.escape(str(text), quote=False).replace("|", "/").replace("\n", " ")
+
+
+def _md_code(text: object) -> str:
+    # Inside a code span markdown shows text literally (no HTML), so only the delimiters matter.
+    return "`" + str(text).replace("`", "'").replace("|", "/").replace("\n", " ") + "`"
+
+
+def _examples(cluster: Mapping[str, Any]) -> str:
+    pairs = zip(cluster["example_indices"], cluster["example_seeds"], strict=True)
+    return ", ".join(f"#{i} (seed {s})" for i, s in pairs)
+
+
+def report_markdown(report: EvalReport, clusters: Sequence[Mapping[str, Any]]) -> str:
+    """The report as markdown for the Prefect artifact: summary, alarms and failure taxonomy."""
+    parts = [summary_markdown(report)]
+    if report.alarms:
+        parts.append("## Alarms\n\n" + "\n".join(f"- **{_md(a)}**" for a in report.alarms) + "\n")
+    parts.append("## Failure taxonomy\n")
+    if not clusters:
+        parts.append("No failed episodes.\n")
+    else:
+        lines = [
+            "| reason | signature | episodes | examples (index, seed) | example error |",
+            "|---|---|---:|---|---|",
+        ]
+        for c in clusters:
+            error = _md(c["example_error"] or "")[:200]
+            lines.append(
+                f"| {_md(c['reason'])} | {_md_code(c['signature'])} | {c['count']} | "
+                f"{_examples(c)} | {error} |"
+            )
+        parts.append("\n".join(lines) + "\n")
+    return "\n".join(parts)
+
+
+_CSS = """
+body { font-family: system-ui, -apple-system, 'Segoe UI', sans-serif; margin: 2rem auto;
+       max-width: 1100px; color: #1a1a1a; line-height: 1.45; padding: 0 1rem; }
+h1 { font-size: 1.6rem; margin-bottom: .2rem; }
+h2 { font-size: 1.2rem; margin-top: 2rem; border-bottom: 1px solid #ddd; padding-bottom: .2rem; }
+.meta { color: #555; font-size: .9rem; }
+table { border-collapse: collapse; margin: .5rem 0; font-size: .92rem; }
+th, td { border: 1px solid #ddd; padding: .3rem .6rem; text-align: left; vertical-align: top; }
+th { background: #f4f4f4; }
+td.num { text-align: right; font-variant-numeric: tabular-nums; }
+code { font-size: .85rem; word-break: break-word; }
+.alarm { background: #fdecea; border: 1px solid #d93025; color: #8a1c12; padding: .6rem 1rem;
+         border-radius: 4px; margin: .4rem 0; }
+.ok { background: #e6f4ea; border: 1px solid #1e8e3e; padding: .6rem 1rem; border-radius: 4px; }
+.plots { display: grid; grid-template-columns: repeat(auto-fit, minmax(480px, 1fr)); gap: 1rem; }
+figure { margin: 0; }
+figure img, figure video { width: 100%; border: 1px solid #eee; }
+figcaption { font-size: .85rem; color: #555; }
+"""
+
+#: Captions of the plots written by ``evalfleet.plots.render_plots``, by key.
+_CAPTIONS = {
+    "returns": "Returns of completed episodes, with the mean and its 95% confidence interval.",
+    "lengths": "Episode lengths in env steps; failed episodes stacked on top in red.",
+    "return_by_episode": "Return by episode index; failures marked with a red x at their "
+    "partial return. Patterns along the index point at seed-dependent behaviour.",
+    "actions": "Actions taken in the replayed episodes.",
+    "ci_rounds": "Adaptive evaluation: CI half-width after each round.",
+}
+
+
+def _data_uri(path: Path, mime: str) -> str:
+    return f"data:{mime};base64," + base64.b64encode(path.read_bytes()).decode("ascii")
+
+
+def _relative(path: Path, start: Path) -> str:
+    try:
+        return Path(os.path.relpath(path.resolve(), start.resolve())).as_posix()
+    except ValueError:  # another drive on Windows: fall back to the file name
+        return path.name
+
+
+def _table(headers: Sequence[str], rows: Sequence[Sequence[str]], numeric: Sequence[int] = ()) -> str:
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in headers)
+    body = []
+    for row in rows:
+        cells = "".join(
+            f'<td class="num">{cell}</td>' if i in numeric else f"<td>{cell}</td>"
+            for i, cell in enumerate(row)
+        )
+        body.append(f"<tr>{cells}</tr>")
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
+
+
+def _videos_html(videos: Mapping[int, Path], start: Path) -> str:
+    items, embedded = [], 0
+    for index, path in sorted(videos.items()):
+        path = Path(path)
+        size = path.stat().st_size if path.exists() else 0
+        embed = 0 < size and embedded + size <= EMBED_VIDEO_LIMIT
+        if embed:
+            embedded += size
+        caption = f"episode {index} — {html.escape(path.name)}"
+        if path.suffix.lower() == ".gif":
+            src = _data_uri(path, "image/gif") if embed else html.escape(_relative(path, start))
+            media = f'<img src="{src}" alt="episode {index}">'
+        else:
+            src = _data_uri(path, "video/mp4") if embed else html.escape(_relative(path, start))
+            media = f'<video controls loop muted src="{src}"></video>'
+        items.append(f"<figure>{media}<figcaption>{caption}</figcaption></figure>")
+    return f'<div class="plots">{"".join(items)}</div>'
+
+
+def report_page(
+    report: EvalReport,
+    clusters: Sequence[Mapping[str, Any]],
+    plots: Mapping[str, Path],
+    out_path: Path,
+    *,
+    videos: Mapping[int, Path] | None = None,
+    notes: Sequence[str] = (),
+) -> Path:
+    """Write a self-contained HTML report to ``out_path`` and return the path.
+
+    Plots (PNG) are embedded as base64 so the page reads the same from disk, from MLflow's
+    artifact view or as an e-mail attachment. ``videos`` (episode index → GIF/MP4) are embedded
+    while their total size stays under ``EMBED_VIDEO_LIMIT``, and otherwise linked relative to
+    the page (keep them next to it). ``notes`` are extra findings shown under the alarms, e.g.
+    replay mismatches (``ReplayResult.notes()``).
+    """
+    out_path = Path(out_path)
+    e = html.escape
+    title = f"evalfleet report — {report.env_id}"
+    meta = [
+        f"request <code>{e(report.request_id)}</code>",
+        f"policy <code>{e(report.policy_sha256[:16])}</code>",
+    ]
+    if report.training_run_id:
+        meta.append(f"training run <code>{e(report.training_run_id)}</code>")
+    if report.step is not None:
+        meta.append(f"step {report.step}")
+    parts = [
+        "<!doctype html>",
+        '<html lang="en"><head><meta charset="utf-8">',
+        f"<title>{e(title)}</title><style>{_CSS}</style></head><body>",
+        f"<h1>{e(title)}</h1>",
+        f'<p class="meta">{" · ".join(meta)}</p>',
+    ]
+    if report.alarms or notes:
+        parts += [f'<div class="alarm"><strong>ALARM</strong> {e(a)}</div>' for a in report.alarms]
+        parts += [f'<div class="alarm">{e(n)}</div>' for n in notes]
+    else:
+        parts.append('<div class="ok">No alarms.</div>')
+
+    parts.append("<h2>Summary</h2>")
+    rows = [[e(r["metric"]), e(r["value"])] for r in summary_rows(report)]
+    parts.append(_table(["metric", "value"], rows))
+
+    parts.append("<h2>Failures</h2>")
+    if not report.failures:
+        parts.append(f"<p>No failed episodes out of {report.episodes}.</p>")
+    else:
+        by_reason = [
+            [e(reason), str(count), f"{count / max(report.episodes, 1):.2%}"]
+            for reason, count in sorted(report.failures.items(), key=lambda kv: (-kv[1], kv[0]))
+        ]
+        parts.append(_table(["end reason", "episodes", "share of all"], by_reason, numeric=(1, 2)))
+    if clusters:
+        parts.append(
+            "<p>Failure taxonomy: episodes grouped by end reason and error signature (exception "
+            "type and location, numbers normalised out). Replay an example with its seed.</p>"
+        )
+        taxonomy = [
+            [
+                e(str(c["reason"])),
+                f"<code>{e(str(c['signature']))}</code>",
+                str(c["count"]),
+                e(_examples(c)),
+                f"<code>{e(str(c['example_error'] or ''))}</code>",
+            ]
+            for c in clusters
+        ]
+        parts.append(
+            _table(["reason", "signature", "episodes", "examples", "example error"], taxonomy,
+                   numeric=(2,))
+        )
+
+    if plots:
+        parts.append('<h2>Plots</h2><div class="plots">')
+        for key, path in plots.items():
+            caption = _CAPTIONS.get(key, key)
+            parts.append(
+                f'<figure><img src="{_data_uri(Path(path), "image/png")}" alt="{e(key)}">'
+                f"<figcaption>{e(caption)}</figcaption></figure>"
+            )
+        parts.append("</div>")
+    if videos:
+        parts.append("<h2>Episode videos</h2>")
+        parts.append(_videos_html(videos, out_path.parent))
+
+    parts.append("<h2>Reproducibility manifest</h2>")
+    manifest = json.dumps(report.manifest, indent=2, sort_keys=True, default=str)
+    parts.append(f"<details><summary>manifest</summary><pre>{e(manifest)}</pre></details>")
+    parts.append("</body></html>")
+
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_path.with_name(f".{out_path.name}.tmp")
+    tmp.write_text("\n".join(parts), encoding="utf-8")
+    os.replace(tmp, out_path)  # readers never see half a page
+    return out_path
