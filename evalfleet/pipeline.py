@@ -27,15 +27,14 @@ from evalfleet.envspec import resolve_env
 from evalfleet.errors import RequestError
 from evalfleet.models import EvalReport, EvalRequest, PolicyHandle, Shard, ShardPlan
 from evalfleet.planning import plan_shards
-from evalfleet.policy import PolicyArtifact, receive_policy
+from evalfleet.plots import render_plots
+from evalfleet.policy import PolicyArtifact, load_policy, receive_policy
 from evalfleet.records import EPISODE_SCHEMA, OUTCOME_COLUMNS, concat_sorted
+from evalfleet.replay import record_episodes, replay_inputs
 from evalfleet.report import aggregate, versions
+from evalfleet.review import choose_episodes, cluster_failures, report_page
 from evalfleet.sandbox.isolation import resolve_isolation
 from evalfleet.seeds import SeedLedger
-from evalfleet.plots import render_plots
-from evalfleet.policy import load_policy
-from evalfleet.replay import record_episodes, replay_inputs
-from evalfleet.review import choose_episodes, cluster_failures, report_page
 from evalfleet.storage import run_dir, write_episodes, write_json, write_table
 from evalfleet.tracking import default_tracking_uri, log_evaluation
 
