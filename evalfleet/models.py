@@ -75,7 +75,9 @@ class EvalRequest(_Frozen):
     training_run_id: str | None = Field(None, description="Trainer's run id, tagged everywhere.")
     step: int | None = Field(None, description="Training step of the evaluated weights.")
     cache: str = Field("use", description="'use' the cache, ignore it ('off'), or 'refresh' it.")
-    cache_dir: Path | None = Field(None, description="Cache root; default $EVALFLEET_CACHE_DIR or output/cache.")
+    cache_dir: Path | None = Field(
+        None, description="Cache root; default $EVALFLEET_CACHE_DIR or output/cache."
+    )
     target_ci_halfwidth: float | None = Field(
         None, description="Adaptive mode: add rounds until the 95% CI half-width is at most this."
     )

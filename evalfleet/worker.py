@@ -6,15 +6,24 @@ import logging
 from typing import Any
 
 import pyarrow as pa
+from distributed import get_worker
 
 from evalfleet.cluster import policy_on_worker, worker_name
 from evalfleet.envspec import env_thunk, resolve_env
 from evalfleet.models import EvalRequest, PolicyHandle, Shard
+from evalfleet.progress import shard_publisher
 from evalfleet.records import records_to_table
 from evalfleet.runner import EpisodeContext, run_shard
 from evalfleet.sandbox import open_slots
 
 logger = logging.getLogger(__name__)
+
+def _publish(topic: str, message: dict[str, Any]) -> None:
+    try:
+        get_worker().log_event(topic, message)
+    except ValueError:  # not on a Dask worker (direct calls in tests): nobody listens
+        pass
+
 
 _resolved: dict[tuple[str, str, int | None], Any] = {}
 
@@ -41,10 +50,13 @@ def execute_shard(shard: Shard, handle: PolicyHandle, request: EvalRequest, isol
         episode_timeout_s=request.episode_timeout_s,
         env_spec=resolved.fingerprint.as_dict(),
     )
+    on_episode, flush = shard_publisher(request.request_id, shard.shard_id, _publish)
     try:
         records = run_shard(list(zip(shard.episode_indices, shard.seeds, strict=True)), slots,
-                            policy, ctx)
+                            policy, ctx, on_episode=None if shard.audit else on_episode)
     finally:
         slots.close()
+    if not shard.audit:
+        flush()
     logger.info("shard %d: %d episodes on %s", shard.shard_id, len(records), ctx.worker)
     return records_to_table(records)

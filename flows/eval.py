@@ -23,6 +23,7 @@ from evalfleet.pipeline import (
     receive,
 )
 from evalfleet.storage import read_episodes
+from flows.progress import watch
 from flows.runtime import prefect_api
 from tasks.aggregate import aggregate
 from tasks.collect_rewards import collect_rewards
@@ -41,7 +42,8 @@ def eval_flow(request: EvalRequest, address: str | None) -> EvalReport:
     with episode_cache(request).exclusive(received.cache_key):                   # one run per key
         planned = spawn_sandboxes(request, received, address, request.episodes)  # 2 spawn sandboxes
         handle = distribute_policy(request, received, planned, address)          # 3 distribute policy
-        with installed(handle, address), dask.annotate(resources=gpu(request)):
+        with installed(handle, address), dask.annotate(resources=gpu(request)), \
+                watch(request, address):                                         # progress
             while planned is not None:                                           # rounds (adaptive)
                 shards = run_episodes.map(planned.shards, unmapped(handle), unmapped(request),
                                           unmapped(received.isolation))          # 4 run episodes

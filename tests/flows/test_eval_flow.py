@@ -72,6 +72,9 @@ def test_flow_end_to_end(prefect_server, tmp_path):
     assert arts and arts[0]["type"] == "table"
     assert any(row["metric"] == "episodes" for row in json.loads(arts[0]["data"])
                if isinstance(row, dict))
+    progress = httpx.post(f"{api}/artifacts/filter", json={
+        "artifacts": {"key": {"any_": [f"progress-{request.request_id}"]}}}).json()
+    assert progress and progress[0]["type"] == "progress" and progress[0]["data"] == 100.0
 
 
 def test_same_table_whatever_the_worker_count_and_on_rerun(prefect_server, tmp_path):
