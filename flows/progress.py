@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextvars
 import math
 import sys
 import threading
@@ -42,7 +43,9 @@ def watch(request: EvalRequest, address: str | None) -> Iterator[ProgressTracker
             if bar is not None:
                 bar(snap)
 
-    thread = threading.Thread(target=loop, name="evalfleet-progress", daemon=True)
+    # The thread must see this flow's Prefect settings (API URL), not the process-wide defaults.
+    ctx = contextvars.copy_context()
+    thread = threading.Thread(target=ctx.run, args=(loop,), name="evalfleet-progress", daemon=True)
     thread.start()
     try:
         yield tracker
