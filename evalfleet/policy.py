@@ -57,10 +57,13 @@ def import_object(ref: str, what: str) -> Any:
 
 
 def module_source(ref: str) -> bytes:
-    """The source bytes of the module of a ``module:function`` reference (its policy hash)."""
+    """The bytes a callable policy is hashed by: its reference, then its module's source.
+
+    The reference is part of it because two functions of one module are two policies.
+    """
     module = importlib.import_module(ref.split(":")[0])
     try:
-        return inspect.getsource(module).encode()
+        return f"callable {ref}\n".encode() + inspect.getsource(module).encode()
     except (OSError, TypeError) as err:
         raise PolicyError(
             f"callable policy {ref!r}: the source of its module cannot be read ({err}); "
@@ -159,14 +162,22 @@ def _torch_fn(module: Any, device: str) -> Callable[[npt.NDArray[np.float32]], n
     import torch
 
     module.eval()
+    if torch.device(device).type == "cpu":
+        # No device copies: the batch is shared with numpy in, the output tensor shared out.
+        def fn(obs: npt.NDArray[np.float32]) -> npt.NDArray[Any]:
+            with torch.inference_mode():
+                return np.asarray(module(torch.from_numpy(np.ascontiguousarray(obs, dtype=np.float32)))
+                                  .numpy())
 
-    def fn(obs: npt.NDArray[np.float32]) -> npt.NDArray[Any]:
+        return fn
+
+    def fn_on_device(obs: npt.NDArray[np.float32]) -> npt.NDArray[Any]:
         with torch.inference_mode():
             x = torch.from_numpy(np.ascontiguousarray(obs, dtype=np.float32)).to(device)
             y = module(x)
             return np.asarray(y.detach().to("cpu").numpy())
 
-    return fn
+    return fn_on_device
 
 
 def resolve_device(device: str) -> str:

@@ -62,6 +62,13 @@ def test_env_source_version_is_in_the_key(tmp_path, monkeypatch):
     assert _key(**fields) != key
 
 
+def test_two_callables_of_one_module_are_two_policies(tmp_path):
+    env = "evalfleet/Inventory-v0"
+    a = _key(env=env, policy="envs.reference_policies:inventory_random", output=tmp_path)
+    b = _key(env=env, policy="envs.reference_policies:inventory_heuristic", output=tmp_path)
+    assert a != b
+
+
 def test_same_weights_elsewhere_hit_other_weights_same_name_miss(tmp_path, example_policy):
     a, b = tmp_path / "a" / "policy.pt", tmp_path / "b" / "policy.pt"
     for p in (a, b):
