@@ -126,8 +126,8 @@ def reward_integrity(table: pa.Table) -> list[str]:
     if returns.size >= 10 and np.all(returns == returns[0]) and len(np.unique(lengths)) > 1:
         alarms.append(
             f"constant_returns: all {returns.size} episodes returned exactly {returns[0]!r} although "
-            f"their lengths range {lengths.min()}..{lengths.max()}: check the reward is not constant or gamed "
-            "(expected only for sparse win/loss rewards when one side always wins)"
+            f"their lengths range {lengths.min()}..{lengths.max()}: check the reward is not constant "
+            "or gamed (expected only for sparse win/loss rewards when one side always wins)"
         )
     return alarms
 
