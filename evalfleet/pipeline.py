@@ -232,6 +232,10 @@ def summarize(
     })
 
 
+class _SkipReview(Exception):
+    """Raised to skip the review step on purpose."""
+
+
 #: Episodes replayed for the action-distribution plot when nothing more is asked for.
 ACTION_SAMPLE = 16
 
@@ -312,9 +316,14 @@ def feed_back(
     outputs = {"folder": str(folder.resolve()), "episodes": str(parquet.resolve())}
     artifacts = [parquet]
     try:
+        # A full cache hit was reviewed when it was computed; re-plotting it costs ~1.5 s per request.
+        if collected.fresh.num_rows == 0 and not (request.record_trajectories or request.record_video):
+            raise _SkipReview("cache hit: no new episodes to review")
         report, review_files = review(request, received, report, collected.table, folder)
         artifacts += review_files
         outputs.update({k: str(v.resolve()) for k, v in review_files_by_name(review_files).items()})
+    except _SkipReview as why:
+        outputs["review"] = f"skipped ({why})"
     except Exception as err:  # plots and replays must never cost the results
         logger.error("review step failed (%s); results are in %s", err, folder)
         outputs["review_error"] = f"{type(err).__name__}: {err}"

@@ -6,7 +6,7 @@ import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from prefect.settings import PREFECT_API_URL, temporary_settings
+from prefect.settings import PREFECT_API_URL, PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
 
 
 @contextmanager
@@ -26,10 +26,13 @@ def prefect_api() -> Iterator[str]:
 
     server = SubprocessASGIServer()
     server.start(timeout=120)
+    # This server lives only as long as the evaluation: flow heartbeats (zombie detection for
+    # long-lived servers) would only add up to a second of thread join per flow run.
     saved = os.environ.get("PREFECT_API_URL")
     os.environ["PREFECT_API_URL"] = server.api_url
     try:
-        with temporary_settings(updates={PREFECT_API_URL: server.api_url}):
+        with temporary_settings(updates={PREFECT_API_URL: server.api_url,
+                                         PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
             yield server.api_url
     finally:
         if saved is None:
