@@ -52,7 +52,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--isolation", default=d["isolation"].default,
                    help="inprocess | process | bwrap | auto")
     p.add_argument("--episode-timeout", type=float, default=d["episode_timeout_s"].default,
-                   help="wall-clock seconds one episode may take (process/bwrap sandboxes)")
+                   help="seconds one episode may spend in its env's reset/step calls (process/bwrap)")
+    p.add_argument("--step-timeout", type=float, default=d["step_timeout_s"].default,
+                   help="wall-clock seconds one env step may take in a sandbox (process/bwrap)")
+    p.add_argument("--envs-per-sandbox", type=int, default=d["envs_per_sandbox"].default,
+                   help="env instances per sandbox process: trades isolation for speed")
+    p.add_argument("--sandbox-memory-mb", type=int, default=d["sandbox_memory_mb"].default,
+                   help="address-space limit of one sandbox process (>= 1500 if the env imports torch)")
     p.add_argument("--workers", type=int, default=d["workers"].default,
                    help="local Dask worker processes (ignored with --dask-address)")
     p.add_argument("--dask-address", default=None,
@@ -105,6 +111,9 @@ def request_from_args(args: argparse.Namespace) -> EvalRequest:
         device=args.device,
         isolation=args.isolation,
         episode_timeout_s=args.episode_timeout,
+        step_timeout_s=args.step_timeout,
+        envs_per_sandbox=args.envs_per_sandbox,
+        sandbox_memory_mb=args.sandbox_memory_mb,
         workers=args.workers,
         dask_address=args.dask_address,
         output=Path(args.output),

@@ -65,8 +65,12 @@ class EvalRequest(_Frozen):
     device: str = Field("auto", description="'auto', 'cpu' or 'cuda[:N]' for policy inference.")
     isolation: str = Field("inprocess", description="Sandbox level: inprocess, process, bwrap, auto.")
     episode_timeout_s: float = Field(
-        60.0, description="Wall-clock limit of one episode (enforced by process/bwrap sandboxes)."
+        60.0, description="Seconds one episode may spend inside its env's reset/step calls "
+        "(process/bwrap sandboxes; a single step is also cut off after step_timeout_s)."
     )
+    step_timeout_s: float = Field(10.0, description="Wall-clock limit of one env step in a sandbox.")
+    envs_per_sandbox: int = Field(1, description="Env instances per sandbox process (process/bwrap).")
+    sandbox_memory_mb: int = Field(1024, description="Address-space limit of one sandbox process.")
     workers: int = Field(2, description="Local Dask worker processes when no dask_address is given.")
     dask_address: str | None = Field(None, description="Existing Dask scheduler to use instead.")
     output: Path = Field(Path("results"), description="Results folder (Parquet, report, MLflow).")
@@ -111,7 +115,7 @@ class EvalRequest(_Frozen):
 
     @model_validator(mode="after")
     def _check(self) -> EvalRequest:
-        for name in ("episodes", "concurrency", "workers"):
+        for name in ("episodes", "concurrency", "workers", "envs_per_sandbox", "sandbox_memory_mb"):
             value = getattr(self, name)
             if value <= 0:
                 raise RequestError(f"'{name}' must be a positive integer (got {value!r}).")
@@ -141,6 +145,8 @@ class EvalRequest(_Frozen):
         for name in ("record_trajectories", "record_video"):
             if getattr(self, name) < 0:
                 raise RequestError(f"'{name}' must be >= 0 (got {getattr(self, name)!r}).")
+        if self.step_timeout_s <= 0:
+            raise RequestError(f"'step_timeout_s' must be > 0 seconds (got {self.step_timeout_s!r}).")
         if self.episode_timeout_s <= 0:
             raise RequestError(
                 f"'episode_timeout_s' must be > 0 seconds (got {self.episode_timeout_s!r})."

@@ -10,6 +10,8 @@ import pyarrow as pa
 
 from evalfleet import stats
 from evalfleet.models import EndReason, EvalReport, EvalRequest
+from evalfleet.sandbox.isolation import isolation_manifest
+from evalfleet.worker import sandbox_limits
 
 #: Above this failure rate the evaluation is a harness fault, not a policy result.
 FAILURE_ALARM_RATE = 0.05
@@ -106,10 +108,14 @@ def aggregate(
             "max_steps": request.max_steps,
             "deterministic": request.deterministic,
             "episode_timeout_s": request.episode_timeout_s,
+            "step_timeout_s": request.step_timeout_s,
             "bootstrap": {"resamples": 2000, "seed": request.seed},
         },
         "execution": {
             "isolation": isolation,
+            "isolation_probe": isolation_manifest(),
+            "envs_per_sandbox": request.envs_per_sandbox,
+            "sandbox_limits": sandbox_limits(request).as_dict() if isolation != "inprocess" else None,
             "concurrency": request.concurrency,
             "workers": request.workers,
             "dask_address": request.dask_address,

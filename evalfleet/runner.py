@@ -46,6 +46,8 @@ def _invalid_actions(space: spaces.Space[Any], actions: npt.NDArray[Any]) -> npt
     """Per-row mask of actions outside the space (vectorised for Discrete and Box)."""
     if isinstance(space, spaces.Discrete):
         a = np.asarray(actions)
+        if a.dtype == np.int64 and a.ndim == 1:  # the common case, without dtype inspection
+            return np.asarray((a < space.start) | (a >= space.start + space.n), dtype=bool)
         if a.ndim != 1 or not np.issubdtype(a.dtype, np.integer):
             if a.ndim == 1 and np.issubdtype(a.dtype, np.floating):
                 ok = np.isfinite(a) & (a == np.round(a)) & (a >= space.start) & (a < space.start + space.n)
@@ -232,10 +234,12 @@ def run_shard(
                     free.append(slot)
 
     fill(list(range(min(n, len(pending))))[::-1])
+    everyone = np.arange(n)
     while live.any():
-        order = np.flatnonzero(live)  # ascending slot numbers: the batch's row order
+        all_live = bool(live.all())
+        order = everyone if all_live else np.flatnonzero(live)  # ascending: the batch's row order
         buf = obs_rows[0]
-        batch_obs = buf if len(order) == n else buf[order]
+        batch_obs = buf if all_live else buf[order]
         try:
             rngs = None if deterministic else [ep_rng[s] for s in order.tolist()]
             actions = policy.act(batch_obs, rngs)  # type: ignore[arg-type]
@@ -264,11 +268,16 @@ def run_shard(
                 rewards, ended = step_batch(step_idx, _batch_actions(space, actions), buf)
             else:
                 rewards, ended = _step_via_many(slots, step_idx, actions, space, buf)
-            nonfinite = np.flatnonzero(~np.isfinite(rewards))
-            if not ended and not len(nonfinite):
-                length[step_idx] += 1
-                ret[step_idx] += rewards
+            finite = np.isfinite(rewards)
+            if not ended and finite.all():
+                if len(step_idx) == n:  # every slot stepped: whole-array updates
+                    length += 1
+                    ret += rewards
+                else:
+                    length[step_idx] += 1
+                    ret[step_idx] += rewards
             else:
+                nonfinite = np.flatnonzero(~finite)
                 special = sorted(set(ended).union(nonfinite.tolist()))
                 regular = np.ones(len(step_idx), dtype=bool)
                 regular[special] = False

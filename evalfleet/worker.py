@@ -15,8 +15,15 @@ from evalfleet.progress import shard_publisher
 from evalfleet.records import records_to_table
 from evalfleet.runner import EpisodeContext, run_shard
 from evalfleet.sandbox import open_slots
+from evalfleet.sandbox.limits import SandboxLimits
 
 logger = logging.getLogger(__name__)
+
+def sandbox_limits(request: EvalRequest) -> SandboxLimits:
+    """The request's sandbox limits (defaults documented in ``SandboxLimits``)."""
+    return SandboxLimits(address_space_bytes=request.sandbox_memory_mb * 2**20,
+                         step_timeout_s=request.step_timeout_s)
+
 
 def _publish(topic: str, message: dict[str, Any]) -> None:
     try:
@@ -49,6 +56,8 @@ def execute_shard(shard: Shard, handle: PolicyHandle, request: EvalRequest, isol
         shard.slots,
         episode_timeout_s=request.episode_timeout_s,
         env_spec=resolved.fingerprint.as_dict(),
+        envs_per_sandbox=request.envs_per_sandbox,
+        limits=sandbox_limits(request),
     )
     on_episode, flush = shard_publisher(request.request_id, shard.shard_id, _publish)
     try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -72,6 +73,8 @@ class EnvSlots(Protocol):
 
 
 _NO_LIMIT = 2**31 - 1
+#: Environment variable read when ``InProcessSlots(native_vector=None)``: ``0`` = env instances.
+NATIVE_VECTOR_ENV = "EVALFLEET_NATIVE_VECTOR"
 
 
 def _peel(env: gym.Env[Any, Any]) -> tuple[gym.Env[Any, Any], int | None]:
@@ -117,7 +120,7 @@ def _native_cartpole_matches() -> bool:
     try:
         from gymnasium.envs.classic_control.cartpole import CartPoleEnv, CartPoleVectorEnv
 
-        k, horizon = 16, 300
+        k, horizon = 8, 200
         vec: Any = CartPoleVectorEnv(num_envs=k, max_episode_steps=_NO_LIMIT)
         vec.reset(seed=0)
         refs: list[Any] = [CartPoleEnv() for _ in range(k)]
@@ -208,15 +211,17 @@ class _NativeCartPoles:
         vec = self._vec
         failed: dict[int, SlotOutcome] = {}
         ready = self._ready[slots]
-        if not ready.all():
+        if not ready.all():  # only when a caller steps a slot it did not reset
             for pos in np.flatnonzero(~ready).tolist():
                 failed[pos] = SlotOutcome(failure="env_error", error="env was not reset")
             slots, actions = slots[ready], actions[ready]
         # Mid-episode sub-envs not stepped now keep their state (the vector env steps them all).
-        idle = self._ready.copy()
-        idle[slots] = False
-        keep = np.flatnonzero(idle)
-        saved = (vec.state[:, keep].copy(), vec.steps[keep].copy()) if len(keep) else None
+        saved = None
+        if np.count_nonzero(self._ready) > len(slots):
+            idle = self._ready.copy()
+            idle[slots] = False
+            keep = np.flatnonzero(idle)
+            saved = (vec.state[:, keep].copy(), vec.steps[keep].copy())
         self._actions[slots] = actions
         try:
             obs, reward, terminated, _, _ = vec.step(self._actions)
@@ -229,10 +234,14 @@ class _NativeCartPoles:
         if saved is not None:
             vec.state[:, keep], vec.steps[keep] = saved
             vec.prev_done[keep] = False
-        self._elapsed[slots] += 1
-        rewards = reward[slots].astype(np.float64)
-        term = terminated[slots]
-        trunc = self._elapsed[slots] >= self._limit
+        every = len(slots) == len(self._ready)  # slots is then 0..n-1: no gathers needed
+        if every:
+            self._elapsed += 1
+        else:
+            self._elapsed[slots] += 1
+        rewards = (reward if every else reward[slots]).astype(np.float64)
+        term = terminated if every else terminated[slots]
+        trunc = (self._elapsed if every else self._elapsed[slots]) >= self._limit
         self._ready[slots[term | trunc]] = False
         if failed:  # back to one row per requested slot
             rows = np.flatnonzero(ready)
@@ -248,10 +257,11 @@ class _NativeCartPoles:
         """Step the sub-envs of ``slots`` at once; see ``InProcessSlots.step_batch``."""
         obs, rewards, term, trunc, ended = self._step(slots, actions)
         if len(obs):
-            go_on = ~(term | trunc)
-            for pos in ended:
-                go_on[pos] = False
-            obs_out[slots[go_on]] = obs[slots[go_on]]
+            # Rows that ended get their observation written too: unread until the slot's reset.
+            if len(slots) == len(obs):
+                obs_out[...] = obs
+            else:
+                obs_out[slots] = obs[slots]
             for pos in np.flatnonzero(term | trunc).tolist():
                 ended[pos] = SlotOutcome(reward=float(rewards[pos]), terminated=bool(term[pos]),
                                          truncated=bool(trunc[pos]))
@@ -287,14 +297,17 @@ class InProcessSlots:
       parameters) runs as one native ``CartPoleVectorEnv`` (``native_vector=True``): each slot
       still starts from ``CartPoleEnv.reset(seed=...)`` with exactly its seed, and a self-check
       once per process proves the vector steps bit-identical to the scalar env's on this machine
-      (otherwise: env instances).
+      (otherwise: env instances). ``native_vector=None`` reads ``EVALFLEET_NATIVE_VECTOR``
+      (``0`` turns it off, e.g. to measure the instance path).
     """
 
     isolation = "inprocess"
 
     def __init__(
-        self, make: Callable[[], gym.Env[Any, Any]], n: int, *, native_vector: bool = True
+        self, make: Callable[[], gym.Env[Any, Any]], n: int, *, native_vector: bool | None = None
     ) -> None:
+        if native_vector is None:
+            native_vector = os.environ.get(NATIVE_VECTOR_ENV, "1") != "0"
         self._make = make
         self.n = n
         self._envs: list[gym.Env[Any, Any] | None] = [None] * n

@@ -13,6 +13,25 @@ Requirements per level:
   added where the machine permits them (reported as ``netns`` and ``own_uid``); without a network
   namespace the seccomp filter alone denies network sockets.
 - ``bwrap``: ``process``'s requirements, plus a working bubblewrap jail.
+
+What each level guarantees when every mechanism holds (as on a root microVM):
+
+- ``inprocess``: nothing. An env that crashes, hangs or leaks takes the worker with it; use it for
+  trusted envs only.
+- ``process``: a crash, hang (wall-clock limit), runaway memory (RLIMIT_AS) or CPU use (RLIMIT_CPU)
+  costs only the episodes of its sandbox; no network (socket() other than AF_UNIX fails, and the
+  sandbox sits in an empty network namespace); it cannot signal or trace any other process. Under
+  a root worker it runs as a uid of its own: it reads every file but writes only where anyone may
+  (world-writable folders such as /tmp, /var/tmp, /dev/shm stay writable); under a non-root
+  worker it writes wherever the worker may. Not a jail for hostile code.
+- ``bwrap``: ``process`` inside bubblewrap: nothing outside its private /tmp is writable (the root
+  is bound read-only), all namespaces are new and all capabilities dropped. The sandboxes of one
+  worker share one jail (pid/ipc/net namespaces) and one uid; seccomp still keeps them from
+  signalling each other.
+
+Not covered at either level: AF_UNIX sockets are allowed (a filesystem socket the sandbox may
+write to is reachable); descendants that leave the sandbox's process group are not killed with
+it (at ``process`` level they keep its uid, limits and filter, and RLIMIT_NPROC caps them).
 """
 
 from __future__ import annotations

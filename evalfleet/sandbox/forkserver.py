@@ -1,0 +1,298 @@
+"""The fork server and the sandbox processes it forks (this module runs OUTSIDE the worker).
+
+One fork server per worker process and level, started with ``python -m
+evalfleet.sandbox.forkserver`` (inside bubblewrap for the ``bwrap`` level). It imports numpy,
+gymnasium and the env's modules once, then forks one sandbox per request, so sandboxes share those
+pages copy-on-write and start in milliseconds. It never imports torch: the policy stays in the
+worker.
+
+Control channel (worker ↔ server): a SOCK_SEQPACKET socketpair; requests are pickles, answers
+JSON (see :mod:`evalfleet.sandbox.wire`). A ``spawn`` request carries one end of a fresh
+socketpair (SCM_RIGHTS): the sandbox talks to the worker directly over it, so stepping 500
+sandboxes costs no hop through the server. The server is the sandboxes' parent and the only
+process that can reap them, so every kill goes through it (under bubblewrap the worker cannot even
+see the sandboxes' pids).
+
+The server confines itself before it imports any env module (``process`` level: a network namespace of
+its own where permitted; both levels: the socket filter) and dies with its worker (parent-death
+signal, and end of file on the control channel).
+
+A sandbox: its own process group, a fresh network namespace (where permitted), its own folder as
+cwd/HOME/TMPDIR, rlimits, at the ``process`` level under a root worker a uid of its own keeping
+only CAP_DAC_READ_SEARCH (it reads what the worker reads, writes only where anyone may), death
+with the server, and a seccomp filter (sockets: AF_UNIX only; signals and ptrace: only itself).
+
+It serves reset/step requests for ``envs_per_sandbox`` env instances until its socket closes. An
+exception in the env is answered as ``env_error`` (MemoryError as ``oom``); the broken env is
+dropped and rebuilt at its next reset, and the sandbox goes on serving. It is replaced only when
+it dies or is killed.
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib
+import json
+import os
+import pickle
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+from evalfleet.sandbox import limits as lim
+from evalfleet.sandbox import wire
+from evalfleet.sandbox.base import error_text, scalar_info
+
+#: Exit status of a sandbox whose own code failed before serving (never an env's exception).
+EXIT_SETUP = 70
+_CONTROL_BUF = 4 * 1024 * 1024
+
+
+def _send(sock: socket.socket, payload: dict[str, Any]) -> None:
+    sock.send(json.dumps(payload).encode())
+
+
+class _Server:
+    def __init__(self, control: socket.socket, level: str) -> None:
+        self.control = control
+        self.level = level
+        self.makers: dict[str, Callable[[], Any]] = {}
+        self.children: dict[int, str] = {}
+        self.serial = 0
+        self.base = tempfile.mkdtemp(prefix="evalfleet-sandboxes-")
+        os.chmod(self.base, 0o711)  # sandboxes under other uids reach their own folder, list none
+        self.root = os.geteuid() == 0
+
+    def prepare(self, token: str, maker_blob: bytes, sys_path: list[str], preload: list[str]
+                ) -> dict[str, Any]:
+        for entry in sys_path:
+            if entry not in sys.path:
+                sys.path.append(entry)
+        failed = {}
+        for name in preload:
+            try:
+                importlib.import_module(name)
+            except Exception as err:  # reported; the sandbox's own make() decides if it matters
+                failed[name] = f"{type(err).__name__}: {err}"
+        try:
+            self.makers[token] = pickle.loads(maker_blob)
+        except Exception as err:
+            return {"ok": False, "error": f"cannot load the env maker: {type(err).__name__}: {err}",
+                    "imports": failed}
+        gc.collect()
+        gc.freeze()  # GC passes in sandboxes would otherwise write to (and copy) shared pages
+        return {"ok": True, "imports": failed}
+
+    def spawn(self, token: str, k: int, limits: lim.SandboxLimits, netns: bool, fd: int
+              ) -> dict[str, Any]:
+        maker = self.makers[token]
+        self.serial += 1
+        folder = os.path.join(self.base, f"sbx-{self.serial}")
+        os.mkdir(folder, 0o700)
+        uid = None
+        if self.level == "process" and self.root and limits.drop_privileges:
+            uid = limits.uid_base + (os.getpid() % 16384) * 4096 + self.serial % 4096
+            os.chown(folder, uid, uid)
+        server_pid = os.getpid()
+        pid = os.fork()
+        if pid == 0:
+            code = EXIT_SETUP
+            try:
+                self.control.close()
+                code = _sandbox_main(fd, maker, k, limits, folder, uid, netns, server_pid)
+            finally:
+                os._exit(code)
+        os.close(fd)
+        self.children[pid] = folder
+        return {"pid": pid, "uid": uid}
+
+    def kill(self, pids: list[int]) -> dict[str, Any]:
+        for pid in pids:
+            if pid not in self.children:
+                continue
+            for target in (-pid, pid):  # the group; the pid too, in case setpgid has not run yet
+                try:
+                    os.kill(target, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        statuses: list[int | None] = []
+        for pid in pids:
+            folder = self.children.pop(pid, None)
+            if folder is None:
+                statuses.append(None)
+                continue
+            _, status = os.waitpid(pid, 0)
+            statuses.append(status)
+            shutil.rmtree(folder, ignore_errors=True)
+        return {"statuses": statuses}
+
+    def shutdown(self) -> None:
+        self.kill(list(self.children))
+        shutil.rmtree(self.base, ignore_errors=True)
+
+    def loop(self) -> None:
+        while True:
+            try:
+                msg, fds, _, _ = socket.recv_fds(self.control, _CONTROL_BUF, 1)
+            except ConnectionError:
+                return
+            if not msg:
+                return  # the worker closed the channel or died
+            request = pickle.loads(msg)
+            op = request[0]
+            try:
+                if op == "spawn":
+                    _, token, k, limits, netns = request
+                    answer = self.spawn(token, k, limits, netns, fds[0])
+                elif op == "kill":
+                    answer = self.kill(request[1])
+                elif op == "prepare":
+                    answer = self.prepare(*request[1:])
+                elif op == "forget":
+                    self.makers.pop(request[1], None)
+                    answer = {"ok": True}
+                else:
+                    answer = {"error": f"unknown request {op!r}"}
+            except Exception as err:
+                for fd in fds:
+                    try:
+                        os.close(fd)
+                    except OSError:
+                        pass
+                answer = {"error": f"{type(err).__name__}: {err}"}
+            _send(self.control, answer)
+
+
+def serve(fd: int, level: str, parent: int) -> None:
+    """Fork-server main: confine itself, pre-import, say hello, then answer requests."""
+    control = socket.socket(fileno=fd)
+    lim.set_parent_death_signal(parent if level == "process" else os.getppid())
+    netns_error = lim.unshare_network() if level == "process" else None
+    lim.install_socket_filter()
+    # numpy and gymnasium are imported (through .base) before any fork: shared copy-on-write.
+    server = _Server(control, level)
+    gc.collect()
+    gc.freeze()
+    _send(control, {"pid": os.getpid(), "level": level, "netns": netns_error is None,
+                    "netns_error": netns_error, "uid": os.geteuid(), "folder": server.base})
+    try:
+        server.loop()
+    finally:
+        server.shutdown()
+
+
+def _recv_frame(sock: socket.socket, buf: bytearray) -> bytes | None:
+    while True:
+        frames = wire.split_frames(buf)
+        if frames:
+            if len(frames) > 1 or buf:
+                raise wire.ProtocolError("more than one request in flight")
+            return frames[0]
+        chunk = sock.recv(1 << 20)
+        if not chunk:
+            return None
+        buf.extend(chunk)
+
+
+def _sandbox_main(fd: int, maker: Callable[[], Any], k: int, limits: lim.SandboxLimits,
+                  folder: str, uid: int | None, netns: bool, server_pid: int) -> int:
+    """Confine this freshly forked process, then serve env requests until the socket closes."""
+    os.setpgid(0, 0)
+    devnull = os.open(os.devnull, os.O_RDWR)
+    for std in (0, 1, 2):
+        os.dup2(devnull, std)
+    os.closerange(3, fd)
+    os.closerange(fd + 1, 1 << 20)
+    if netns:
+        lim.unshare_network()
+    os.chdir(folder)
+    os.environ.update(HOME=folder, TMPDIR=folder)
+    tempfile.tempdir = folder
+    lim.apply_rlimits(limits, own_uid=uid is not None)
+    if uid is not None:
+        lim.drop_privileges(uid)
+    lim.set_parent_death_signal(server_pid)  # after setuid, which clears it
+    lim.install_sandbox_filter()
+    lim.arm_cpu_budget(limits.cpu_seconds_per_episode)
+    sock = socket.socket(fileno=fd)
+    return _Sandbox(maker, k, limits).serve(sock)
+
+
+class _Sandbox:
+    def __init__(self, maker: Callable[[], Any], k: int, limits: lim.SandboxLimits) -> None:
+        self.maker = maker
+        self.envs: list[Any] = [None] * k
+        self.limits = limits
+
+    def _drop(self, i: int) -> None:
+        env, self.envs[i] = self.envs[i], None
+        if env is not None:
+            try:
+                env.close()
+            except Exception:  # a broken env may fail to close; it is rebuilt anyway
+                pass
+
+    def _failure(self, i: int, err: BaseException) -> wire.Result:
+        self._drop(i)
+        if isinstance(err, MemoryError):
+            gc.collect()
+            return wire.Result(wire.OOM, error=f"MemoryError (address-space limit "
+                                               f"{self.limits.address_space_bytes} bytes)")
+        return wire.Result(wire.ENV_ERROR, error=error_text(err))
+
+    def reset(self, i: int, seed: int) -> wire.Result:
+        lim.arm_cpu_budget(self.limits.cpu_seconds_per_episode)
+        env = self.envs[i]
+        if env is None:
+            env = self.envs[i] = self.maker()
+        obs, info = env.reset(seed=seed)
+        return wire.Result(wire.OK, obs, info=scalar_info(info))
+
+    def step(self, i: int, action: Any) -> wire.Result:
+        env = self.envs[i]
+        if env is None:
+            return wire.Result(wire.ENV_ERROR, error="env was not reset")
+        obs, reward, terminated, truncated, info = env.step(action)
+        done = bool(terminated or truncated)
+        return wire.Result(wire.OK, obs, float(reward), bool(terminated), bool(truncated),
+                           scalar_info(info) if done else None)
+
+    def serve(self, sock: socket.socket) -> int:
+        buf = bytearray()
+        while True:
+            body = _recv_frame(sock, buf)
+            if body is None:
+                return 0
+            op, items = pickle.loads(body)
+            handler = self.reset if op == "reset" else self.step
+            parts = []
+            try:
+                for i, arg in items:
+                    t0 = time.monotonic()
+                    try:
+                        result = handler(i, arg)
+                        result.seconds = time.monotonic() - t0
+                        # Encoding inside the try: an unsendable observation is the env's error.
+                        parts.append(wire.encode_result(result))
+                    except BaseException as err:  # noqa: B036 -- SystemExit in an env is an error
+                        result = self._failure(i, err)
+                        result.seconds = time.monotonic() - t0
+                        parts.append(wire.encode_result(result))
+                sock.sendall(wire.pack_results(parts))
+            except MemoryError:
+                return lim.EXIT_OOM
+
+
+def main(argv: list[str]) -> None:
+    """``python -m evalfleet.sandbox.forkserver FD LEVEL PARENT_PID``."""
+    fd, level, parent = int(argv[0]), argv[1], int(argv[2])
+    serve(fd, level, parent)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

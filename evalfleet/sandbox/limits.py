@@ -1,0 +1,199 @@
+"""Resource limits and confinement steps applied inside sandbox processes.
+
+:class:`SandboxLimits` holds every limit and timeout of the ``process`` and ``bwrap`` levels, each
+with its documented default; ``as_dict()`` is what the report prints. The functions below run in
+the fork server or in a freshly forked sandbox, never in the worker: they change the calling
+process for good (rlimits, seccomp, namespaces, uid).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import resource
+import signal
+import socket
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from evalfleet.errors import RequestError
+
+MiB = 1024 * 1024
+GiB = 1024 * MiB
+
+_PR_SET_PDEATHSIG = 1
+_CLONE_NEWNET = 0x40000000
+
+#: Exit status of a sandbox that ran out of memory and could not even report it.
+EXIT_OOM = 86
+
+
+@dataclass(frozen=True)
+class SandboxLimits:
+    """Limits and timeouts of one sandbox process (``process`` and ``bwrap`` levels)."""
+
+    address_space_bytes: int = 1 * GiB
+    """RLIMIT_AS: virtual memory of a sandbox. Hitting it raises MemoryError in the env → ``oom``."""
+
+    cpu_seconds_per_episode: int = 120
+    """RLIMIT_CPU (soft), re-armed at every reset: CPU seconds one episode may use. A backstop for
+    the wall-clock timeout (an env that runs threads can burn more CPU than wall time); breaking it
+    ends the sandbox with SIGXCPU → ``timeout``."""
+
+    open_files: int = 256
+    """RLIMIT_NOFILE: open file descriptors per sandbox."""
+
+    file_size_bytes: int = 64 * MiB
+    """RLIMIT_FSIZE: largest file a sandbox may write (a bigger write fails with EFBIG)."""
+
+    processes: int = 64
+    """RLIMIT_NPROC (processes and threads of the sandbox's uid); applied only where the sandbox
+    runs under a uid of its own (as root the kernel ignores it)."""
+
+    step_timeout_s: float = 10.0
+    """Wall clock a sandbox has to answer one step (capped by the episode's deadline)."""
+
+    reset_timeout_s: float = 30.0
+    """Wall clock a sandbox has to answer a reset, env construction included (capped likewise)."""
+
+    start_timeout_s: float = 60.0
+    """Wall clock for a fork server to start and import the env's modules."""
+
+    drop_privileges: bool = True
+    """``process`` level, when the worker runs as root: run each sandbox under a uid of its own
+    (no capabilities, cannot signal other sandboxes or write root-owned files)."""
+
+    uid_base: int = 1_000_000_000
+    """First uid of the range sandbox uids are taken from (no passwd entries are needed)."""
+
+    def __post_init__(self) -> None:
+        for name in ("address_space_bytes", "cpu_seconds_per_episode", "open_files",
+                     "file_size_bytes", "processes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise RequestError(f"'{name}' must be a positive integer (got {value!r}).")
+        for name in ("step_timeout_s", "reset_timeout_s", "start_timeout_s"):
+            value = getattr(self, name)
+            if not value > 0:
+                raise RequestError(f"'{name}' must be > 0 seconds (got {value!r}).")
+        if self.address_space_bytes < 256 * MiB:
+            raise RequestError(
+                f"'address_space_bytes' must be at least 256 MiB (got {self.address_space_bytes!r}):"
+                " a sandbox forked from a server with numpy and gymnasium maps ~200 MiB at start."
+            )
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready form for the report's manifest."""
+        return asdict(self)
+
+
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def unshare_network() -> str | None:
+    """Move the calling process into a new, empty network namespace; None, or why not."""
+    if _libc().unshare(_CLONE_NEWNET) != 0:
+        return f"unshare(CLONE_NEWNET) failed: {os.strerror(ctypes.get_errno())}"
+    return None
+
+
+def set_parent_death_signal(expected_parent: int) -> None:
+    """Be SIGKILLed when the parent dies; exit now if it already has (the race after fork)."""
+    _libc().prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != expected_parent:
+        os._exit(1)
+
+
+def apply_rlimits(limits: SandboxLimits, *, own_uid: bool) -> None:
+    """Set the sandbox's rlimits (soft = hard, so an unprivileged sandbox cannot raise them)."""
+    fixed = [
+        (resource.RLIMIT_AS, limits.address_space_bytes),
+        (resource.RLIMIT_NOFILE, limits.open_files),
+        (resource.RLIMIT_FSIZE, limits.file_size_bytes),
+        (resource.RLIMIT_CORE, 0),
+    ]
+    if own_uid:
+        fixed.append((resource.RLIMIT_NPROC, limits.processes))
+    for which, value in fixed:
+        resource.setrlimit(which, (value, value))
+
+
+def arm_cpu_budget(seconds: int) -> None:
+    """Allow ``seconds`` more CPU time from now (RLIMIT_CPU soft limit; the hard one stays)."""
+    used = resource.getrusage(resource.RUSAGE_SELF)
+    spent = int(used.ru_utime + used.ru_stime) + 1
+    _, hard = resource.getrlimit(resource.RLIMIT_CPU)
+    soft = spent + seconds
+    if hard != resource.RLIM_INFINITY:
+        soft = min(soft, hard)
+    resource.setrlimit(resource.RLIMIT_CPU, (soft, hard))
+
+
+_PR_SET_KEEPCAPS = 8
+_CAP_VERSION_3 = 0x20080522
+_CAP_DAC_READ_SEARCH = 2
+
+
+class _CapHeader(ctypes.Structure):
+    _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+
+class _CapData(ctypes.Structure):
+    _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32),
+                ("inheritable", ctypes.c_uint32)]
+
+
+def drop_privileges(uid: int) -> None:
+    """Become ``uid``/``uid``, no supplementary groups, one capability: CAP_DAC_READ_SEARCH.
+
+    The capability lets the sandbox read (never write) every file, so lazy imports of a Python
+    installed under a private home (e.g. pyenv under /root) still work; every other privilege of
+    root is gone.
+    """
+    libc = _libc()
+    libc.prctl(_PR_SET_KEEPCAPS, 1, 0, 0, 0)
+    os.setgroups([])
+    os.setgid(uid)
+    os.setuid(uid)
+    header = _CapHeader(_CAP_VERSION_3, 0)
+    data = (_CapData * 2)()
+    data[0].effective = data[0].permitted = 1 << _CAP_DAC_READ_SEARCH
+    if libc.capset(ctypes.byref(header), data) != 0:
+        raise OSError(ctypes.get_errno(), f"capset: {os.strerror(ctypes.get_errno())}")
+    libc.prctl(_PR_SET_KEEPCAPS, 0, 0, 0, 0)
+
+
+def install_socket_filter() -> None:
+    """seccomp: socket() of any family but AF_UNIX fails with EPERM; io_uring is refused too.
+
+    io_uring can create sockets without the socket() syscall, so it is closed as well.
+    """
+    import pyseccomp as sc
+
+    f = sc.SyscallFilter(sc.ALLOW)
+    f.add_rule(sc.ERRNO(errno.EPERM), "socket", sc.Arg(0, sc.NE, socket.AF_UNIX))
+    f.add_rule(sc.ERRNO(errno.EPERM), "io_uring_setup")
+    f.load()
+
+
+def install_sandbox_filter() -> None:
+    """Seccomp for one sandbox: the socket rules, plus it may signal and trace only itself.
+
+    libseccomp allows one comparison per argument and rule, so "pid != me" is written as two
+    rules, pid < me and pid > me (unsigned, so kill(0) and negative process groups are refused).
+    """
+    import pyseccomp as sc
+
+    me = os.getpid()
+    f = sc.SyscallFilter(sc.ALLOW)
+    eperm = sc.ERRNO(errno.EPERM)
+    f.add_rule(eperm, "socket", sc.Arg(0, sc.NE, socket.AF_UNIX))
+    f.add_rule(eperm, "io_uring_setup")
+    for call in ("kill", "tgkill", "pidfd_open"):
+        f.add_rule(eperm, call, sc.Arg(0, sc.LT, me))
+        f.add_rule(eperm, call, sc.Arg(0, sc.GT, me))
+    for call in ("tkill", "ptrace", "process_vm_writev", "process_vm_readv"):
+        f.add_rule(eperm, call)
+    f.load()

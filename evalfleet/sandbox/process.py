@@ -1,0 +1,625 @@
+"""Worker side of the ``process`` and ``bwrap`` levels: env instances in sandbox processes.
+
+:class:`ProcessSlots` keeps ``ceil(n / envs_per_sandbox)`` sandboxes, forked on demand by this
+worker's fork server (:mod:`evalfleet.sandbox.forkserver`), and never more: a dead sandbox is
+reaped before its replacement is forked. Each step it sends every sandbox its actions first, then
+collects the replies with one selector and a deadline per sandbox, so many sandboxes cost about one
+round trip, not one each.
+
+Deadlines and what a failure becomes:
+
+- an episode may spend ``episode_timeout_s`` of wall clock inside its env's reset/step calls
+  (timed in the sandbox; waiting for the policy or for other sandboxes is not charged), and one
+  request may take ``step_timeout_s`` / ``reset_timeout_s`` by the worker's clock. A sandbox that
+  does not answer within what is left is killed with its process group → ``timeout`` for every
+  episode it hosted;
+- death by a signal → ``crashed`` (signal number and name in the error; SIGXCPU → ``timeout``);
+- MemoryError under RLIMIT_AS → ``oom`` (the sandbox reports it, or exits with ``EXIT_OOM``);
+- an exception in the env → ``env_error`` with its text; the sandbox survives and builds a fresh
+  env at that slot's next reset;
+- a malformed reply or a closed channel → ``crashed``.
+
+When one sandbox hosts several envs, its death fails all of their episodes; the ones that were not
+in the request that saw it fail at their next step.
+"""
+
+from __future__ import annotations
+
+import atexit
+import concurrent.futures
+import json
+import logging
+import math
+import os
+import pickle
+import queue
+import resource
+import selectors
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import cloudpickle
+
+from evalfleet.errors import IsolationUnavailable
+from evalfleet.models import EndReason
+from evalfleet.sandbox import wire
+from evalfleet.sandbox.base import SlotOutcome
+from evalfleet.sandbox.bwrap import jail_command
+from evalfleet.sandbox.limits import EXIT_OOM, SandboxLimits
+
+logger = logging.getLogger(__name__)
+
+#: Requests pipelined to the fork server before reading answers (keeps both buffers from filling).
+_SPAWN_BATCH = 32
+_PREFIX = {"process": "proc", "bwrap": "bwrap"}
+
+
+# -- starting processes from one long-lived thread -------------------------------------------------
+# PR_SET_PDEATHSIG (set by the fork server, and by bwrap's --die-with-parent) fires when the
+# *thread* that started the process exits. Dask task threads may come and go, so servers are
+# started from one daemon thread that lives as long as the worker process.
+
+_launch_queue: queue.SimpleQueue[tuple[Callable[[], Any], concurrent.futures.Future[Any]]] = (
+    queue.SimpleQueue()
+)
+_launcher: threading.Thread | None = None
+_launcher_lock = threading.Lock()
+
+
+def _launcher_loop() -> None:
+    while True:
+        fn, fut = _launch_queue.get()
+        try:
+            fut.set_result(fn())
+        except BaseException as err:  # noqa: B036 -- handed to the caller
+            fut.set_exception(err)
+
+
+def _launch(fn: Callable[[], Any]) -> Any:
+    global _launcher
+    with _launcher_lock:
+        if _launcher is None or not _launcher.is_alive():
+            _launcher = threading.Thread(target=_launcher_loop, name="evalfleet-sandbox-launcher",
+                                         daemon=True)
+            _launcher.start()
+    fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
+    _launch_queue.put((fn, fut))
+    return fut.result()
+
+
+# -- the fork server, seen from the worker ---------------------------------------------------------
+
+
+class ForkServerError(Exception):
+    """The fork server died, hung, or answered nonsense."""
+
+
+class ForkServer:
+    """A worker's fork server for one level, seen from the worker: start, requests, stop."""
+
+    def __init__(self, level: str, start_timeout_s: float) -> None:
+        self.level = level
+        self._lock = threading.Lock()
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        inner = [sys.executable, "-m", "evalfleet.sandbox.forkserver", str(theirs.fileno()), level,
+                 str(os.getpid())]
+        command = jail_command(inner) if level == "bwrap" else inner
+        env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1",
+                   PYTHONDONTWRITEBYTECODE="1")
+        t0 = time.perf_counter()
+        try:
+            self.proc: subprocess.Popen[bytes] = _launch(
+                lambda: subprocess.Popen(command, pass_fds=[theirs.fileno()], env=env,
+                                         stdin=subprocess.DEVNULL, start_new_session=True)
+            )
+        except OSError as err:
+            raise IsolationUnavailable(
+                f"cannot start the {level!r} fork server ({command[0]}): {err}"
+            ) from err
+        finally:
+            theirs.close()
+        self._sock = ours
+        try:
+            self.hello = self._recv(start_timeout_s)
+        except ForkServerError as err:
+            self.stop()
+            raise IsolationUnavailable(
+                f"the {level!r} fork server did not start within {start_timeout_s} s: {err}. "
+                "Run `python -c 'from evalfleet.sandbox.isolation import probe; print(probe())'` "
+                "to see what this machine allows."
+            ) from err
+        self.start_seconds = time.perf_counter() - t0
+        self.prepared: set[str] = set()
+        logger.info("%s fork server up in %.2f s: %s", level, self.start_seconds, self.hello)
+
+    @property
+    def alive(self) -> bool:
+        """True while the server process runs."""
+        return self.proc.poll() is None
+
+    def _recv(self, timeout: float) -> dict[str, Any]:
+        self._sock.settimeout(timeout)
+        try:
+            data = self._sock.recv(1 << 16)
+        except TimeoutError as err:
+            raise ForkServerError(f"no answer within {timeout} s") from err
+        except OSError as err:
+            raise ForkServerError(str(err)) from err
+        if not data:
+            raise ForkServerError(f"fork server exited (status {self.proc.poll()})")
+        try:
+            answer = json.loads(data)
+        except ValueError as err:
+            raise ForkServerError(f"unreadable answer {data[:80]!r}") from err
+        if not isinstance(answer, dict):
+            raise ForkServerError(f"unreadable answer {data[:80]!r}")
+        if "error" in answer:
+            raise ForkServerError(str(answer["error"]))
+        return answer
+
+    def _send(self, request: tuple[Any, ...], fd: int | None = None) -> None:
+        blob = pickle.dumps(request, protocol=pickle.HIGHEST_PROTOCOL)
+        try:
+            if fd is None:
+                self._sock.sendall(blob)
+            else:
+                socket.send_fds(self._sock, [blob], [fd])
+        except OSError as err:
+            raise ForkServerError(f"fork server gone: {err}") from err
+
+    def call(self, request: tuple[Any, ...], timeout: float) -> dict[str, Any]:
+        """One request, one answer."""
+        with self._lock:
+            self._send(request)
+            return self._recv(timeout)
+
+    def spawn_many(self, requests: list[tuple[tuple[Any, ...], socket.socket]], timeout: float
+                   ) -> list[dict[str, Any]]:
+        """Fork one sandbox per ``(request, its end of the socketpair)``, pipelined."""
+        out: list[dict[str, Any]] = []
+        with self._lock:
+            for start in range(0, len(requests), _SPAWN_BATCH):
+                chunk = requests[start : start + _SPAWN_BATCH]
+                for request, sock in chunk:
+                    self._send(request, sock.fileno())
+                out.extend(self._recv(timeout) for _ in chunk)
+        return out
+
+    def stop(self) -> None:
+        """Close the channel (the server then kills its sandboxes and exits); kill if it lingers."""
+        try:
+            self._sock.close()
+        except OSError:
+            pass
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        # A killed server leaves its sandbox folders behind (the hello predates any env import,
+        # and the path is checked anyway before anything is removed as root).
+        folder = getattr(self, "hello", {}).get("folder")
+        if (self.level == "process" and isinstance(folder, str)
+                and os.path.dirname(folder) == tempfile.gettempdir()
+                and os.path.basename(folder).startswith("evalfleet-sandboxes-")):
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+_servers: dict[str, ForkServer] = {}
+_servers_lock = threading.Lock()
+
+
+def fork_server(level: str, start_timeout_s: float) -> ForkServer:
+    """The fork server of ``level`` in this process, started on first use, reused across shards."""
+    with _servers_lock:
+        server = _servers.get(level)
+        if server is not None and not server.alive:
+            server.stop()
+            server = None
+        if server is None:
+            server = _servers[level] = ForkServer(level, start_timeout_s)
+        return server
+
+
+def shutdown_fork_servers() -> None:
+    """Stop every fork server of this process (each kills its sandboxes first)."""
+    with _servers_lock:
+        servers = list(_servers.values())
+        _servers.clear()
+    for server in servers:
+        server.stop()
+
+
+atexit.register(shutdown_fork_servers)
+
+
+# -- slots -----------------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class _Box:
+    """One live sandbox process, as the worker sees it."""
+
+    sock: socket.socket
+    pid: int
+    name: str
+    rbuf: bytearray = field(default_factory=bytearray)
+    wbuf: bytes = b""
+    writing: bool = False  # registered for EVENT_WRITE (only while a request is half sent)
+    allowed: float = 0.0  # seconds this request may take before the sandbox is killed
+    episode_bound: bool = False  # True when ``allowed`` is what is left of an episode's budget
+    reply: list[wire.Result] | None = None
+    dead: tuple[str, str] | None = None  # (reason, error) once it is known to be gone
+
+
+def _signal_name(sig: int) -> str:
+    try:
+        return signal.Signals(sig).name
+    except ValueError:
+        return f"signal {sig}"
+
+
+def preload_modules(env_spec: dict[str, Any]) -> list[str]:
+    """Modules the fork server imports before forking: evalfleet's envs, the id's and entry's."""
+    from evalfleet.envspec import BUILTIN_ENV_MODULES
+
+    names = list(BUILTIN_ENV_MODULES)
+    env_id = str(env_spec.get("env_id", ""))
+    if ":" in env_id:
+        names.append(env_id.split(":", 1)[0])
+    entry = str(env_spec.get("entry_point", ""))
+    if ":" in entry:
+        names.append(entry.split(":", 1)[0])
+    return list(dict.fromkeys(names))
+
+
+class ProcessSlots:
+    """``n`` env slots in sandbox processes (``process`` or ``bwrap`` level); see module doc."""
+
+    def __init__(
+        self,
+        make: Callable[[], Any],
+        n: int,
+        *,
+        level: str,
+        episode_timeout_s: float,
+        env_spec: dict[str, Any],
+        envs_per_sandbox: int = 1,
+        limits: SandboxLimits | None = None,
+    ) -> None:
+        if level not in _PREFIX:
+            raise ValueError(f"Unknown sandbox level {level!r}. Choose 'process' or 'bwrap'.")
+        if envs_per_sandbox < 1:
+            raise ValueError(f"'envs_per_sandbox' must be >= 1 (got {envs_per_sandbox!r}).")
+        self.isolation = level
+        self.n = n
+        self.limits = limits or SandboxLimits()
+        self._k = envs_per_sandbox
+        self._episode_timeout_s = episode_timeout_s
+        self._maker_blob = cloudpickle.dumps(make)
+        self._preload = preload_modules(env_spec)
+        self._token = uuid.uuid4().hex
+        n_boxes = math.ceil(n / envs_per_sandbox)
+        self._boxes: list[_Box | None] = [None] * n_boxes
+        self._names = [f"{_PREFIX[level]}{b}" for b in range(n_boxes)]
+        # Seconds of env wall-clock time each slot's episode has left. Charged with the time the
+        # env's own reset/step calls took (measured in the sandbox), so an episode is not billed
+        # for waiting on the policy, on other sandboxes, or for a CPU on a loaded machine; each
+        # single request is still bounded by the worker's own clock (step/reset timeout).
+        self._budget = [math.inf] * n
+        self._lost: dict[int, tuple[str, str]] = {}
+        self._sel = selectors.DefaultSelector()
+        self._server: ForkServer | None = None
+        self.spawned = 0
+        _ensure_fd_room(n_boxes)
+
+    # -- EnvSlots ----------------------------------------------------------------------------------
+
+    def reset(self, slot: int, seed: int) -> SlotOutcome:
+        """Reset one slot (see ``reset_many``)."""
+        return self.reset_many([(slot, seed)])[0]
+
+    def reset_many(self, items: Sequence[tuple[int, int]]) -> list[SlotOutcome]:
+        """Reset slots with their seeds; sandboxes that are missing are forked first."""
+        for slot, _ in items:
+            self._budget[slot] = self._episode_timeout_s
+        for attempt in (1, 2):
+            missing = sorted({slot // self._k for slot, _ in items
+                              if self._boxes[slot // self._k] is None})
+            if not missing:
+                break
+            try:
+                self._spawn(missing)
+            except ForkServerError as err:
+                if attempt == 2:
+                    raise
+                # One restart: a server that died (e.g. killed from inside a bwrap jail) is
+                # replaced; every sandbox it had is gone with it, so all missing ones are forked.
+                logger.warning("%s fork server failed (%s); starting a new one", self.isolation,
+                               err)
+                self._drop_server()
+        for slot, _ in items:
+            self._lost.pop(slot, None)  # a reset starts from a fresh or healthy sandbox
+        return self._exchange("reset", [(slot, seed) for slot, seed in items],
+                              self.limits.reset_timeout_s)
+
+    def step_many(self, slots: Sequence[int], actions: Sequence[Any]) -> list[SlotOutcome]:
+        """Step slots, one action each: all sandboxes at once."""
+        return self._exchange("step", list(zip(slots, actions, strict=True)),
+                              self.limits.step_timeout_s)
+
+    def sandbox_name(self, slot: int) -> str:
+        """``proc12-pid3456``: the sandbox hosting ``slot`` (or that hosted it, if it died)."""
+        return self._names[slot // self._k]
+
+    def close(self) -> None:
+        """Kill and reap every sandbox of these slots; the fork server stays for the next shard."""
+        live = [b for b, box in enumerate(self._boxes) if box is not None]
+        self._reap(live)
+        self._sel.close()
+        if self._server is not None and self._server.alive:
+            try:
+                self._server.call(("forget", self._token), self.limits.start_timeout_s)
+            except ForkServerError:
+                pass
+
+    # -- internals ---------------------------------------------------------------------------------
+
+    def _ensure_server(self) -> ForkServer:
+        server = fork_server(self.isolation, self.limits.start_timeout_s)
+        if self._token not in server.prepared:
+            answer = server.call(
+                ("prepare", self._token, self._maker_blob, list(sys.path), self._preload),
+                self.limits.start_timeout_s,
+            )
+            if not answer.get("ok"):
+                raise ForkServerError(str(answer.get("error")))
+            if answer.get("imports"):
+                logger.warning("fork server could not import %s", answer["imports"])
+            server.prepared.add(self._token)
+        self._server = server
+        return server
+
+    def _spawn(self, boxes: list[int]) -> None:
+        answers, pairs = self._fork(boxes)
+        for b, ours, answer in zip(boxes, pairs, answers, strict=True):
+            ours.setblocking(False)
+            pid = int(answer["pid"])
+            box = _Box(ours, pid, f"{_PREFIX[self.isolation]}{b}-pid{pid}")
+            self._boxes[b] = box
+            self._names[b] = box.name
+            self._sel.register(ours, selectors.EVENT_READ, b)
+        self.spawned += len(boxes)
+
+    def _fork(self, boxes: list[int]) -> tuple[list[dict[str, Any]], list[socket.socket]]:
+        server = self._ensure_server()
+        netns = self.isolation == "process" and bool(server.hello.get("netns"))
+        request = ("spawn", self._token, self._k, self.limits, netns)
+        pairs = [socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM) for _ in boxes]
+        try:
+            answers = server.spawn_many([(request, theirs) for _, theirs in pairs],
+                                        self.limits.start_timeout_s)
+        except BaseException:
+            for ours, _ in pairs:
+                ours.close()
+            raise
+        finally:
+            for _, theirs in pairs:
+                theirs.close()
+        return answers, [ours for ours, _ in pairs]
+
+    def _drop_server(self) -> None:
+        server, self._server = self._server, None
+        if server is not None:
+            with _servers_lock:
+                if _servers.get(self.isolation) is server:
+                    del _servers[self.isolation]
+            server.stop()
+        for b in range(len(self._boxes)):
+            self._forget(b)
+
+    def _forget(self, b: int) -> None:
+        """Drop box ``b`` without asking the server (it is gone, and its children with it)."""
+        box = self._boxes[b]
+        if box is None:
+            return
+        self._boxes[b] = None
+        try:
+            self._sel.unregister(box.sock)
+        except (KeyError, ValueError):
+            pass
+        box.sock.close()
+        for slot in range(b * self._k, min(self.n, (b + 1) * self._k)):
+            self._lost.setdefault(slot, (EndReason.CRASHED.value, "its fork server died"))
+
+    def _exchange(self, op: str, items: list[tuple[int, Any]], op_timeout: float
+                  ) -> list[SlotOutcome]:
+        """Send ``op`` to every sandbox concerned, collect every reply or failure."""
+        out: list[SlotOutcome | None] = [None] * len(items)
+        by_box: dict[int, list[int]] = {}
+        for pos, (slot, _) in enumerate(items):
+            lost = self._lost.get(slot)
+            box = self._boxes[slot // self._k]
+            if lost is not None or box is None:
+                reason, error = lost or (EndReason.CRASHED.value, "sandbox is gone")
+                out[pos] = SlotOutcome(failure=reason, error=error)
+                continue
+            by_box.setdefault(slot // self._k, []).append(pos)
+        now = time.monotonic()
+        deadlines: dict[int, float] = {}
+        expected = {b: len(positions) for b, positions in by_box.items()}
+        for b, positions in by_box.items():
+            box = self._boxes[b]
+            if box is None:  # filtered above; keeps the type checker informed
+                continue
+            payload = [(items[p][0] % self._k, items[p][1]) for p in positions]
+            box.reply = None
+            box.wbuf = wire.frame(pickle.dumps((op, payload), protocol=pickle.HIGHEST_PROTOCOL))
+            left = min(self._budget[items[p][0]] for p in positions)
+            box.allowed = min(op_timeout, max(0.0, left))
+            box.episode_bound = left < op_timeout
+            deadlines[b] = now + box.allowed
+            self._flush(b, box)
+        self._collect(deadlines, expected, op, op_timeout)
+        for b, positions in by_box.items():
+            box = self._boxes[b]
+            if box is not None and box.reply is not None:
+                for p, result in zip(positions, box.reply, strict=True):
+                    self._budget[items[p][0]] -= result.seconds
+                    out[p] = _outcome(result)
+                box.reply = None
+                continue
+            reason, error = self._lost.get(items[positions[0]][0]) or (
+                EndReason.CRASHED.value, "sandbox gave no reply")
+            for p in positions:
+                out[p] = SlotOutcome(failure=reason, error=error)
+        return [o if o is not None else SlotOutcome(failure="crashed", error="no reply")
+                for o in out]
+
+    def _flush(self, b: int, box: _Box) -> None:
+        try:
+            sent = box.sock.send(box.wbuf) if box.wbuf else 0
+        except BlockingIOError:
+            sent = 0
+        except OSError as err:
+            box.dead = (EndReason.CRASHED.value, f"channel broken: {err}")
+            box.wbuf = b""
+            return
+        box.wbuf = box.wbuf[sent:]
+        if bool(box.wbuf) != box.writing:
+            box.writing = bool(box.wbuf)
+            events = selectors.EVENT_READ | (selectors.EVENT_WRITE if box.writing else 0)
+            self._sel.modify(box.sock, events, b)
+
+    def _collect(self, deadlines: dict[int, float], expected: dict[int, int], op: str,
+                 op_timeout: float) -> None:
+        pending = {b for b in deadlines if self._boxes[b] is not None}
+        doomed: dict[int, tuple[str, str] | None] = {}  # box → (reason, error), None: from status
+        for b in list(pending):
+            box = self._boxes[b]
+            if box is not None and box.dead is not None:
+                doomed[b] = box.dead
+                pending.discard(b)
+        while pending:
+            now = time.monotonic()
+            for b in [b for b in pending if deadlines[b] <= now]:
+                pending.discard(b)
+                doomed[b] = (EndReason.TIMEOUT.value, self._timeout_text(b, op, op_timeout))
+            if not pending:
+                break
+            timeout = max(0.0, min(deadlines[b] for b in pending) - now)
+            for key, mask in self._sel.select(timeout):
+                b = key.data
+                box = self._boxes[b]
+                if box is None or b in doomed:
+                    continue
+                if mask & selectors.EVENT_WRITE:
+                    self._flush(b, box)
+                if not mask & selectors.EVENT_READ:
+                    continue
+                try:
+                    chunk = box.sock.recv(1 << 20)
+                except BlockingIOError:
+                    continue
+                except OSError:
+                    chunk = b""
+                if not chunk:
+                    doomed[b] = None
+                    pending.discard(b)
+                    continue
+                box.rbuf.extend(chunk)
+                try:
+                    frames = wire.split_frames(box.rbuf)
+                    if len(frames) > 1 or (frames and b not in pending):
+                        raise wire.ProtocolError("reply nobody asked for")
+                    if frames:
+                        reply = wire.decode_results(frames[0])
+                        if len(reply) != expected[b]:
+                            raise wire.ProtocolError(f"{len(reply)} results for {expected[b]}")
+                        box.reply = reply
+                        pending.discard(b)
+                except wire.ProtocolError as err:
+                    doomed[b] = (EndReason.CRASHED.value, f"sandbox {box.name} broke the protocol "
+                                                          f"({err}); killed")
+                    pending.discard(b)
+        if doomed:
+            self._reap(list(doomed), doomed)
+
+    def _timeout_text(self, b: int, op: str, op_timeout: float) -> str:
+        box = self._boxes[b]
+        name = box.name if box is not None else self._names[b]
+        if box is not None and box.episode_bound:
+            limit = (f"the episode's {self._episode_timeout_s} s of env wall-clock time ran out "
+                     f"({box.allowed:.2f} s were left for this {op})")
+        else:
+            limit = f"no answer to {op} within {op_timeout} s"
+        return f"sandbox {name} timed out: {limit}; killed with its process group"
+
+    def _reap(self, boxes: list[int], known: dict[int, tuple[str, str] | None] | None = None
+              ) -> None:
+        """Kill and reap ``boxes`` through the server; mark their slots with the reason."""
+        live = [(b, box) for b in boxes if (box := self._boxes[b]) is not None]
+        if not live:
+            return
+        statuses: list[Any] = [None] * len(live)
+        server = self._server
+        if server is not None and server.alive:
+            try:
+                answer = server.call(("kill", [box.pid for _, box in live]),
+                                     self.limits.start_timeout_s)
+                statuses = list(answer["statuses"])
+            except ForkServerError as err:
+                logger.warning("fork server failed while reaping: %s", err)
+        for (b, box), status in zip(live, statuses, strict=True):
+            given = (known or {}).get(b)
+            reason, error = given if given is not None else _death(box.name, status)
+            self._boxes[b] = None
+            try:
+                self._sel.unregister(box.sock)
+            except (KeyError, ValueError):
+                pass
+            box.sock.close()
+            for slot in range(b * self._k, min(self.n, (b + 1) * self._k)):
+                self._lost[slot] = (reason, error)
+
+
+def _death(name: str, status: int | None) -> tuple[str, str]:
+    """(reason, error) of a sandbox that closed its channel, from its wait status."""
+    if status is None:
+        return EndReason.CRASHED.value, f"sandbox {name} is gone (its fork server died)"
+    if os.WIFSIGNALED(status):
+        sig = os.WTERMSIG(status)
+        if sig == signal.SIGXCPU:
+            return EndReason.TIMEOUT.value, f"sandbox {name} exceeded its CPU-time limit (SIGXCPU)"
+        return EndReason.CRASHED.value, f"sandbox {name} died from signal {sig} ({_signal_name(sig)})"
+    code = os.WEXITSTATUS(status)
+    if code == EXIT_OOM:
+        return EndReason.OOM.value, f"sandbox {name} ran out of memory (address-space limit)"
+    return EndReason.CRASHED.value, f"sandbox {name} exited with status {code}"
+
+
+def _outcome(result: wire.Result) -> SlotOutcome:
+    if result.kind == wire.OK:
+        return SlotOutcome(obs=result.obs, reward=result.reward, terminated=result.terminated,
+                           truncated=result.truncated, info=result.info or {})
+    reason = EndReason.OOM.value if result.kind == wire.OOM else EndReason.ENV_ERROR.value
+    return SlotOutcome(failure=reason, error=result.error)
+
+
+def _ensure_fd_room(n_boxes: int) -> None:
+    """Raise this process's soft RLIMIT_NOFILE if ``n_boxes`` sockets might not fit."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = 2 * n_boxes + 1024
+    if soft != resource.RLIM_INFINITY and soft < want:
+        new = want if hard == resource.RLIM_INFINITY else min(want, hard)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))

