@@ -1,0 +1,118 @@
+"""Serve the evaluation flow as a deployment: ``python -m deployments.serve --dask-address ADDR``.
+
+``service_flow`` is the deployment's entrypoint (here and in ``deployments/prefect.yaml``): it
+runs ``flows.eval.evaluate`` on the service's Dask cluster, so ``eval_flow`` appears as its
+subflow with the Dask task runner attached. A flow run started by a worker from an entrypoint
+would not keep a task runner set with ``with_options``; a wrapper flow does.
+
+Served deployments poll for scheduled runs every ``PREFECT_RUNNER_POLL_FREQUENCY`` seconds
+(10 by default); ``--poll 1`` makes a webhook start its flow run within about a second.
+"""
+
+# No ``from __future__ import annotations`` here: Prefect validates the flow's parameters
+# against its annotations in the flow-run process, which must see the real classes.
+import argparse
+import logging
+import os
+from typing import Any
+
+from prefect import flow
+
+from deployments import DASK_ADDRESS_ENV, DEPLOYMENT_NAME, FLOW_NAME, resolve_secret
+from evalfleet.callback import CALLBACK_SECRET_ENV, send_report_callback
+from evalfleet.errors import RequestError
+from evalfleet.models import EvalReport, EvalRequest
+from flows.eval import evaluate
+
+logger = logging.getLogger("evalfleet.serve")
+
+
+def notify_failure(flow: Any, flow_run: Any, state: Any) -> None:
+    """Tell the trainer an evaluation ended without a report (signed, bounded retries).
+
+    Without this, a trainer waiting for the callback of a failed or crashed run would wait
+    for its own timeout; with it, it learns at once and from the same channel.
+    """
+    request = (flow_run.parameters or {}).get("request") or {}
+    if isinstance(request, EvalRequest):
+        request = request.model_dump(mode="json")
+    url = request.get("callback_url")
+    if not url:
+        return
+    outcome = send_report_callback(url, {
+        "request_id": request.get("request_id"),
+        "training_run_id": request.get("training_run_id"),
+        "step": request.get("step"),
+        "state": state.type.value if hasattr(state.type, "value") else str(state.type),
+        "message": state.message,
+        "flow_run_id": str(flow_run.id),
+    }, event="evaluation.failed")
+    logger.info("failure callback for %s: %s", request.get("request_id"), outcome)
+
+
+@flow(name=FLOW_NAME, flow_run_name="{request.env}-{request.request_id}", log_prints=False,
+      on_failure=[notify_failure], on_crashed=[notify_failure])
+def service_flow(request: EvalRequest) -> EvalReport:
+    """Evaluate ``request`` on the service's Dask cluster (``$EVALFLEET_DASK_ADDRESS``)."""
+    address = request.dask_address or os.environ.get(DASK_ADDRESS_ENV)
+    if not address:
+        raise RequestError(
+            f"no Dask cluster for the service: set {DASK_ADDRESS_ENV}=tcp://HOST:8786 where the "
+            "deployment is served (evalfleet serve does), or put dask_address in the request."
+        )
+    return evaluate(request.model_copy(update={"dask_address": address}))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Options of ``python -m deployments.serve``."""
+    p = argparse.ArgumentParser(
+        prog="python -m deployments.serve",
+        description=f"Serve '{FLOW_NAME}/{DEPLOYMENT_NAME}' against $PREFECT_API_URL until "
+        "interrupted.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--dask-address", default=os.environ.get(DASK_ADDRESS_ENV),
+                   help=f"scheduler of the evaluation cluster (default: ${DASK_ADDRESS_ENV})")
+    p.add_argument("--name", default=DEPLOYMENT_NAME, help="deployment name")
+    p.add_argument("--limit", type=int, default=2, help="flow runs executing at once")
+    p.add_argument("--poll", type=float, default=1.0,
+                   help="seconds between polls for scheduled runs (Prefect's default is 10)")
+    p.add_argument("--callback-secret-block", default=None,
+                   help=f"Prefect Secret block signing report callbacks when ${CALLBACK_SECRET_ENV} "
+                   "is unset")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Serve the deployment until interrupted."""
+    from prefect.settings import PREFECT_API_URL, PREFECT_RUNNER_POLL_FREQUENCY, temporary_settings
+
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not PREFECT_API_URL.value():
+        raise SystemExit("evalfleet serve: set PREFECT_API_URL to a running Prefect server; a "
+                         "served deployment needs one (evalfleet serve starts one for you).")
+    if not args.dask_address:
+        raise SystemExit(f"evalfleet serve: pass --dask-address or set {DASK_ADDRESS_ENV}.")
+    # Flow runs are child processes: they find the cluster and the callback secret in the env.
+    os.environ[DASK_ADDRESS_ENV] = args.dask_address
+    secret = resolve_secret(CALLBACK_SECRET_ENV, args.callback_secret_block)
+    if secret:
+        os.environ[CALLBACK_SECRET_ENV] = secret
+    else:
+        logger.warning("%s is not set: reports will not be POSTed to callback URLs",
+                       CALLBACK_SECRET_ENV)
+    with temporary_settings(updates={PREFECT_RUNNER_POLL_FREQUENCY: max(1, round(args.poll))}):
+        service_flow.serve(
+            name=args.name,
+            limit=args.limit,
+            tags=["evalfleet"],
+            description="Evaluate one EvalRequest on the evalfleet Dask cluster. Triggered by the "
+            "evalfleet webhook receiver, the Evaluator client, or by hand from the UI.",
+            pause_on_shutdown=False,
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

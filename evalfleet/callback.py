@@ -1,0 +1,305 @@
+"""Signed webhooks in both directions: trainer → receiver, and report → trainer's callback URL.
+
+The scheme (Stripe-style, so a replayed body cannot be re-sent later with a fresh timestamp)::
+
+    X-Evalfleet-Timestamp: 1767225600                    # unix seconds, when it was signed
+    X-Evalfleet-Signature: sha256=<hex HMAC-SHA256(secret, b"<timestamp>." + body)>
+    X-Evalfleet-Delivery:  <unique id of this delivery; retries reuse it>
+
+A receiver recomputes the HMAC over the raw body bytes (never over re-serialised JSON), compares
+in constant time, and rejects timestamps further than ``tolerance_s`` from its clock. Several
+secrets may be accepted at once so a secret can be rotated without downtime.
+
+Prefect-free on purpose: the receiver (``deployments/webhook.py``), stage 7 and trainers share it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import logging
+import os
+import time
+import uuid
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from evalfleet.errors import EvalfleetError
+
+logger = logging.getLogger(__name__)
+
+SIGNATURE_HEADER = "X-Evalfleet-Signature"
+TIMESTAMP_HEADER = "X-Evalfleet-Timestamp"
+DELIVERY_HEADER = "X-Evalfleet-Delivery"
+EVENT_HEADER = "X-Evalfleet-Event"
+SIGNATURE_PREFIX = "sha256="
+#: How far a signed timestamp may be from the receiver's clock (both directions).
+DEFAULT_TOLERANCE_S = 300
+#: Environment variable holding the secret that signs report callbacks.
+CALLBACK_SECRET_ENV = "EVALFLEET_CALLBACK_SECRET"
+REPORT_EVENT = "evaluation.completed"
+FAILURE_EVENT = "evaluation.failed"
+
+
+class SignatureError(EvalfleetError):
+    """A signed request is missing its signature, is stale, or does not verify.
+
+    ``reason`` is one of ``missing_signature``, ``missing_timestamp``, ``malformed_timestamp``,
+    ``stale_timestamp``, ``malformed_signature``, ``invalid_signature``, ``no_secret``.
+    """
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+def sign(body: bytes, secret: str, timestamp: int) -> str:
+    """The signature header value for ``body`` signed at ``timestamp`` (unix seconds)."""
+    if not secret:
+        raise SignatureError("no_secret", "cannot sign with an empty secret; set one first.")
+    mac = hmac.new(secret.encode(), f"{int(timestamp)}.".encode() + body, hashlib.sha256)
+    return SIGNATURE_PREFIX + mac.hexdigest()
+
+
+def verify(
+    body: bytes,
+    signature: str | None,
+    timestamp: str | int | None,
+    secrets: str | Iterable[str],
+    *,
+    tolerance_s: float = DEFAULT_TOLERANCE_S,
+    now: float | None = None,
+) -> int:
+    """Check a signature header against ``body``; returns the verified timestamp.
+
+    Raises ``SignatureError`` (with a machine-readable ``reason``) on any problem. ``secrets`` may
+    hold several secrets (rotation): any one of them verifying is enough.
+    """
+    keys = [secrets] if isinstance(secrets, str) else [s for s in secrets if s]
+    if not keys or not all(keys):
+        raise SignatureError("no_secret", "the receiver has no secret configured to verify with.")
+    if signature is None or not str(signature).strip():
+        raise SignatureError("missing_signature", f"missing {SIGNATURE_HEADER} header.")
+    if timestamp is None or not str(timestamp).strip():
+        raise SignatureError("missing_timestamp", f"missing {TIMESTAMP_HEADER} header.")
+    try:
+        ts = int(str(timestamp).strip())
+    except ValueError:
+        raise SignatureError(
+            "malformed_timestamp",
+            f"{TIMESTAMP_HEADER} must be integer unix seconds (got {str(timestamp)[:40]!r}).",
+        ) from None
+    clock = time.time() if now is None else now
+    if abs(clock - ts) > tolerance_s:
+        raise SignatureError(
+            "stale_timestamp",
+            f"{TIMESTAMP_HEADER} {ts} is {clock - ts:+.0f} s from the receiver's clock (allowed "
+            f"±{tolerance_s:.0f} s): re-sign the request now, and check both clocks.",
+        )
+    value = str(signature).strip()
+    if not value.startswith(SIGNATURE_PREFIX):
+        raise SignatureError(
+            "malformed_signature",
+            f"{SIGNATURE_HEADER} must look like 'sha256=<hex>' (got {value[:16]!r}...).",
+        )
+    for key in keys:
+        if hmac.compare_digest(sign(body, key, ts), value):
+            return ts
+    raise SignatureError(
+        "invalid_signature",
+        f"{SIGNATURE_HEADER} does not match the body: sign the exact bytes sent, as "
+        "HMAC-SHA256(secret, '<timestamp>.' + body).",
+    )
+
+
+def signed_headers(
+    body: bytes,
+    secret: str,
+    *,
+    delivery_id: str | None = None,
+    timestamp: int | None = None,
+    event: str | None = None,
+) -> dict[str, str]:
+    """Headers for POSTing ``body``: JSON content type, timestamp, signature and delivery id."""
+    ts = int(time.time()) if timestamp is None else int(timestamp)
+    headers = {
+        "Content-Type": "application/json",
+        TIMESTAMP_HEADER: str(ts),
+        SIGNATURE_HEADER: sign(body, secret, ts),
+        DELIVERY_HEADER: delivery_id or uuid.uuid4().hex,
+    }
+    if event:
+        headers[EVENT_HEADER] = event
+    return headers
+
+
+def canonical_json(data: Mapping[str, Any]) -> bytes:
+    """The bytes evalfleet signs and sends for a JSON document (sorted keys, no spaces)."""
+    return json.dumps(data, sort_keys=True, separators=(",", ":"), default=str).encode()
+
+
+@dataclass(frozen=True)
+class CallbackResult:
+    """What happened to one report callback."""
+
+    url: str
+    """Where the report was POSTed."""
+    delivered: bool
+    """True once the receiver answered 2xx."""
+    attempts: int
+    """HTTP attempts made (≤ the ``attempts`` asked for)."""
+    status_code: int | None
+    """Status of the last response, None if no response came (connection error, timeout)."""
+    error: str | None
+    """Why the last attempt failed, None when delivered."""
+    seconds: float
+    """Wall time spent, retries and back-off included."""
+    delivery_id: str
+    """The delivery id every attempt carried (receivers deduplicate on it)."""
+
+    def summary(self) -> str:
+        """One line for ``EvalReport.outputs['callback']``."""
+        tries = f"{self.attempts} attempt{'s' if self.attempts != 1 else ''}"
+        if self.delivered:
+            return f"delivered: HTTP {self.status_code} after {tries} ({self.seconds:.2f} s)"
+        return f"failed after {tries} ({self.seconds:.2f} s): {self.error}"
+
+
+def _retryable(status: int) -> bool:
+    # 408/429 and 5xx are the receiver saying "later"; other 4xx will not change on retry.
+    return status in (408, 425, 429) or status >= 500
+
+
+def _retry_after(response: httpx.Response) -> float | None:
+    value = response.headers.get("Retry-After")
+    try:
+        return float(value) if value is not None else None
+    except ValueError:
+        return None  # an HTTP date: ignore it and use our own back-off
+
+
+def post_report(
+    url: str,
+    report_json: Mapping[str, Any],
+    secret: str,
+    *,
+    attempts: int = 5,
+    backoff: float = 0.5,
+    max_backoff: float = 8.0,
+    timeout: float = 10.0,
+    delivery_id: str | None = None,
+    event: str = REPORT_EVENT,
+    transport: httpx.BaseTransport | None = None,
+    sleep: Callable[[float], None] = time.sleep,
+) -> CallbackResult:
+    """POST ``report_json`` to ``url``, HMAC-signed, retrying with exponential back-off.
+
+    At most ``attempts`` requests are made, each bounded by ``timeout`` seconds, with
+    ``backoff * 2**i`` seconds (capped at ``max_backoff``, or the server's ``Retry-After`` within
+    that cap) between them; so the whole call is bounded too. Each attempt is re-signed with a
+    fresh timestamp and carries the same delivery id. Never raises for network or HTTP failures:
+    the outcome is returned, and the caller decides what a failed callback means.
+    """
+    if attempts < 1:
+        raise ValueError(f"'attempts' must be >= 1 (got {attempts!r}).")
+    body = canonical_json(report_json)
+    delivery = delivery_id or str(report_json.get("request_id") or uuid.uuid4().hex)
+    t0 = time.monotonic()
+    status: int | None = None
+    error: str | None = None
+    made = 0
+    with httpx.Client(timeout=timeout, transport=transport, follow_redirects=False) as client:
+        for attempt in range(attempts):
+            made = attempt + 1
+            wait = min(max_backoff, backoff * 2**attempt)
+            try:
+                headers = signed_headers(body, secret, delivery_id=delivery, event=event)
+                response = client.post(url, content=body, headers=headers)
+            except httpx.HTTPError as err:
+                status, error = None, f"{type(err).__name__}: {err}"
+            else:
+                status = response.status_code
+                if 200 <= status < 300:
+                    return CallbackResult(url, True, made, status, None,
+                                          time.monotonic() - t0, delivery)
+                error = f"HTTP {status}: {response.text[:200]}"
+                if not _retryable(status):
+                    break
+                hint = _retry_after(response)
+                if hint is not None:
+                    wait = min(max_backoff, max(0.0, hint))
+            if attempt + 1 < attempts:
+                logger.warning("callback to %s failed (%s); retry %d/%d in %.1f s",
+                               url, error, attempt + 1, attempts - 1, wait)
+                sleep(wait)
+    return CallbackResult(url, False, made, status, error, time.monotonic() - t0, delivery)
+
+
+def _env_number(name: str, default: float) -> float:
+    try:
+        return float(os.environ.get(name, default))
+    except ValueError:
+        logger.warning("ignoring %s=%r (not a number); using %s", name, os.environ[name], default)
+        return default
+
+
+def send_report_callback(
+    url: str,
+    report_json: Mapping[str, Any],
+    *,
+    secret_env: str = CALLBACK_SECRET_ENV,
+    attempts: int | None = None,
+    backoff: float | None = None,
+    event: str = REPORT_EVENT,
+) -> str:
+    """Stage 7's callback: sign with the secret from ``secret_env`` and POST; never raises.
+
+    ``event`` goes in the ``X-Evalfleet-Event`` header: ``evaluation.completed`` for a report,
+    ``evaluation.failed`` for a run that ended without one.
+
+    Returns the line recorded in ``EvalReport.outputs['callback']``. A missing secret means no
+    callback at all (an unsigned report would teach trainers to accept unsigned reports).
+    ``attempts`` and ``backoff`` default to ``$EVALFLEET_CALLBACK_ATTEMPTS`` (5) and
+    ``$EVALFLEET_CALLBACK_BACKOFF`` (0.5 s, doubling per retry).
+    """
+    if attempts is None:
+        attempts = max(1, int(_env_number("EVALFLEET_CALLBACK_ATTEMPTS", 5)))
+    if backoff is None:
+        backoff = max(0.0, _env_number("EVALFLEET_CALLBACK_BACKOFF", 0.5))
+    secret = os.environ.get(secret_env, "")
+    if not secret:
+        logger.error("callback to %s not sent: %s is not set", url, secret_env)
+        return f"not sent: {secret_env} is not set (the report is in report.json and MLflow)"
+    try:
+        result = post_report(url, report_json, secret, attempts=attempts, backoff=backoff,
+                             event=event)
+    except Exception as err:  # a failing callback must never fail the evaluation
+        logger.exception("callback to %s failed", url)
+        return f"failed: {type(err).__name__}: {err}"
+    if not result.delivered:
+        logger.error("callback to %s %s; the report stays in report.json and MLflow",
+                     url, result.summary())
+    return result.summary()
+
+
+__all__ = [
+    "CALLBACK_SECRET_ENV",
+    "DELIVERY_HEADER",
+    "EVENT_HEADER",
+    "FAILURE_EVENT",
+    "REPORT_EVENT",
+    "SIGNATURE_HEADER",
+    "TIMESTAMP_HEADER",
+    "CallbackResult",
+    "SignatureError",
+    "canonical_json",
+    "post_report",
+    "send_report_callback",
+    "sign",
+    "signed_headers",
+    "verify",
+]
