@@ -22,6 +22,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -209,8 +210,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"unknown contender kind(s) {sorted(unknown)}; choose from {', '.join(CONTENDERS)}")
     only = {s.strip() for s in args.only.split(",") if s.strip()} or None
     out_dir = Path(args.out)
-    work = out_dir / "tmp" / f"run-{os.getpid()}"
-    work.mkdir(parents=True, exist_ok=True)
+    # Scratch space (Prefect home, results of the evaluations, policy variants): outside the repo.
+    work = Path(tempfile.mkdtemp(prefix="evalfleet-bench-"))
     started = dt.datetime.now(dt.UTC)
     missing = {name: err for name in ("stable_baselines3", "torchrl")
                if (err := has_module(name)) is not None}

@@ -8,10 +8,12 @@ It starts, in order, and waits (bounded) for each to be ready:
 3. the served deployment (``python -m deployments.serve``);
 4. the webhook receiver (``python -m deployments.webhook``).
 
-Child processes run in their own sessions, their output is prefixed and echoed here, and on
-Ctrl-C / SIGTERM (or if any child dies) they are stopped in reverse order: SIGTERM to the whole
-process group, SIGKILL after a grace period. Each piece can also be started by hand, as the
-README's process list shows.
+Child processes run in their own sessions and their output is prefixed and echoed here (and kept
+in ``STATE_DIR/logs``). On Ctrl-C / SIGTERM, or if any child dies, the receiver stops first so no
+new work comes in, running evaluations get ``--drain-timeout`` seconds to finish (runs not yet
+started stay SCHEDULED in Prefect's database, visible in the UI), then the rest stop in reverse
+order: SIGTERM to each process group, SIGKILL after ``--stop-grace``. Each piece can also be
+started by hand, as the README's process list shows.
 """
 
 from __future__ import annotations
@@ -94,7 +96,9 @@ class Child:
             return ""
 
     def stop(self, grace: float = 15.0) -> None:
-        """SIGTERM the process group, SIGKILL it after ``grace`` seconds."""
+        """SIGTERM the process group, SIGKILL it after ``grace`` seconds (idempotent)."""
+        if self._log.closed:
+            return
         if self.alive():
             try:
                 os.killpg(self.proc.pid, signal.SIGTERM)
@@ -253,10 +257,48 @@ class Service:
         """A child that exited on its own, if any."""
         return next((c for c in self.children if not c.alive()), None)
 
+    def running_evaluations(self) -> int:
+        """Flow runs of the deployment that are executing now (PENDING or RUNNING)."""
+        api = self.urls.get("prefect_api")
+        if not api:
+            return 0
+        response = httpx.post(f"{api}/flow_runs/count", timeout=5, json={
+            "deployments": {"name": {"any_": [DEPLOYMENT.split("/")[1]]}},
+            "flow_runs": {"state": {"type": {"any_": ["PENDING", "RUNNING"]}}},
+        })
+        response.raise_for_status()
+        return int(response.json())
+
+    def drain(self, timeout: float) -> None:
+        """Let running evaluations finish (bounded) before their processes are stopped.
+
+        Runs not started yet stay SCHEDULED in Prefect's database (under ``--state-dir`` when
+        this command started the server), visible in the UI; they are not deleted.
+        """
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                running = self.running_evaluations()
+            except httpx.HTTPError:
+                return
+            if not running:
+                return
+            self.say(f"waiting for {running} running evaluation(s) (up to "
+                     f"{deadline - time.monotonic():.0f} s more)")
+            time.sleep(2)
+        self.say("drain timeout: stopping running evaluations")
+
     def stop(self) -> None:
-        """Stop the children in reverse order, then the cluster."""
+        """Stop the receiver, let running evaluations end, then the rest in reverse order."""
+        serve = next((c for c in self.children if c.name == "serve"), None)
+        receiver = next((c for c in self.children if c.name == "receiver"), None)
+        if receiver is not None and serve is not None and serve.alive():
+            self.say("stopping receiver")
+            receiver.stop(grace=self.args.stop_grace)  # no new work while draining
+            self.drain(self.args.drain_timeout)
         for child in reversed(self.children):
-            self.say(f"stopping {child.name}")
+            if child.alive():
+                self.say(f"stopping {child.name}")
             child.stop(grace=self.args.stop_grace)
         self.children.clear()
         self.stack.close()
@@ -296,6 +338,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds each component may take to become ready")
     s.add_argument("--stop-grace", type=float, default=15.0,
                    help="seconds each component gets to exit after SIGTERM")
+    s.add_argument("--drain-timeout", type=float, default=120.0,
+                   help="on shutdown, seconds to let running evaluations finish")
     return s
 
 

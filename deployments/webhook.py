@@ -10,7 +10,9 @@
     503  Prefect unreachable (retry later; nothing was recorded)
     202  new evaluation: {"id", "flow_run_id", "status_url", "state", "duplicate": null}
     200  duplicate delivery, or same cache key as a live evaluation: the same evaluation,
-         "duplicate": "delivery" | "cache_key"; never a second run
+         "duplicate": "delivery" | "cache_key"; never a second run. The report goes to the
+         first delivery's callback URL; later duplicates read it from the status URL.
+         A cache key whose evaluation FAILED, CRASHED or was CANCELLED may run again.
 
 ``GET /v1/evaluations/{id}`` gives the flow run's state and, once completed, the report.
 ``GET /healthz`` says whether the receiver, its SQLite store and Prefect answer.
@@ -119,10 +121,13 @@ class EvaluationCreate(_Strict):
 
 
 def idempotency_key(body: EvaluationCreate) -> str:
-    """sha256 over everything that fixes an evaluation's numbers.
+    """sha256 over what the trainer said fixes an evaluation's numbers (episodes included).
 
-    Two deliveries with the same key are the same evaluation. To be replaced by
-    ``evalfleet.cache``'s key once it exists, so the webhook and the result cache agree.
+    Two deliveries with the same key are the same evaluation. It is computed from the body
+    alone, so the receiver needs neither torch nor the env's package. ``evalfleet.cache``'s key
+    is finer (env spec and package versions, policy output kind) but needs stage 1 to load the
+    env and policy; the flow applies it anyway, so a run that slips past this key still reuses
+    cached episodes instead of recomputing them.
     """
     doc = {
         "policy_sha256": body.policy.sha256,

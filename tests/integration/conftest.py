@@ -95,7 +95,7 @@ def service(prefect_server: str, tmp_path_factory: pytest.TempPathFactory) -> It
             [sys.executable, "-m", "deployments.cli", "--prefect-api-url", prefect_server,
              "--port", "0", "--workers", "2", "--state-dir", str(base / "state"),
              "--output", str(output), "--mlflow-uri", mlflow_uri, "--ready-file", str(ready),
-             "--startup-timeout", str(SERVICE_START_S)],
+             "--startup-timeout", str(SERVICE_START_S), "--drain-timeout", "20"],
             cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
         )
         try:

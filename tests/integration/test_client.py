@@ -15,6 +15,7 @@ from typing import Any
 import pyarrow as pa
 import pytest
 import torch
+from mlflow.tracking import MlflowClient
 
 from evalfleet.client import (
     DeploymentRunner,
@@ -28,7 +29,7 @@ from evalfleet.client import (
 )
 from evalfleet.errors import EvalfleetError, PolicyError, RequestError
 
-from .conftest import Service
+from .conftest import CALLBACK_SECRET, Service, TrainerEndpoint
 from .policies import mlp
 
 FACTORY = "tests.integration.policies:mlp"
@@ -131,7 +132,13 @@ def test_busy_policies_without_a_cluster(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_evaluator_on_the_fleet(service: Service, tmp_path: Path) -> None:
+def test_evaluator_on_the_fleet(service: Service, trainer: TrainerEndpoint, tmp_path: Path,
+                                monkeypatch: pytest.MonkeyPatch) -> None:
+    # The client runs the flow in this process: it signs callbacks with this process's secret.
+    monkeypatch.setenv("EVALFLEET_CALLBACK_SECRET", CALLBACK_SECRET)
+    monkeypatch.setenv("EVALFLEET_CALLBACK_ATTEMPTS", "3")
+    monkeypatch.setenv("EVALFLEET_CALLBACK_BACKOFF", "0.1")
+    trainer.statuses = [500] * 10  # the trainer's callback endpoint is down throughout
     threads: list[str] = []
     extra: list[int] = []
 
@@ -145,7 +152,7 @@ def test_evaluator_on_the_fleet(service: Service, tmp_path: Path) -> None:
     with Evaluator(env="CartPole-v1", policy_factory=mlp, num_episodes=8, busy_policy="queue",
                    on_result=on_result, metrics_fn=metrics_fn, training_run_id="client-test",
                    dask_address=service.urls["dask"], output=tmp_path / "results",
-                   concurrency=8, max_steps=100, seed=3) as ev:
+                   concurrency=8, max_steps=100, seed=3, callback_url=trainer.url) as ev:
         t0 = time.perf_counter()
         request_id = ev.trigger_eval(model(1), step=1)
         trigger_s = time.perf_counter() - t0
@@ -166,6 +173,13 @@ def test_evaluator_on_the_fleet(service: Service, tmp_path: Path) -> None:
     assert blocking["eval/reward"] == triggered["eval/reward"]  # same weights, same seeds
     assert extra == [8, 8]
     assert threads == ["evalfleet-evaluator"] * 2  # on_result ran on the background thread
+    # A failed callback never loses the result: it came back here, and it is on disk and in MLflow.
+    for r in (triggered, blocking):
+        outputs = r["report"].outputs
+        assert outputs["callback"].startswith("failed after 3 attempts")  # signed, retried
+        assert Path(outputs["episodes"]).exists() and Path(outputs["report"]).exists()
+        assert MlflowClient(outputs["mlflow_uri"]).get_run(outputs["mlflow_run_id"])
+    assert len(trainer.calls) == 6 and all(c["verified"] for c in trainer.calls)
 
 
 @pytest.mark.slow
