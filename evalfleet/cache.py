@@ -6,7 +6,7 @@ Key = sha256 over canonical JSON of:
 - the env: id, kwargs, registered spec (entry point, version, max_episode_steps) and the version
   of the package that provides it (or the sha256 of its module source when it is not installed);
 - the protocol: base seed, max steps, deterministic flag;
-- versions: evalfleet, gymnasium, numpy, torch.
+- versions: evalfleet, gymnasium, numpy, torch, and the episode table's schema.
 
 The episode count is not in the key: an entry holds episodes by index, so a request for 3,000
 episodes after one for 1,000 reuses 0..999 and runs only 1,000..2,999 (a top-up), and the result
@@ -42,7 +42,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from evalfleet.errors import CacheCorruptError
-from evalfleet.records import EPISODE_SCHEMA
+from evalfleet.records import EPISODE_SCHEMA, SCHEMA_VERSION
 from evalfleet.storage import read_episodes, write_episodes, write_json
 
 logger = logging.getLogger(__name__)
@@ -67,6 +67,7 @@ def key_ingredients(
         "env": env,
         "protocol": {"seed": seed, "max_steps": max_steps, "deterministic": deterministic},
         "versions": {k: versions[k] for k in ("evalfleet", "gymnasium", "numpy", "torch")},
+        "episode_schema": SCHEMA_VERSION,
     }
 
 

@@ -171,6 +171,27 @@ def run_shard(
     ep_rng: list[np.random.Generator | None] = [None] * n
     ret = np.zeros(n, dtype=np.float64)
     length = np.zeros(n, dtype=np.int64)
+    # Per-step reward extremes and how many steps sat exactly on them (the clip-boundary audit).
+    rmin = np.full(n, np.inf)
+    rmax = np.full(n, -np.inf)
+    nmin = np.zeros(n, dtype=np.int64)
+    nmax = np.zeros(n, dtype=np.int64)
+
+    def track(idx: npt.NDArray[np.intp] | None, rewards: npt.NDArray[np.float64]) -> None:
+        # Finite rewards of the slots ``idx`` (None: every slot, whole-array operations).
+        if idx is None:
+            below, above = rewards < rmin, rewards > rmax
+            if below.any():
+                rmin[below], nmin[below] = rewards[below], 0
+            if above.any():
+                rmax[above], nmax[above] = rewards[above], 0
+            nmin[:] += rewards == rmin
+            nmax[:] += rewards == rmax
+            return
+        lo, hi = np.minimum(rmin[idx], rewards), np.maximum(rmax[idx], rewards)
+        nmin[idx] = np.where(lo < rmin[idx], 0, nmin[idx]) + (rewards == lo)
+        nmax[idx] = np.where(hi > rmax[idx], 0, nmax[idx]) + (rewards == hi)
+        rmin[idx], rmax[idx] = lo, hi
     obs_rows: list[npt.NDArray[np.float32]] = []  # the (n, *obs_shape) buffer, once known
 
     def finish(slot: int, reason: str, error: str | None, info: dict[str, float]) -> None:
@@ -198,6 +219,10 @@ def run_shard(
             isolation=slots.isolation,
             retried=retried,
             metrics={k: v for k, v in info.items() if k not in SUCCESS_KEYS},
+            reward_min=float(rmin[slot]) if nmin[slot] else None,
+            reward_max=float(rmax[slot]) if nmax[slot] else None,
+            steps_at_reward_min=int(nmin[slot]),
+            steps_at_reward_max=int(nmax[slot]),
         )
         records.append(record)
         if on_episode is not None:
@@ -225,6 +250,7 @@ def run_shard(
                 ep_started[slot] = time.perf_counter()
                 ret[slot] = 0.0
                 length[slot] = 0
+                rmin[slot], rmax[slot], nmin[slot], nmax[slot] = np.inf, -np.inf, 0, 0
                 live[slot] = True
                 batch.append((slot, seed))
             for (slot, _), out in zip(batch, slots.reset_many(batch), strict=True):
@@ -273,10 +299,17 @@ def run_shard(
                 if len(step_idx) == n:  # every slot stepped: whole-array updates
                     length += 1
                     ret += rewards
+                    track(None, rewards)
                 else:
                     length[step_idx] += 1
                     ret[step_idx] += rewards
+                    track(step_idx, rewards)
             else:
+                counted = finite.copy()  # rewards that count: finite, of a step that did not fail
+                for pos, out in ended.items():
+                    if out.failure is not None:
+                        counted[pos] = False
+                track(step_idx[counted], rewards[counted])
                 nonfinite = np.flatnonzero(~finite)
                 special = sorted(set(ended).union(nonfinite.tolist()))
                 regular = np.ones(len(step_idx), dtype=bool)
