@@ -61,7 +61,7 @@ def _figure(size: tuple[float, float] = _SIZE) -> tuple[Figure, Axes]:
 
 
 def _save(fig: Figure, path: Path) -> Path:
-    fig.savefig(path, format="png")
+    fig.savefig(path, format="png", pil_kwargs={"compress_level": 1})  # 5x faster, ~1.3x bigger
     return path
 
 
