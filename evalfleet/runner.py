@@ -306,8 +306,8 @@ def run_shard(
                     track(step_idx, rewards)
             else:
                 counted = finite.copy()  # rewards that count: finite, of a step that did not fail
-                for pos, out in ended.items():
-                    if out.failure is not None:
+                for pos, outcome in ended.items():
+                    if outcome.failure is not None:
                         counted[pos] = False
                 track(step_idx[counted], rewards[counted])
                 nonfinite = np.flatnonzero(~finite)
