@@ -5,7 +5,8 @@
 - Determinism audit: a seeded sample of episodes (2%, at least 2) runs a second time on the
   cluster; any difference in return or length flags ``non_deterministic_env`` with the seeds.
 - Reward integrity: identical returns across episodes of varying length flag a constant or gamed
-  reward.
+  reward; many steps exactly on the extreme reward values, while other steps fall strictly
+  between them, flag a clipped reward.
 - Paired comparison: both policies on the same seeds (common random numbers).
 """
 
@@ -23,12 +24,21 @@ from evalfleet.models import EndReason, EvalRequest
 
 AUDIT_FRACTION = 0.02
 AUDIT_MIN = 2
+#: More than this fraction of non-final steps exactly on the (non-zero) extreme rewards looks clipped...
+CLIP_FRACTION = 0.2
+#: ...when at least this fraction of them fall strictly between the extremes: a reward with only
+#: two values (win/loss, a constant per-step cost) is not a clipped one.
+CLIP_INTERIOR_MIN = 0.05
+
+
+def _completed(table: pa.Table) -> np.ndarray[Any, np.dtype[np.bool_]]:
+    reasons = table.column("end_reason").to_pylist()
+    return np.array([not EndReason(r).is_failure for r in reasons], dtype=bool)
 
 
 def completed_returns(table: pa.Table) -> np.ndarray[Any, np.dtype[np.float64]]:
     """Returns of the episodes that did not fail, in episode order."""
-    reasons = table.column("end_reason").to_pylist()
-    ok = np.array([not EndReason(r).is_failure for r in reasons], dtype=bool)
+    ok = _completed(table)
     returns: np.ndarray[Any, np.dtype[np.float64]] = np.asarray(
         table.column("return").to_numpy(), dtype=np.float64
     )[ok]
@@ -116,11 +126,57 @@ def determinism_audit(table: pa.Table, rerun: pa.Table) -> dict[str, Any]:
     return {"checked": rerun.num_rows, "mismatches": mismatches}
 
 
+def step_rewards(table: pa.Table) -> dict[str, Any] | None:
+    """Extremes of the per-step rewards of completed episodes' non-final steps, and their shares.
+
+    Exact whatever the sharding: the extremes are the extremes of the episodes' extremes, and the
+    steps on an extreme are summed over the episodes that reach it. None when no completed episode
+    has a step before its last.
+    """
+    ok = _completed(table) & np.asarray(table.column("nonfinal_reward_min").is_valid(), dtype=bool)
+    if not ok.any():
+        return None
+    lo = np.asarray(table.column("nonfinal_reward_min").to_numpy(zero_copy_only=False), dtype=float)[ok]
+    hi = np.asarray(table.column("nonfinal_reward_max").to_numpy(zero_copy_only=False), dtype=float)[ok]
+    at_lo = table.column("nonfinal_steps_at_min").to_numpy()[ok]
+    at_hi = table.column("nonfinal_steps_at_max").to_numpy()[ok]
+    steps = int((table.column("length").to_numpy()[ok] - 1).sum())
+    gmin, gmax = float(lo.min()), float(hi.max())
+    on_min, on_max = int(at_lo[lo == gmin].sum()), int(at_hi[hi == gmax].sum())
+    between = steps - on_min - on_max if gmin < gmax else 0
+    return {"steps": steps, "min": gmin, "max": gmax,
+            "at_min_fraction": on_min / steps, "at_max_fraction": on_max / steps,
+            "between_fraction": between / steps}
+
+
+def clipped_reward_alarm(summary: dict[str, Any] | None) -> str | None:
+    """``reward_clipped`` when many non-final steps sit exactly on a non-zero extreme reward.
+
+    Zero is left out as a boundary: a reward that is 0 on most steps is a sparse reward, not a
+    clipped one. The alarm asks to check, it does not prove clipping (a reward with a few discrete
+    values between its extremes can raise it).
+    """
+    if summary is None or summary["min"] == summary["max"]:
+        return None
+    sides = [(side, summary[side], summary[f"at_{side}_fraction"]) for side in ("min", "max")
+             if summary[side] != 0.0]
+    on_boundary = sum(share for _, _, share in sides)
+    if on_boundary <= CLIP_FRACTION or summary["between_fraction"] < CLIP_INTERIOR_MIN:
+        return None
+    where = " and ".join(f"{share:.1%} exactly the {side} {value!r}" for side, value, share in sides
+                         if share > 0)
+    return (
+        f"reward_clipped: of {summary['steps']} non-final steps, {where}, while "
+        f"{summary['between_fraction']:.1%} fall strictly between: the reward looks clipped at "
+        f"[{summary['min']!r}, {summary['max']!r}]; evaluate on the unclipped reward (a clipped "
+        "reward hides how much better or worse a policy is)"
+    )
+
+
 def reward_integrity(table: pa.Table) -> list[str]:
-    """Alarms about the rewards themselves (constant returns over varying lengths)."""
+    """Alarms about the rewards themselves: constant returns over varying lengths, clipping."""
     alarms = []
-    reasons = table.column("end_reason").to_pylist()
-    ok = np.array([not EndReason(r).is_failure for r in reasons], dtype=bool)
+    ok = _completed(table)
     returns = table.column("return").to_numpy()[ok]
     lengths = table.column("length").to_numpy()[ok]
     if returns.size >= 10 and np.all(returns == returns[0]) and len(np.unique(lengths)) > 1:
@@ -129,6 +185,9 @@ def reward_integrity(table: pa.Table) -> list[str]:
             f"their lengths range {lengths.min()}..{lengths.max()}: check the reward is not constant "
             "or gamed (expected only for sparse win/loss rewards when one side always wins)"
         )
+    clipped = clipped_reward_alarm(step_rewards(table))
+    if clipped is not None:
+        alarms.append(clipped)
     return alarms
 
 

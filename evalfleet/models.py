@@ -243,6 +243,7 @@ class EvalReport(_Frozen):
     audit: dict[str, Any] | None = None
     comparison: dict[str, Any] | None = None
     failure_clusters: list[dict[str, Any]] = []
+    step_rewards: dict[str, Any] | None = None
 
     @property
     def mean(self) -> float:

@@ -21,6 +21,7 @@ from evalfleet.audit import (
     compare_with_baseline,
     determinism_audit,
     reward_integrity,
+    step_rewards,
 )
 from evalfleet.cache import EpisodeCache, Lookup, cache_key, default_cache_dir, key_ingredients
 from evalfleet.envspec import resolve_env
@@ -229,6 +230,7 @@ def summarize(
         "audit": audit,
         "adaptive": schedule.summary(),
         "comparison": comparison,
+        "step_rewards": step_rewards(collected.table),
     })
 
 

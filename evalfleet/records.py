@@ -30,17 +30,18 @@ EPISODE_SCHEMA = pa.schema(
         pa.field("isolation", pa.string(), nullable=False),
         pa.field("retried", pa.bool_(), nullable=False),
         pa.field("metrics", pa.map_(pa.string(), pa.float64())),
-        pa.field("reward_min", pa.float64()),
-        pa.field("reward_max", pa.float64()),
-        pa.field("steps_at_reward_min", pa.int64(), nullable=False),
-        pa.field("steps_at_reward_max", pa.int64(), nullable=False),
+        pa.field("nonfinal_reward_min", pa.float64()),
+        pa.field("nonfinal_reward_max", pa.float64()),
+        pa.field("nonfinal_steps_at_min", pa.int64(), nullable=False),
+        pa.field("nonfinal_steps_at_max", pa.int64(), nullable=False),
     ],
     metadata={"evalfleet.schema_version": SCHEMA_VERSION},
 )
 
 #: Columns that depend only on (policy, env, protocol, index): equal across reruns and cluster shapes.
 OUTCOME_COLUMNS = ("episode_index", "seed", "return", "length", "end_reason", "error", "success",
-                   "reward_min", "reward_max", "steps_at_reward_min", "steps_at_reward_max")
+                   "nonfinal_reward_min", "nonfinal_reward_max", "nonfinal_steps_at_min",
+                   "nonfinal_steps_at_max")
 
 
 @dataclass(slots=True)
@@ -48,9 +49,10 @@ class EpisodeRecord:
     """One finished episode (or failed attempt at one).
 
     ``return`` is a Python keyword, hence ``episode_return`` here and ``return`` in the table.
-    ``reward_min``/``reward_max`` are the extremes of the episode's finite per-step rewards (None
-    before its first counted step) and ``steps_at_reward_min``/``_max`` how many steps returned
-    exactly those values: what the clip-boundary audit reads.
+    ``nonfinal_reward_min``/``_max`` are the extremes of the rewards of the episode's steps before
+    its last one (None when there are none; a last step's reward is often a terminal bonus of its
+    own kind) and ``nonfinal_steps_at_min``/``_max`` how many of those steps returned exactly
+    those values: what the clip-boundary audit reads.
     """
 
     request_id: str
@@ -70,10 +72,10 @@ class EpisodeRecord:
     isolation: str
     retried: bool = False
     metrics: dict[str, float] = field(default_factory=dict)
-    reward_min: float | None = None
-    reward_max: float | None = None
-    steps_at_reward_min: int = 0
-    steps_at_reward_max: int = 0
+    nonfinal_reward_min: float | None = None
+    nonfinal_reward_max: float | None = None
+    nonfinal_steps_at_min: int = 0
+    nonfinal_steps_at_max: int = 0
 
     def as_row(self) -> dict[str, object]:
         """The record as a row of ``EPISODE_SCHEMA``."""

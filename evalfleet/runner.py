@@ -171,7 +171,8 @@ def run_shard(
     ep_rng: list[np.random.Generator | None] = [None] * n
     ret = np.zeros(n, dtype=np.float64)
     length = np.zeros(n, dtype=np.int64)
-    # Per-step reward extremes and how many steps sat exactly on them (the clip-boundary audit).
+    # Extremes of the rewards of non-final steps and how many steps sat exactly on them (the
+    # clip-boundary audit; a final step's reward is often a terminal bonus of its own kind).
     rmin = np.full(n, np.inf)
     rmax = np.full(n, -np.inf)
     nmin = np.zeros(n, dtype=np.int64)
@@ -219,10 +220,10 @@ def run_shard(
             isolation=slots.isolation,
             retried=retried,
             metrics={k: v for k, v in info.items() if k not in SUCCESS_KEYS},
-            reward_min=float(rmin[slot]) if nmin[slot] else None,
-            reward_max=float(rmax[slot]) if nmax[slot] else None,
-            steps_at_reward_min=int(nmin[slot]),
-            steps_at_reward_max=int(nmax[slot]),
+            nonfinal_reward_min=float(rmin[slot]) if nmin[slot] else None,
+            nonfinal_reward_max=float(rmax[slot]) if nmax[slot] else None,
+            nonfinal_steps_at_min=int(nmin[slot]),
+            nonfinal_steps_at_max=int(nmax[slot]),
         )
         records.append(record)
         if on_episode is not None:
@@ -305,10 +306,8 @@ def run_shard(
                     ret[step_idx] += rewards
                     track(step_idx, rewards)
             else:
-                counted = finite.copy()  # rewards that count: finite, of a step that did not fail
-                for pos, outcome in ended.items():
-                    if outcome.failure is not None:
-                        counted[pos] = False
+                counted = finite.copy()  # finite rewards of steps the episode goes on after
+                counted[list(ended)] = False
                 track(step_idx[counted], rewards[counted])
                 nonfinite = np.flatnonzero(~finite)
                 special = sorted(set(ended).union(nonfinite.tolist()))

@@ -44,6 +44,11 @@ def summary_rows(report: EvalReport) -> list[dict[str, str]]:
     if report.audit is not None:
         rows.append(("determinism audit", f"{report.audit['checked']} re-run, "
                                           f"{len(report.audit['mismatches'])} mismatches"))
+    if report.step_rewards:
+        w = report.step_rewards
+        rows.append(("step rewards", f"{_fmt(w['min'])} .. {_fmt(w['max'])}; on min "
+                                     f"{w['at_min_fraction']:.1%}, on max {w['at_max_fraction']:.1%} "
+                                     f"of {w['steps']} non-final steps"))
     if report.alarms:
         rows.append(("ALARMS", "; ".join(report.alarms)))
     rows.append(("cache", f"{report.cache.get('status')} (reused {report.cache.get('reused', 0)})"))

@@ -51,6 +51,11 @@ def flatten_metrics(report: dict[str, Any]) -> dict[str, float]:
         m["eval/baseline_diff_ci_low"] = c["ci"]["low"]
         m["eval/baseline_diff_ci_high"] = c["ci"]["high"]
         m["eval/p_improvement"] = c["p_improvement"]
+    if report.get("step_rewards"):
+        r = report["step_rewards"]
+        m["eval/step_reward_min"], m["eval/step_reward_max"] = r["min"], r["max"]
+        m["eval/step_reward_at_min_fraction"] = r["at_min_fraction"]
+        m["eval/step_reward_at_max_fraction"] = r["at_max_fraction"]
     if report.get("audit"):
         m["eval/audit_checked"] = report["audit"]["checked"]
         m["eval/audit_mismatches"] = len(report["audit"]["mismatches"])

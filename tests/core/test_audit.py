@@ -1,5 +1,6 @@
 """Paired comparison on a correlated env, audit sampling, reward integrity, round schedule."""
 
+import gymnasium as gym
 import numpy as np
 import pyarrow as pa
 
@@ -7,9 +8,11 @@ import tests.flows.user_envs  # noqa: F401
 from evalfleet.audit import (
     RoundSchedule,
     audit_sample,
+    clipped_reward_alarm,
     compare_with_baseline,
     determinism_audit,
     reward_integrity,
+    step_rewards,
 )
 from evalfleet.envspec import env_thunk, resolve_env
 from evalfleet.models import EvalRequest
@@ -22,13 +25,13 @@ from evalfleet.seeds import SeedLedger
 ENV = "tests.flows.user_envs:Warehouse-v0"
 
 
-def _episodes(policy_ref, n=300, seed=0):
-    resolved = resolve_env(ENV, {}, None)
+def _episodes(policy_ref, n=300, seed=0, env=ENV):
+    resolved = resolve_env(env, {}, None)
     art = receive_policy(policy_ref, None, resolved.observation_space, resolved.action_space)
     policy = load_policy(art.format, art.payload, None, art.source, resolved.action_space)
     ledger = SeedLedger(seed)
-    records = run_shard([(i, ledger.seed(i)) for i in range(n)], InProcessSlots(env_thunk(ENV, {}, None), 16),
-                        policy, EpisodeContext("r", art.sha256, ENV, "s", "w"))
+    records = run_shard([(i, ledger.seed(i)) for i in range(n)], InProcessSlots(env_thunk(env, {}, None), 16),
+                        policy, EpisodeContext("r", art.sha256, env, "s", "w"))
     return records_to_table(records).sort_by("episode_index")
 
 
@@ -94,3 +97,78 @@ def test_round_schedule_grows_until_target_or_cap():
     fixed.next_episodes(None)
     assert fixed.next_episodes(pa.concat_tables([table(20, 1.0)])) is None
     assert fixed.summary() is None
+
+
+def _stepped(i, length, lo, hi, at_lo, at_hi, reason="terminated"):
+    row = _row(i, 0.0, length, reason)
+    row.nonfinal_reward_min, row.nonfinal_reward_max = lo, hi
+    row.nonfinal_steps_at_min, row.nonfinal_steps_at_max = at_lo, at_hi
+    return row
+
+
+def test_step_rewards_combine_episode_extremes_exactly():
+    table = records_to_table([
+        _stepped(0, 11, -1.0, 1.0, 3, 2),   # 10 non-final steps: 3 on -1, 2 on +1
+        _stepped(1, 21, -0.5, 1.0, 1, 4),   # its minimum is not the global one: its 1 step is not counted
+        _stepped(2, 1, None, None, 0, 0),   # one step only: no non-final step
+        _stepped(3, 31, -1.0, 0.9, 6, 1, reason="env_error"),  # failed: left out
+    ])
+    summary = step_rewards(table)
+    assert summary == {"steps": 30, "min": -1.0, "max": 1.0, "at_min_fraction": 3 / 30,
+                       "at_max_fraction": 6 / 30, "between_fraction": 21 / 30}
+    assert step_rewards(records_to_table([_stepped(0, 1, None, None, 0, 0)])) is None
+
+
+def test_clip_alarm_needs_mass_on_nonzero_extremes_and_values_between():
+    base = {"steps": 1000, "min": -1.0, "max": 1.0}
+    clipped = clipped_reward_alarm({**base, "at_min_fraction": 0.15, "at_max_fraction": 0.16,
+                                    "between_fraction": 0.69})
+    assert clipped is not None and clipped.startswith("reward_clipped: of 1000 non-final steps, ")
+    assert "15.0% exactly the min -1.0 and 16.0% exactly the max 1.0" in clipped
+    # A two-valued reward (e.g. -1 per step, +1 on some steps) has nothing between: not clipping.
+    assert clipped_reward_alarm({**base, "at_min_fraction": 0.7, "at_max_fraction": 0.3,
+                                 "between_fraction": 0.0}) is None
+    # A sparse reward, 0 on most steps, is not clipped at 0.
+    assert clipped_reward_alarm({"steps": 1000, "min": 0.0, "max": 5.3, "at_min_fraction": 0.9,
+                                 "at_max_fraction": 0.001, "between_fraction": 0.099}) is None
+    # Few steps on the extremes: a continuous reward.
+    assert clipped_reward_alarm({**base, "at_min_fraction": 0.001, "at_max_fraction": 0.001,
+                                 "between_fraction": 0.998}) is None
+    assert clipped_reward_alarm({**base, "min": 1.0, "at_min_fraction": 1.0, "at_max_fraction": 1.0,
+                                 "between_fraction": 0.0}) is None  # constant per-step reward
+
+
+def _nonfinal_extremes(policy, seed, env_id):
+    env = gym.make(env_id)
+    obs, _ = env.reset(seed=seed)
+    rewards, done = [], False
+    while not done:
+        action = int(policy.act(np.asarray(obs, np.float32)[None])[0])
+        obs, reward, terminated, truncated, _ = env.step(action)
+        rewards.append(float(reward))
+        done = terminated or truncated
+    inner = np.array(rewards[:-1])
+    if not inner.size:
+        return None, None, 0, 0
+    return (float(inner.min()), float(inner.max()), int((inner == inner.min()).sum()),
+            int((inner == inner.max()).sum()))
+
+
+def test_clipped_reward_is_flagged_and_the_runner_counts_exactly():
+    table = _episodes("tests.flows.user_envs:toward_goal", n=200, env="ClippedWarehouse-v0")
+    summary = step_rewards(table)
+    assert summary["min"] == -1.0 and summary["max"] == 1.0
+    assert 0.25 < summary["at_min_fraction"] + summary["at_max_fraction"] < 0.40  # N(0,1) beyond ±1
+    alarms = reward_integrity(table)
+    assert [a.split(":")[0] for a in alarms] == ["reward_clipped"], alarms
+    # Each row's extremes and counts are what stepping the env by hand gives.
+    resolved = resolve_env("ClippedWarehouse-v0", {}, None)
+    art = receive_policy("tests.flows.user_envs:toward_goal", None, resolved.observation_space,
+                         resolved.action_space)
+    policy = load_policy(art.format, art.payload, None, art.source, resolved.action_space)
+    for row in table.slice(0, 25).to_pylist():
+        got = (row["nonfinal_reward_min"], row["nonfinal_reward_max"], row["nonfinal_steps_at_min"],
+               row["nonfinal_steps_at_max"])
+        assert got == _nonfinal_extremes(policy, row["seed"], "ClippedWarehouse-v0"), row["episode_index"]
+    # The same env without the clip: no alarm.
+    assert reward_integrity(_episodes("tests.flows.user_envs:toward_goal", n=200)) == []

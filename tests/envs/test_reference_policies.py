@@ -126,3 +126,26 @@ def test_heuristic_beats_random_by_a_margin(name: str, margin: float) -> None:
     random_mean = mean_return(env_id, random_policy)
     heuristic_mean = mean_return(env_id, heuristic)
     assert heuristic_mean > random_mean + margin, (heuristic_mean, random_mean)
+
+
+@pytest.mark.parametrize(("env_id", "policy"), ALL_POLICIES)
+def test_use_case_rewards_raise_no_clip_alarm(env_id: str, policy: Policy) -> None:
+    from evalfleet.audit import clipped_reward_alarm, step_rewards
+    from evalfleet.envspec import env_thunk, resolve_env
+    from evalfleet.policy import load_policy, receive_policy
+    from evalfleet.records import records_to_table
+    from evalfleet.runner import EpisodeContext, run_shard
+    from evalfleet.sandbox.base import InProcessSlots
+    from evalfleet.seeds import SeedLedger
+
+    resolved = resolve_env(env_id, {}, None)
+    art = receive_policy(f"envs.reference_policies:{policy.__name__}", None,
+                         resolved.observation_space, resolved.action_space)
+    loaded = load_policy(art.format, art.payload, None, art.source, resolved.action_space)
+    ledger = SeedLedger(0)
+    records = run_shard([(i, ledger.seed(i)) for i in range(60)],
+                        InProcessSlots(env_thunk(env_id, {}, None), 16), loaded,
+                        EpisodeContext("r", art.sha256, env_id, "s", "w"))
+    summary = step_rewards(records_to_table(records))
+    assert summary is not None and summary["steps"] > 0
+    assert clipped_reward_alarm(summary) is None, summary

@@ -85,3 +85,25 @@ def test_trajectories_videos_and_failure_clusters(prefect_server, tmp_path):
         assert len(steps) == by_index[idx]["length"]
     videos = list((tmp_path / "out" / "runs" / report.request_id / "videos").iterdir())
     assert len(videos) == 2 and all(v.stat().st_size > 1000 for v in videos)
+
+
+def test_clipped_reward_alarm_reaches_report_mlflow_and_summary(prefect_server, tmp_path):
+    import json
+
+    from mlflow.tracking import MlflowClient
+
+    from evalfleet.summary import summary_text
+
+    report = evaluate(EvalRequest.build(
+        env="tests.flows.user_envs:ClippedWarehouse-v0", policy="tests.flows.user_envs:toward_goal",
+        episodes=120, concurrency=20, output=tmp_path / "out"))
+    clipped = [a for a in report.alarms if a.startswith("reward_clipped")]
+    assert len(clipped) == 1 and "[-1.0, 1.0]" in clipped[0], report.alarms
+    w = report.step_rewards
+    assert w["min"] == -1.0 and w["max"] == 1.0 and 0.25 < w["at_min_fraction"] + w["at_max_fraction"] < 0.4
+    on_disk = json.loads(open(report.outputs["report"]).read())
+    assert on_disk["step_rewards"] == w and clipped[0] in on_disk["alarms"]
+    run = MlflowClient(report.outputs["mlflow_uri"]).get_run(report.outputs["mlflow_run_id"])
+    assert run.data.tags["evalfleet.alarm.reward_clipped"] == "true"
+    assert run.data.metrics["eval/step_reward_at_max_fraction"] == w["at_max_fraction"]
+    assert "reward_clipped" in summary_text(report) and "step rewards" in summary_text(report)

@@ -67,3 +67,15 @@ class FlakyEnv(WarehouseEnv):
 
 
 gym.register("Flaky-v0", entry_point=FlakyEnv, max_episode_steps=60)
+
+
+class ClippedWarehouseEnv(WarehouseEnv):
+    """A continuous per-step reward clipped to [-1, 1]: about 32% of steps sit on a boundary."""
+
+    def step(self, action: int) -> tuple[np.ndarray, float, bool, bool, dict[str, Any]]:
+        obs, _, done, truncated, info = super().step(action)
+        reward = float(np.clip(self.np_random.normal(0.0, 1.0), -1.0, 1.0))
+        return obs, reward, done, truncated, info
+
+
+gym.register("ClippedWarehouse-v0", entry_point=ClippedWarehouseEnv, max_episode_steps=60)
