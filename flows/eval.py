@@ -86,7 +86,8 @@ def evaluate(request: EvalRequest) -> EvalReport:
     fixed = request.target_ci_halfwidth is None and request.baseline is None
     hit = fixed and lookup(request, received).status == "hit"
     cluster = nullcontext(None) if hit else fleet_cluster(request.dask_address, request.workers)
-    with prefect_api(), cluster as address:
+    with prefect_api(wait=False) as api, cluster as address:  # the cluster starts as the server boots
+        api.wait()
         runner = DaskTaskRunner(address=address) if address else ThreadPoolTaskRunner()
         return eval_flow.with_options(task_runner=runner)(request, address)
 

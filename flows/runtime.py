@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextvars
 import logging
 import os
+import socket
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -16,36 +17,80 @@ from prefect.settings import PREFECT_API_URL, PREFECT_FLOWS_HEARTBEAT_FREQUENCY,
 logger = logging.getLogger(__name__)
 
 
+class PrefectApi:
+    """The Prefect API of an evaluation: its URL at once, and ``wait()`` until it answers."""
+
+    def __init__(self, url: str, starting: threading.Thread | None = None) -> None:
+        self.url = url
+        self._starting = starting
+        self.error: BaseException | None = None
+
+    def wait(self) -> str:
+        """Block until the server answers (a no-op for a server that was already running)."""
+        if self._starting is not None:
+            self._starting.join()
+            self._starting = None
+        if self.error is not None:
+            raise RuntimeError(f"the local Prefect server did not start: {self.error}") from self.error
+        return self.url
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
 @contextmanager
-def prefect_api() -> Iterator[str]:
-    """Yield the Prefect API URL every process of this evaluation uses.
+def prefect_api(wait: bool = True) -> Iterator[PrefectApi]:
+    """Yield the Prefect API every process of this evaluation uses.
 
     With ``PREFECT_API_URL`` set, that server is used. Otherwise one local server subprocess is
-    started for this evaluation and exported through the environment *before* any Dask worker is
-    spawned: Prefect's ephemeral mode would otherwise start one server per worker process.
+    started for this evaluation and its URL exported through the environment *before* any Dask
+    worker is spawned: Prefect's ephemeral mode would otherwise start one server per worker
+    process. The URL is fixed before the server starts, so with ``wait=False`` the caller can
+    start its cluster while the server boots, and call ``wait()`` before the first flow run.
     """
     url = PREFECT_API_URL.value()
     if url:
-        yield url
+        yield PrefectApi(url)
         return
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     from prefect.server.api.server import SubprocessASGIServer
 
-    server = SubprocessASGIServer()
-    server.start(timeout=120)
-    # This server lives only as long as the evaluation: flow heartbeats (zombie detection for
-    # long-lived servers) would only add up to a second of thread join per flow run.
+    server = SubprocessASGIServer(port=_free_port())
+    api_url = server.api_url
+
+    def start() -> None:
+        try:
+            server.start(timeout=120)
+            if server.api_url != api_url:  # it moved to another port: workers have the old URL
+                raise RuntimeError(f"it came up at {server.api_url}, not {api_url}; retry")
+        except BaseException as err:  # handed to the caller's wait()
+            api.error = err
+
+    starting = threading.Thread(target=start, name="evalfleet-prefect-server", daemon=True)
+    api = PrefectApi(api_url, starting)
     saved = os.environ.get("PREFECT_API_URL")
-    os.environ["PREFECT_API_URL"] = server.api_url
+    os.environ["PREFECT_API_URL"] = api_url
     try:
-        with temporary_settings(updates={PREFECT_API_URL: server.api_url,
+        starting.start()
+        # This server lives only as long as the evaluation: flow heartbeats (zombie detection
+        # for long-lived servers) would only add thread work per flow run.
+        with temporary_settings(updates={PREFECT_API_URL: api_url,
                                          PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
-            yield server.api_url
+            if wait:
+                api.wait()
+            yield api
     finally:
         if saved is None:
             os.environ.pop("PREFECT_API_URL", None)
         else:
             os.environ["PREFECT_API_URL"] = saved
+        try:
+            api.wait()
+        except RuntimeError:
+            pass  # already reported to the caller, or the caller failed first
         server.stop()
 
 

@@ -155,3 +155,31 @@ def test_cli_run_and_bad_input(prefect_server, tmp_path):
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2
     assert "'episodes' must be a positive integer (got 0)" in bad.stderr
+
+
+def test_cli_without_a_server_starts_one_api_for_every_process(tmp_path):
+    """`python flows/eval.py` with no PREFECT_API_URL: one local server, workers report to it."""
+    import sqlite3
+
+    home = tmp_path / "prefect-home"
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+    env.update(PREFECT_HOME=str(home), PREFECT_SERVER_ANALYTICS_ENABLED="false")
+    done = subprocess.run(
+        [sys.executable, "flows/eval.py", "--episodes", "10", "--concurrency", "6", "--output",
+         str(tmp_path / "out"), "--quiet", "--no-cache"],
+        capture_output=True, text=True, timeout=300, env=env,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "mean return ± 95% CI" in done.stdout
+    dbs = list(home.glob("*.db"))
+    assert len(dbs) == 1, dbs  # one database: no ephemeral server per worker
+    with sqlite3.connect(dbs[0]) as db:
+        flows = db.execute("SELECT state_type FROM flow_run").fetchall()
+        tasks = dict(db.execute("SELECT name, state_type FROM task_run").fetchall())
+    assert flows == [("COMPLETED",)]
+    # The run stage's task runs executed on the Dask workers and reported to the same server.
+    runs = [name for name in tasks if name.startswith("run-episodes")]
+    assert runs and all(tasks[name] == "COMPLETED" for name in runs), tasks
+    assert {n.rsplit("-", 1)[0] for n in tasks} >= {
+        "receive-weights", "spawn-sandboxes", "distribute-policy", "run-episodes",
+        "collect-rewards", "aggregate", "feed-back"}
