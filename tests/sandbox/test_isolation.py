@@ -60,3 +60,30 @@ def test_missing_netns_is_not_fatal(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_unknown_level() -> None:
     with pytest.raises(RequestError, match="Unknown isolation 'docker'"):
         resolve_isolation("docker")
+
+
+def test_paths_under_tmp_are_bound_back_into_the_jail(tmp_path, monkeypatch: pytest.MonkeyPatch
+                                                       ) -> None:
+    import subprocess
+    import sys
+
+    from evalfleet.sandbox.bwrap import find_bwrap, jail_command, rebinds_under_tmp
+
+    assert rebinds_under_tmp(["/tmp/evalfleet-no-such-dir", "/usr/lib", ""]) == []
+    project = tmp_path / "project"
+    (project / "pkg").mkdir(parents=True)
+    assert rebinds_under_tmp([str(project / "pkg"), str(project), "/usr/lib"]) == [
+        "--ro-bind", str(project), str(project)]  # the outermost path once, nothing outside /tmp
+    if not str(tmp_path).startswith("/tmp/") or find_bwrap() is None:
+        pytest.skip("needs bwrap and a pytest tmp_path under /tmp")
+    if probe().get("bwrap") is not None:
+        pytest.skip(f"bwrap cannot build a jail here: {probe()['bwrap']}")
+    # A project checked out under /tmp: inside the jail its files are still there, read-only.
+    (project / "probe.txt").write_text("visible")
+    monkeypatch.chdir(project)
+    script = ("import os; print(open('probe.txt').read());\n"
+              "try:\n    open('new.txt', 'w')\nexcept OSError as e:\n    print(type(e).__name__)")
+    done = subprocess.run(jail_command([sys.executable, "-c", script]), capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["visible", "OSError"]
