@@ -78,9 +78,25 @@ def _distributions() -> dict[str, list[str]]:
     return dict(importlib.metadata.packages_distributions())
 
 
+def _distribution_named_like(top: str) -> list[str]:
+    """The distribution named like top-level module ``top``, when it ships that module.
+
+    The common case (``gymnasium``, ``ale_py``...) answered without scanning every installed
+    distribution; the same name the scan would give, so cache keys do not change.
+    """
+    try:
+        dist = importlib.metadata.distribution(top)
+    except (importlib.metadata.PackageNotFoundError, ValueError):
+        return []
+    tops = set((dist.read_text("top_level.txt") or "").split())
+    if not tops:
+        tops = {str(f).split("/", 1)[0].removesuffix(".py") for f in dist.files or []}
+    return [dist.metadata["Name"]] if top in tops else []
+
+
 def _package_of(module: str) -> tuple[str, str]:
     top = module.split(".", 1)[0]
-    dists = _distributions().get(top, [])
+    dists = _distribution_named_like(top) or _distributions().get(top, [])
     for dist in dists:
         try:
             return dist, importlib.metadata.version(dist)
