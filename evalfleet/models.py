@@ -32,11 +32,26 @@ class EndReason(StrEnum):
     OOM = "oom"
     INVALID_REWARD = "invalid_reward"
     INVALID_ACTION = "invalid_action"
+    POLICY_TIMEOUT = "policy_timeout"
 
     @property
     def is_failure(self) -> bool:
         """True for every reason except a normal termination or truncation."""
         return self not in (EndReason.TERMINATED, EndReason.TRUNCATED)
+
+    @property
+    def is_policy_attributable(self) -> bool:
+        """Failures the evaluated policy caused: they count in every headline figure.
+
+        An episode the policy broke (an invalid action, an exception or a hang in its forward)
+        is what the policy produced: its return up to the end, success false.
+        """
+        return self in (EndReason.INVALID_ACTION, EndReason.POLICY_ERROR, EndReason.POLICY_TIMEOUT)
+
+    @property
+    def is_harness_failure(self) -> bool:
+        """Failures of the env, the sandbox or the infrastructure: excluded, stated as coverage."""
+        return self.is_failure and not self.is_policy_attributable
 
     @property
     def is_infrastructural(self) -> bool:
