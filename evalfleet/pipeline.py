@@ -30,7 +30,7 @@ from evalfleet.models import EvalReport, EvalRequest, PolicyHandle, Shard, Shard
 from evalfleet.planning import plan_shards
 from evalfleet.plots import render_plots
 from evalfleet.policy import PolicyArtifact, load_policy, receive_policy
-from evalfleet.records import EPISODE_SCHEMA, OUTCOME_COLUMNS, concat_sorted
+from evalfleet.records import EPISODE_SCHEMA, OUTCOME_COLUMNS, concat_sorted, stamp_evaluation
 from evalfleet.replay import record_episodes, replay_inputs
 from evalfleet.report import aggregate, versions
 from evalfleet.review import choose_episodes, cluster_failures, report_page
@@ -309,7 +309,8 @@ def feed_back(
     """Stage 7: Parquet first (it must survive any other sink failing), cache, JSON, then MLflow."""
     t0 = time.perf_counter()
     folder = run_dir(request.output, request.request_id)
-    parquet = write_episodes(collected.table, folder / "episodes.parquet")
+    stamped = stamp_evaluation(collected.table, request.training_run_id, request.step)
+    parquet = write_episodes(stamped, folder / "episodes.parquet")
     deterministic = not (report.audit and report.audit["mismatches"])
     if (request.cache != "off" and deterministic
             and (collected.fresh.num_rows or request.cache == "refresh")):

@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass, field
 import pyarrow as pa
 
 #: Version of ``EPISODE_SCHEMA``; part of the cache key, so entries of another schema never hit.
-SCHEMA_VERSION = "2"
+SCHEMA_VERSION = "3"
 
 #: One row per episode, failures included. Declared once; every writer and reader uses it.
 EPISODE_SCHEMA = pa.schema(
@@ -34,6 +34,8 @@ EPISODE_SCHEMA = pa.schema(
         pa.field("nonfinal_reward_max", pa.float64()),
         pa.field("nonfinal_steps_at_min", pa.int64(), nullable=False),
         pa.field("nonfinal_steps_at_max", pa.int64(), nullable=False),
+        pa.field("training_run_id", pa.string()),
+        pa.field("step", pa.int64()),
     ],
     metadata={"evalfleet.schema_version": SCHEMA_VERSION},
 )
@@ -52,7 +54,9 @@ class EpisodeRecord:
     ``nonfinal_reward_min``/``_max`` are the extremes of the rewards of the episode's steps before
     its last one (None when there are none; a last step's reward is often a terminal bonus of its
     own kind) and ``nonfinal_steps_at_min``/``_max`` how many of those steps returned exactly
-    those values: what the clip-boundary audit reads.
+    those values: what the clip-boundary audit reads. ``training_run_id`` and ``step`` name the
+    training checkpoint an evaluation's table was written for (``stamp_evaluation``); they are
+    not outcomes, so cached rows hold None and each evaluation stamps its own.
     """
 
     request_id: str
@@ -76,6 +80,8 @@ class EpisodeRecord:
     nonfinal_reward_max: float | None = None
     nonfinal_steps_at_min: int = 0
     nonfinal_steps_at_max: int = 0
+    training_run_id: str | None = None
+    step: int | None = None
 
     def as_row(self) -> dict[str, object]:
         """The record as a row of ``EPISODE_SCHEMA``."""
@@ -89,6 +95,14 @@ def records_to_table(records: Iterable[EpisodeRecord]) -> pa.Table:
     """Build an Arrow table of ``EPISODE_SCHEMA`` from records."""
     rows = [r.as_row() for r in records]
     return pa.Table.from_pylist(rows, schema=EPISODE_SCHEMA)
+
+
+def stamp_evaluation(table: pa.Table, training_run_id: str | None, step: int | None) -> pa.Table:
+    """``table`` with every row tagged with the evaluation's training run id and step."""
+    n = table.num_rows
+    table = table.set_column(table.schema.get_field_index("training_run_id"), "training_run_id",
+                             pa.array([training_run_id] * n, pa.string()))
+    return table.set_column(table.schema.get_field_index("step"), "step", pa.array([step] * n, pa.int64()))
 
 
 def concat_sorted(tables: Sequence[pa.Table]) -> pa.Table:

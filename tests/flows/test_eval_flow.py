@@ -37,6 +37,9 @@ def test_flow_end_to_end(prefect_server, tmp_path):
     table = read_episodes(report.outputs["episodes"])
     assert table.schema.equals(EPISODE_SCHEMA, check_metadata=False)
     assert table.column("episode_index").to_pylist() == list(range(40))
+    # every row names the training checkpoint it was evaluated for
+    assert set(table.column("training_run_id").to_pylist()) == {"trainer-42"}
+    assert set(table.column("step").to_pylist()) == {7}
     returns = table.column("return").to_pylist()
     assert report.returns["mean"] == pytest.approx(sum(returns) / 40, rel=1e-12)
     low, high = report.ci
