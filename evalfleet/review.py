@@ -242,10 +242,12 @@ figcaption { font-size: .85rem; color: #555; }
 
 #: Captions of the plots written by ``evalfleet.plots.render_plots``, by key.
 _CAPTIONS = {
-    "returns": "Returns of completed episodes, with the mean and its 95% confidence interval.",
+    "returns": "Returns of the scored episodes (completed, and ended by the policy with their "
+    "partial return), with the mean and its 95% confidence interval.",
     "lengths": "Episode lengths in env steps; failed episodes stacked on top in red.",
-    "return_by_episode": "Return by episode index; failures marked with a red x at their "
-    "partial return. Patterns along the index point at seed-dependent behaviour.",
+    "return_by_episode": "Return by episode index; failures marked with an x at their "
+    "partial return (red: ended by the policy, counted; grey: harness failure, left out). "
+    "Patterns along the index point at seed-dependent behaviour.",
     "actions": "Actions taken in the replayed episodes.",
     "ci_rounds": "Adaptive evaluation: CI half-width after each round.",
 }
