@@ -21,6 +21,7 @@ import pyarrow as pa
 
 from evalfleet import stats
 from evalfleet.models import EndReason, EvalRequest
+from evalfleet.scoring import outcomes, scored_returns
 
 AUDIT_FRACTION = 0.02
 AUDIT_MIN = 2
@@ -37,7 +38,7 @@ def _completed(table: pa.Table) -> np.ndarray[Any, np.dtype[np.bool_]]:
 
 
 def completed_returns(table: pa.Table) -> np.ndarray[Any, np.dtype[np.float64]]:
-    """Returns of the episodes that did not fail, in episode order."""
+    """Returns of the episodes that did not fail, in episode order (see ``scored_returns``)."""
     ok = _completed(table)
     returns: np.ndarray[Any, np.dtype[np.float64]] = np.asarray(
         table.column("return").to_numpy(), dtype=np.float64
@@ -59,7 +60,7 @@ class RoundSchedule:
         if table is None:
             return r.episodes
         n = table.num_rows
-        returns = completed_returns(table)
+        returns = scored_returns(table)  # the episodes the headline CI is computed over
         halfwidth = (
             stats.mean_ci(returns, seed=r.seed).halfwidth if returns.size >= 2 else math.inf
         )
@@ -193,19 +194,43 @@ def reward_integrity(table: pa.Table) -> list[str]:
 
 def compare_with_baseline(table: pa.Table, baseline: pa.Table, seed: int, source: str
                           ) -> dict[str, Any]:
-    """Paired comparison over the episodes both policies completed, matched by index (and seed)."""
-    new = {r["episode_index"]: r for r in table.to_pylist() if not EndReason(r["end_reason"]).is_failure}
-    base = {r["episode_index"]: r for r in baseline.to_pylist()
-            if not EndReason(r["end_reason"]).is_failure}
-    common = sorted(i for i in new if i in base and new[i]["seed"] == base[i]["seed"])
+    """Paired comparison over the episodes both policies were scored on, matched by index and seed.
+
+    The headline rule of ``evalfleet.scoring`` applies to both sides: an episode a policy broke
+    (invalid action, error or hang in its forward) counts with its partial return; a pair where
+    either side has a harness failure (or no row for the index, or another seed) is dropped, and
+    the result says how many pairs were dropped and why.
+    """
+    def scored_rows(t: pa.Table) -> tuple[dict[int, dict[str, Any]], set[int]]:
+        kinds = outcomes(t)
+        rows = t.to_pylist()
+        scored = {r["episode_index"]: r for r, ok in zip(rows, kinds.scored, strict=True) if ok}
+        return scored, {r["episode_index"] for r, ok in zip(rows, kinds.scored, strict=True)
+                        if not ok}
+
+    new, new_lost = scored_rows(table)
+    base, base_lost = scored_rows(baseline)
+    indices = set(new) | new_lost
+    harness = sorted(indices & (new_lost | base_lost))
+    paired = [i for i in indices if i in new and i in base]
+    common = sorted(i for i in paired if new[i]["seed"] == base[i]["seed"])
+    accounting = {
+        "dropped_harness_failures": len(harness),
+        "dropped_unmatched": len(indices) - len(harness) - len(common),
+        "policy_failures": {
+            "new": sum(EndReason(new[i]["end_reason"]).is_policy_attributable for i in common),
+            "baseline": sum(EndReason(base[i]["end_reason"]).is_policy_attributable for i in common),
+        },
+    }
     if len(common) < 2:
-        return {"baseline": source, "n": len(common),
+        return {"baseline": source, "n": len(common), **accounting,
                 "verdict": "not distinguishable", "note": "fewer than 2 paired episodes"}
     result = stats.paired_comparison(
         np.array([new[i]["return"] for i in common]), np.array([base[i]["return"] for i in common]),
         seed=seed,
     )
     out = dict(result.to_dict())
+    out.update(accounting)
     out["baseline"] = source
     out["baseline_policy_sha256"] = baseline.column("policy_sha256")[0].as_py()
     return out

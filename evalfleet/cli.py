@@ -91,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cache-dir", default=None,
                    help="episode cache root (default $EVALFLEET_CACHE_DIR or OUTPUT/cache)")
     p.add_argument("--allow-failures", action="store_true",
-                   help="exit 0 even when > 5%% of episodes failed (harness fault)")
+                   help="exit 0 even when > 5%% of episodes failed in the harness (harness fault)")
     p.add_argument("-q", "--quiet", action="store_true", help="only print the summary")
     return p
 
@@ -183,7 +183,8 @@ def run_cli(
         Path(args.report).write_text(json.dumps(report.model_dump(mode="json"), indent=2) + "\n")
     print(summary_text(report))
     if report.harness_fault and not args.allow_failures:
-        print("evalfleet: harness fault: more than 5% of episodes failed "
-              "(pass --allow-failures to exit 0 anyway)", file=sys.stderr)
+        print(f"evalfleet: harness fault: more than 5% of episodes failed in the harness "
+              f"(coverage {report.coverage:.1%}; pass --allow-failures to exit 0 anyway)",
+              file=sys.stderr)
         return EXIT_HARNESS_FAULT
     return EXIT_OK

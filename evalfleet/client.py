@@ -372,13 +372,15 @@ def result_from_report(report: EvalReport, step: int | None) -> Result:
     """The result dict: TorchRL-style ``eval/...`` keys plus the full report under ``report``."""
     return {
         "eval/reward": report.mean,
+        "eval/coverage": report.coverage,
         "eval/reward_ci_low": report.ci[0],
         "eval/reward_ci_high": report.ci[1],
         "eval/episode_length": float(report.lengths["mean"]),
         "eval/fps": float(report.steps_per_second),
         "eval/step": step,
-        "eval/episodes": report.completed,
+        "eval/episodes": report.scored,
         "eval/failure_rate": report.failure_rate,
+        "eval/policy_failure_rate": report.policy_failure_rate,
         "report": report,
     }
 

@@ -243,6 +243,14 @@ class EvalReport(_Frozen):
     failures: dict[str, int]
     failure_rate: float
     harness_fault: bool
+    # Headline accounting (evalfleet.scoring): scored = completed + policy-attributable failures,
+    # the episodes every headline figure is computed over; harness failures are left out.
+    scored: int
+    policy_failures: int
+    harness_failures: int
+    coverage: float
+    policy_failure_rate: float
+    harness_failure_rate: float
     alarms: list[str]
     returns: dict[str, Any]
     lengths: dict[str, float]
@@ -262,7 +270,7 @@ class EvalReport(_Frozen):
 
     @property
     def mean(self) -> float:
-        """Mean return over completed (non-failed) episodes."""
+        """Mean return over the scored episodes (completed and policy-attributable failures)."""
         return float(self.returns["mean"])
 
     @property

@@ -281,7 +281,7 @@ def review(
                      f"the env with less isolation than '{received.isolation}': skipped")
     adaptive = report.adaptive or {}
     plots = render_plots(table, folder / "plots", actions=actions, rounds=adaptive.get("rounds"),
-                         ci=report.ci if report.completed else None,
+                         ci=report.ci if report.scored else None,
                          target_halfwidth=adaptive.get("target_halfwidth"))
     report = report.model_copy(update={"failure_clusters": clusters})
     page = report_page(report, clusters, plots, folder / "report.html", videos=videos, notes=notes)

@@ -23,6 +23,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator, PercentFormatter
 
 from evalfleet.review import failed_mask
+from evalfleet.scoring import outcomes
 
 __all__ = ["PLOT_FILES", "render_plots"]
 
@@ -114,19 +115,26 @@ def _fmt(x: float) -> str:
 
 
 def _returns_hist(
-    path: Path, returns: FloatArray, failed: npt.NDArray[np.bool_], ci: tuple[float, float] | None
+    path: Path, returns: FloatArray, scored: npt.NDArray[np.bool_],
+    by_policy: npt.NDArray[np.bool_], ci: tuple[float, float] | None,
 ) -> Path:
     fig, ax = _figure()
-    good = returns[~failed]
-    ax.set_title(f"Return distribution — {good.size} completed episodes")
+    good = returns[scored]
+    ax.set_title(f"Return distribution — {good.size} scored episodes")
     ax.set_xlabel("episode return (sum of rewards, reward units)")
     ax.set_ylabel("episodes")
     if good.size == 0:
-        _empty(ax, "no completed episodes: every one failed (see the failure taxonomy)")
+        _empty(ax, "no scored episodes: every one failed in the harness (see the failure taxonomy)")
         return _save(fig, path)
     integer = bool(np.all(good == np.round(good)))
-    ax.hist(good, bins=_bins(good, integer), color=_BLUE, edgecolor="white",
-            label="completed episodes")
+    broken = scored & by_policy
+    if broken.any():  # they count in the mean: show them, stacked, in their own colour
+        ax.hist([returns[scored & ~by_policy], returns[broken]], bins=_bins(good, integer),
+                stacked=True, color=[_BLUE, _RED], edgecolor="white",
+                label=["completed", "ended by the policy (partial return, counted)"])
+    else:
+        ax.hist(good, bins=_bins(good, integer), color=_BLUE, edgecolor="white",
+                label="completed episodes")
     mean = float(good.mean())
     if ci is not None and all(np.isfinite(ci)):
         ax.axvspan(ci[0], ci[1], color=_RED, alpha=0.18,
@@ -161,7 +169,7 @@ def _lengths_hist(path: Path, lengths: FloatArray, failed: npt.NDArray[np.bool_]
 
 def _return_by_episode(
     path: Path, index: FloatArray, returns: FloatArray, failed: npt.NDArray[np.bool_],
-    ci: tuple[float, float] | None,
+    scored: npt.NDArray[np.bool_], ci: tuple[float, float] | None,
 ) -> Path:
     fig, ax = _figure()
     ax.set_title("Return by episode index")
@@ -173,13 +181,16 @@ def _return_by_episode(
     size = 24.0 if index.size <= 200 else 10.0
     ax.scatter(index[~failed], returns[~failed], s=size, color=_BLUE, alpha=0.8,
                label="completed", linewidths=0)
-    if failed.any():
-        ax.scatter(index[failed], returns[failed], s=size * 2.5, color=_RED, marker="x",
-                   label=f"failed ({int(failed.sum())}, partial return)")
-    good = returns[~failed]
+    for mask, colour, what in ((failed & scored, _RED, "ended by the policy, counted"),
+                               (failed & ~scored, _GREY, "harness failure, left out")):
+        if mask.any():
+            ax.scatter(index[mask], returns[mask], s=size * 2.5, color=colour, marker="x",
+                       label=f"{what} ({int(mask.sum())}, partial return)")
+    good = returns[scored]
     if good.size:
         mean = float(good.mean())
-        ax.axhline(mean, color=_GREY, linestyle="--", linewidth=1.2, label=f"mean {_fmt(mean)}")
+        ax.axhline(mean, color=_GREY, linestyle="--", linewidth=1.2,
+                   label=f"mean of {good.size} scored {_fmt(mean)}")
         if ci is not None and all(np.isfinite(ci)):
             ax.axhspan(ci[0], ci[1], color=_GREY, alpha=0.15, label="95% CI of the mean")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
@@ -329,7 +340,8 @@ def render_plots(
     """Write the evaluation's PNG plots to ``out_dir``; returns ``{key: path}`` (see ``PLOT_FILES``).
 
     ``table`` is the episode table (``episode_index``, ``return``, ``length``, ``end_reason`` are
-    read). Always written: ``returns`` (completed episodes, with the mean and, when ``ci`` =
+    read). Always written: ``returns`` (the scored episodes of ``evalfleet.scoring``: completed
+    and ended by the policy, stacked; with the mean and, when ``ci`` =
     ``(low, high)`` is given, the 95% CI of the mean), ``lengths`` (completed and failed stacked)
     and ``return_by_episode`` (failures as red crosses at their partial return).
 
@@ -347,11 +359,13 @@ def render_plots(
     returns = np.asarray(table.column("return").to_numpy(), dtype=np.float64)
     lengths = np.asarray(table.column("length").to_numpy(), dtype=np.float64)
     failed = failed_mask(table)
+    kinds = outcomes(table)
     out = {
-        "returns": _returns_hist(out_dir / PLOT_FILES["returns"], returns, failed, ci),
+        "returns": _returns_hist(out_dir / PLOT_FILES["returns"], returns, kinds.scored,
+                                 kinds.policy, ci),
         "lengths": _lengths_hist(out_dir / PLOT_FILES["lengths"], lengths, failed),
         "return_by_episode": _return_by_episode(
-            out_dir / PLOT_FILES["return_by_episode"], index, returns, failed, ci
+            out_dir / PLOT_FILES["return_by_episode"], index, returns, failed, kinds.scored, ci
         ),
     }
     if actions is not None:

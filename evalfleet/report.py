@@ -9,12 +9,25 @@ import numpy as np
 import pyarrow as pa
 
 from evalfleet import stats
-from evalfleet.models import EndReason, EvalReport, EvalRequest
+from evalfleet.models import EvalReport, EvalRequest
 from evalfleet.sandbox.isolation import isolation_manifest
+from evalfleet.scoring import outcomes
 from evalfleet.worker import sandbox_limits
 
-#: Above this failure rate the evaluation is a harness fault, not a policy result.
+#: Above this share of planned episodes left unscored (harness failures) the evaluation is a
+#: harness fault, not a policy result.
 FAILURE_ALARM_RATE = 0.05
+#: Above this share of episodes ended by the policy (invalid actions, errors or hangs in its
+#: forward) the ``policy_failures`` alarm asks to look: the headline already counts them, but a
+#: policy that breaks often usually has a wiring bug (action-space drift, a device mismatch).
+POLICY_FAILURE_ALARM_RATE = 0.05
+
+
+def _by_reason(reasons: np.ndarray[Any, Any]) -> str:
+    counts: dict[str, int] = {}
+    for reason in reasons:
+        counts[str(reason)] = counts.get(str(reason), 0) + 1
+    return ", ".join(f"{k}={v}" for k, v in sorted(counts.items())) or "none"
 
 
 def versions() -> dict[str, str]:
@@ -51,29 +64,56 @@ def aggregate(
     cache: dict[str, Any],
     run_seconds: float,
 ) -> EvalReport:
-    """Statistics, failure accounting, alarms and the reproducibility manifest."""
+    """Statistics, failure accounting, alarms and the reproducibility manifest.
+
+    Every headline figure (mean, var/std/stderr, CI, IQM, percentiles, min/max, episode lengths,
+    success rate) is computed over the *scored* episodes of ``evalfleet.scoring``: completed ones
+    and those a failure of the policy ended (with their partial return, their length up to the
+    end and success false). Harness failures are left out and reported as ``coverage``.
+    """
     reasons = np.asarray(table.column("end_reason").to_pylist(), dtype=object)
-    returns = table.column("return").to_numpy()
+    returns = np.asarray(table.column("return").to_numpy(zero_copy_only=False), dtype=np.float64)
     lengths = table.column("length").to_numpy()
-    ok = np.array([not EndReason(r).is_failure for r in reasons], dtype=bool)
+    kinds = outcomes(table)
+    scored = kinds.scored
     n = len(reasons)
     failures: dict[str, int] = {}
-    for reason in reasons[~ok]:
+    for reason in reasons[~kinds.completed]:
         failures[reason] = failures.get(reason, 0) + 1
-    failure_rate = (n - int(ok.sum())) / n if n else 0.0
+    n_policy, n_harness = int(kinds.policy.sum()), int(kinds.harness.sum())
+    failure_rate = (n - int(kinds.completed.sum())) / n if n else 0.0
+    policy_rate = n_policy / n if n else 0.0
+    harness_rate = n_harness / n if n else 0.0
+    coverage = kinds.coverage
     alarms: list[str] = []
-    harness_fault = failure_rate > FAILURE_ALARM_RATE
+    # What the policy caused is a result, not a harness fault: only unscored episodes count here.
+    unscored_rate = (n - int(scored.sum())) / n if n else 0.0
+    harness_fault = unscored_rate > FAILURE_ALARM_RATE
     if harness_fault:
         alarms.append(
-            f"failure_rate: {failure_rate:.1%} of episodes failed (> {FAILURE_ALARM_RATE:.0%}); "
-            "treat this evaluation as a harness fault, not a policy result"
+            f"harness_failures: {unscored_rate:.1%} of episodes could not be scored "
+            f"({_by_reason(reasons[~scored])}; > {FAILURE_ALARM_RATE:.0%}, coverage "
+            f"{coverage:.1%}); treat this evaluation as a harness fault, not a policy result"
         )
-    good = returns[ok]
+    if policy_rate > POLICY_FAILURE_ALARM_RATE:
+        alarms.append(
+            f"policy_failures: {policy_rate:.1%} of episodes were ended by the policy "
+            f"({_by_reason(reasons[kinds.policy])}; > {POLICY_FAILURE_ALARM_RATE:.0%}); they "
+            "count in every headline figure with their partial return and success false"
+        )
+    unscorable = int(kinds.unscorable.sum())
+    if unscorable:
+        alarms.append(
+            f"policy_failure_returns_missing: {unscorable} episodes ended by the policy have no "
+            "finite return in their row and are left out of the statistics (coverage drops); "
+            "the runner should record the return up to the failure"
+        )
+    good = returns[scored]
     if good.size:
         summary = stats.summarize(good, seed=request.seed).to_dict()
-        length_summary = stats.length_stats(lengths[ok])
+        length_summary = stats.length_stats(lengths[scored])
     else:
-        alarms.append("no_completed_episodes: every episode failed")
+        alarms.append("no_scored_episodes: every episode failed in the harness")
         nan = float("nan")
         summary = {
             "n": 0, "mean": nan, "var": nan, "std": nan, "stderr": nan, "iqm": nan,
@@ -83,9 +123,12 @@ def aggregate(
         }
         length_summary = {"mean": nan, "std": nan, "min": nan, "max": nan, "median": nan}
     success = None
-    succ_col = np.asarray(table.column("success").to_pylist(), dtype=object)[ok]
-    known = [bool(s) for s in succ_col if s is not None]
-    if known:
+    succ_all = np.asarray(table.column("success").to_pylist(), dtype=object)
+    # An env defines success when a completed episode reports it; an episode the policy broke
+    # never succeeded, whatever its row says.
+    if any(s is not None for s in succ_all[kinds.completed]):
+        known = [bool(s) for s in succ_all[kinds.completed] if s is not None]
+        known += [False] * int((scored & kinds.policy).sum())
         wins = sum(known)
         interval = stats.wilson_interval(wins, len(known))
         success = {
@@ -131,10 +174,16 @@ def aggregate(
         step=request.step,
         isolation=isolation,
         episodes=n,
-        completed=int(ok.sum()),
+        completed=int(kinds.completed.sum()),
         failures=failures,
         failure_rate=failure_rate,
         harness_fault=harness_fault,
+        scored=int(scored.sum()),
+        policy_failures=n_policy,
+        harness_failures=n_harness,
+        coverage=coverage,
+        policy_failure_rate=policy_rate,
+        harness_failure_rate=harness_rate,
         alarms=alarms,
         returns=summary,
         lengths=length_summary,

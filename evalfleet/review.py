@@ -94,6 +94,16 @@ def _is_failure(reason: str) -> bool:
         return True
 
 
+def _headline(reason: str) -> str:
+    # The rule of evalfleet.scoring, in words for the report page.
+    try:
+        if EndReason(reason).is_policy_attributable:
+            return "counted (the policy's doing: partial return, no success)"
+    except ValueError:
+        pass
+    return "left out (harness failure; lowers coverage)"
+
+
 def failed_mask(table: pa.Table) -> np.ndarray[Any, np.dtype[np.bool_]]:
     """Per-row flag: the episode failed (its end reason is neither terminated nor truncated)."""
     return np.array([_is_failure(r) for r in table.column("end_reason").to_pylist()], dtype=bool)
@@ -242,10 +252,12 @@ figcaption { font-size: .85rem; color: #555; }
 
 #: Captions of the plots written by ``evalfleet.plots.render_plots``, by key.
 _CAPTIONS = {
-    "returns": "Returns of completed episodes, with the mean and its 95% confidence interval.",
+    "returns": "Returns of the scored episodes (completed, and ended by the policy with their "
+    "partial return), with the mean and its 95% confidence interval.",
     "lengths": "Episode lengths in env steps; failed episodes stacked on top in red.",
-    "return_by_episode": "Return by episode index; failures marked with a red x at their "
-    "partial return. Patterns along the index point at seed-dependent behaviour.",
+    "return_by_episode": "Return by episode index; failures marked with an x at their "
+    "partial return (red: ended by the policy, counted; grey: harness failure, left out). "
+    "Patterns along the index point at seed-dependent behaviour.",
     "actions": "Actions taken in the replayed episodes.",
     "ci_rounds": "Adaptive evaluation: CI half-width after each round.",
 }
@@ -343,10 +355,11 @@ def report_page(
         parts.append(f"<p>No failed episodes out of {report.episodes}.</p>")
     else:
         by_reason = [
-            [e(reason), str(count), f"{count / max(report.episodes, 1):.2%}"]
+            [e(reason), str(count), f"{count / max(report.episodes, 1):.2%}", _headline(reason)]
             for reason, count in sorted(report.failures.items(), key=lambda kv: (-kv[1], kv[0]))
         ]
-        parts.append(_table(["end reason", "episodes", "share of all"], by_reason, numeric=(1, 2)))
+        parts.append(_table(["end reason", "episodes", "share of all", "in the headline"],
+                            by_reason, numeric=(1, 2)))
     if clusters:
         parts.append(
             "<p>Failure taxonomy: episodes grouped by end reason and error signature (exception "

@@ -9,6 +9,11 @@ def _fmt(x: float) -> str:
     return f"{x:.4g}" if abs(x) < 1e5 else f"{x:.3e}"
 
 
+def _dropped(comparison: dict[str, object]) -> str:
+    harness = comparison.get("dropped_harness_failures", 0)
+    return f"; {harness} pairs dropped (harness failure on a side)" if harness else ""
+
+
 def summary_rows(report: EvalReport) -> list[dict[str, str]]:
     """The summary as (metric, value) rows."""
     r = report.returns
@@ -18,13 +23,17 @@ def summary_rows(report: EvalReport) -> list[dict[str, str]]:
         ("env", report.env_id),
         ("policy sha256", report.policy_sha256[:16]),
         ("isolation", report.isolation),
-        ("episodes", f"{report.episodes} ({report.completed} completed)"),
+        ("episodes", f"{report.episodes} planned, {report.scored} scored ({report.completed} "
+                     f"completed + {report.policy_failures} ended by the policy), "
+                     f"{report.harness_failures} harness failures left out"),
+        ("coverage", f"{report.coverage:.2%} ({report.scored}/{report.episodes} episodes scored)"),
         ("mean return ± 95% CI", f"{_fmt(r['mean'])}  [{_fmt(low)}, {_fmt(high)}]"),
         ("std", _fmt(r["std"])),
         ("IQM", f"{_fmt(r['iqm'])}  [{_fmt(r['iqm_ci']['low'])}, {_fmt(r['iqm_ci']['high'])}]"),
         ("min / median / max", f"{_fmt(r['min'])} / {_fmt(r['median'])} / {_fmt(r['max'])}"),
         ("episode length mean", _fmt(report.lengths["mean"])),
-        ("failures", f"{failures} (rate {report.failure_rate:.2%})"),
+        ("failures", f"{failures} (rate {report.failure_rate:.2%}: policy "
+                     f"{report.policy_failure_rate:.2%}, harness {report.harness_failure_rate:.2%})"),
     ]
     if report.success:
         s = report.success
@@ -38,7 +47,8 @@ def summary_rows(report: EvalReport) -> list[dict[str, str]]:
         if "ci" in c:
             rows.append(("vs baseline", f"{_fmt(c['mean_diff'])}  [{_fmt(c['ci']['low'])}, "
                                         f"{_fmt(c['ci']['high'])}] paired over {c['n']} episodes: "
-                                        f"{c['verdict']}; P(new > baseline) {c['p_improvement']:.3f}"))
+                                        f"{c['verdict']}; P(new > baseline) {c['p_improvement']:.3f}"
+                                        f"{_dropped(c)}"))
         else:
             rows.append(("vs baseline", f"{c['verdict']} ({c.get('note', '')})"))
     if report.audit is not None:

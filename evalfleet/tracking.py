@@ -32,6 +32,10 @@ def flatten_metrics(report: dict[str, Any]) -> dict[str, float]:
         "eval/episode_length": report["lengths"]["mean"],
         "eval/episodes": report["episodes"],
         "eval/failure_rate": report["failure_rate"],
+        "eval/coverage": report["coverage"],
+        "eval/scored": report["scored"],
+        "eval/policy_failure_rate": report["policy_failure_rate"],
+        "eval/harness_failure_rate": report["harness_failure_rate"],
         "eval/harness_fault": float(report["harness_fault"]),
         "eval/fps": report["steps_per_second"],
         "eval/episodes_per_second": report["episodes_per_second"],
@@ -51,6 +55,8 @@ def flatten_metrics(report: dict[str, Any]) -> dict[str, float]:
         m["eval/baseline_diff_ci_low"] = c["ci"]["low"]
         m["eval/baseline_diff_ci_high"] = c["ci"]["high"]
         m["eval/p_improvement"] = c["p_improvement"]
+        m["eval/baseline_pairs"] = c["n"]
+        m["eval/baseline_pairs_dropped"] = c.get("dropped_harness_failures", 0)
     if report.get("step_rewards"):
         r = report["step_rewards"]
         m["eval/step_reward_min"], m["eval/step_reward_max"] = r["min"], r["max"]

@@ -182,7 +182,8 @@ def test_report_page_is_self_contained_with_summary_taxonomy_and_plots(tmp_path)
     for number in (report.returns["mean"], low, high):
         assert f"{number:.4g}" in text
     assert "7.50%" in text  # failure rate 3/40
-    assert "failure_rate" in text  # the harness-fault alarm
+    assert "harness_failures" in text  # the harness-fault alarm
+    assert "left out (harness failure; lowers coverage)" in text and "coverage" in text
     assert "replay mismatch (non-determinism): episode 3" in text
     assert "RuntimeError at inv.py:42" in text and "killed by signal # (SIGSEGV)" in text
     assert "#5 (seed 1005), #9 (seed 1009)" in text

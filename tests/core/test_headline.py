@@ -1,0 +1,181 @@
+"""The headline counts what the policy broke and leaves out what the harness broke (coverage).
+
+Planted cases: a policy that emits an invalid action exactly on the seeds where its return would
+be lowest (``tests.flows.headline_envs``), an env that raises on some seeds, and fixed tables.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+import tests.flows.headline_envs as hurdles
+from evalfleet import stats
+from evalfleet.audit import RoundSchedule, compare_with_baseline
+from evalfleet.client import result_from_report
+from evalfleet.envspec import env_thunk, resolve_env
+from evalfleet.models import EvalReport, EvalRequest
+from evalfleet.policy import load_policy, receive_policy
+from evalfleet.records import EpisodeRecord, records_to_table
+from evalfleet.report import aggregate
+from evalfleet.review import report_markdown
+from evalfleet.runner import EpisodeContext, run_shard
+from evalfleet.sandbox.base import InProcessSlots
+from evalfleet.scoring import outcomes
+from evalfleet.seeds import SeedLedger
+from evalfleet.summary import summary_rows, summary_text
+from evalfleet.tracking import flatten_metrics
+
+ENV = "tests.flows.headline_envs:Hurdles-v0"
+N = 200
+
+
+def _run(policy_ref: str, env_kwargs: dict[str, object] | None = None, n: int = N) -> pa.Table:
+    kwargs = env_kwargs or {}
+    resolved = resolve_env(ENV, kwargs, None)
+    art = receive_policy(policy_ref, None, resolved.observation_space, resolved.action_space)
+    policy = load_policy(art.format, art.payload, None, art.source, resolved.action_space)
+    ledger = SeedLedger(0)
+    records = run_shard([(i, ledger.seed(i)) for i in range(n)],
+                        InProcessSlots(env_thunk(ENV, kwargs, None), 16), policy,
+                        EpisodeContext("r", art.sha256, ENV, "s", "w"))
+    return records_to_table(records).sort_by("episode_index")
+
+
+def _report(table: pa.Table) -> EvalReport:
+    request = EvalRequest(env=ENV, policy="x", episodes=table.num_rows, seed=0)
+    return aggregate(request, table, env_spec={"env_id": ENV}, env_spec_hash="spec",
+                     policy={"sha256": "ab" * 32}, isolation="inprocess", timings={"run": 1.0},
+                     cache={"status": "miss"}, run_seconds=1.0)
+
+
+def _col(table: pa.Table, name: str) -> np.ndarray:
+    return np.asarray(table.column(name).to_pylist())
+
+
+def test_policy_failures_on_the_hardest_seeds_count_in_every_headline_figure():
+    honest = _run("tests.flows.headline_envs:steady")
+    broken = _run("tests.flows.headline_envs:breaks_on_hard_seeds")
+    reasons = _col(broken, "end_reason")
+    failed = reasons == "invalid_action"
+    # The plant: exactly the seeds with the lowest honest returns end in an invalid action.
+    honest_returns = _col(honest, "return")
+    assert 30 < failed.sum() < 90
+    assert set(np.flatnonzero(failed)) == set(np.argsort(honest_returns)[: failed.sum()])
+    # The runner records what the policy produced up to the failure: two steps, their rewards.
+    assert (_col(broken, "length")[failed] == hurdles.BREAK_STEP).all()
+    assert _col(broken, "return")[failed] == pytest.approx(
+        honest_returns[failed] * hurdles.BREAK_STEP / hurdles.STEPS, rel=1e-12)
+
+    report = _report(broken)
+    returns = _col(broken, "return")
+    truth = stats.summarize(returns, seed=0).to_dict()
+    completed_only = float(returns[~failed].mean())
+    assert completed_only > truth["mean"] + 0.1  # what leaving them out would have claimed
+    assert report.returns == truth  # mean, var, std, stderr, CI, IQM, percentiles, min, max
+    assert report.mean == pytest.approx(returns.mean(), rel=1e-12)
+    assert report.lengths == stats.length_stats(_col(broken, "length"))
+    assert report.lengths["min"] == hurdles.BREAK_STEP
+    wins = int(sum(s is True for s in broken.column("success").to_pylist()))
+    assert report.success is not None
+    assert (report.success["n"], report.success["successes"]) == (N, wins)
+    assert report.success["rate"] == wins / N
+    assert (report.scored, report.policy_failures, report.harness_failures) == (N, failed.sum(), 0)
+    assert report.coverage == 1.0 and report.harness_failure_rate == 0.0
+    assert report.policy_failure_rate == failed.sum() / N
+    assert not report.harness_fault
+    assert [a.split(":")[0] for a in report.alarms] == ["policy_failures"]
+    assert f"invalid_action={failed.sum()}" in report.alarms[0]
+
+
+def test_harness_failures_are_left_out_and_coverage_is_stated_exactly():
+    table = _run("tests.flows.headline_envs:breaks_on_hard_seeds", {"broken_above": 0.85})
+    reasons = _col(table, "end_reason")
+    harness, policy = reasons == "env_error", reasons == "invalid_action"
+    assert harness.sum() > 10 and policy.sum() > 30
+    report = _report(table)
+    scored = ~harness
+    assert report.scored == int(scored.sum()) == N - int(harness.sum())
+    assert report.coverage == report.scored / N  # exactly, not approximately
+    assert report.returns == stats.summarize(_col(table, "return")[scored], seed=0).to_dict()
+    assert report.success is not None and report.success["n"] == report.scored
+    assert (report.policy_failures, report.harness_failures) == (policy.sum(), harness.sum())
+    assert report.harness_fault  # > 5% of planned episodes could not be scored
+    alarm = next(a for a in report.alarms if a.startswith("harness_failures"))
+    assert f"env_error={harness.sum()}" in alarm and f"coverage {report.coverage:.1%}" in alarm
+
+
+def test_adaptive_rounds_look_at_the_scored_episodes():
+    table = _run("tests.flows.headline_envs:breaks_on_hard_seeds", n=40)
+    schedule = RoundSchedule(EvalRequest(policy="x", episodes=40, target_ci_halfwidth=1e-9,
+                                         max_episodes=40))
+    schedule.next_episodes(table)
+    assert schedule.rounds[0]["mean"] == pytest.approx(_col(table, "return").mean(), rel=1e-12)
+
+
+def _row(i: int, ret: float, reason: str = "terminated", seed: int | None = None,
+         success: bool | None = None) -> EpisodeRecord:
+    return EpisodeRecord("r", "p" * 64, "e", "s", i, 100 + i if seed is None else seed, ret, 3,
+                         reason, None if reason == "terminated" else "x", success, 0.0, "w", "x",
+                         "inprocess")
+
+
+def test_a_policy_failure_row_without_a_finite_return_is_flagged_not_hidden():
+    rows = [_row(i, float(i), success=i % 2 == 0) for i in range(18)]
+    rows += [_row(18, math.nan, "policy_error"), _row(19, 1.5, "invalid_action", success=True)]
+    report = _report(records_to_table(rows))
+    assert report.scored == 19 and report.coverage == 19 / 20 and report.policy_failures == 2
+    assert report.mean == pytest.approx((sum(range(18)) + 1.5) / 19, rel=1e-12)
+    # The invalid action counts as a failure to succeed, whatever its row says.
+    assert report.success is not None and report.success["successes"] == 9
+    assert report.success["n"] == 19
+    assert any(a.startswith("policy_failure_returns_missing: 1 episodes") for a in report.alarms)
+    assert not report.harness_fault  # 5% exactly is not above the threshold
+
+
+def test_paired_comparison_drops_harness_pairs_and_keeps_policy_failures():
+    new = records_to_table([
+        _row(0, 10.0), _row(1, 2.0, "invalid_action"), _row(2, 0.0, "env_error"), _row(3, 7.0),
+        _row(4, 9.0), _row(5, 4.0, "policy_timeout"), _row(6, 8.0), _row(7, 6.0, seed=999),
+    ])
+    base = records_to_table([
+        _row(0, 9.0), _row(1, 5.0), _row(2, 6.0), _row(3, 0.0, "crashed"),
+        _row(4, 1.0, "policy_error"), _row(5, 5.0), _row(6, 8.0), _row(7, 6.0),
+    ])
+    c = compare_with_baseline(new, base, seed=0, source="fixed")
+    pairs = {0: (10.0, 9.0), 1: (2.0, 5.0), 4: (9.0, 1.0), 5: (4.0, 5.0), 6: (8.0, 8.0)}
+    assert c["n"] == 5
+    assert c["dropped_harness_failures"] == 2 and c["dropped_unmatched"] == 1  # index 7: seed
+    assert c["policy_failures"] == {"new": 2, "baseline": 1}
+    diffs = [a - b for a, b in pairs.values()]
+    assert c["mean_diff"] == pytest.approx(sum(diffs) / 5, rel=1e-12)
+    assert c["mean_new"] == pytest.approx(sum(a for a, _ in pairs.values()) / 5, rel=1e-12)
+    # Both sides follow the same rule: swapping them mirrors the result.
+    back = compare_with_baseline(base, new, seed=0, source="fixed")
+    assert back["n"] == 5 and back["mean_diff"] == pytest.approx(-c["mean_diff"], rel=1e-12)
+    assert back["policy_failures"] == {"new": 1, "baseline": 2}
+
+
+def test_coverage_on_every_surface_built_from_the_report():
+    table = _run("tests.flows.headline_envs:breaks_on_hard_seeds", {"broken_above": 0.85})
+    report = _report(table)
+    text = f"{report.coverage:.2%} ({report.scored}/{N} episodes scored)"
+    assert {"metric": "coverage", "value": text} in summary_rows(report)
+    assert text in summary_text(report)
+    assert f"| coverage | {text} |" in report_markdown(report, [])
+    metrics = flatten_metrics(report.model_dump(mode="json"))
+    assert metrics["eval/coverage"] == report.coverage
+    assert metrics["eval/policy_failure_rate"] == report.policy_failure_rate
+    result = result_from_report(report, step=3)
+    assert result["eval/coverage"] == report.coverage and result["eval/reward"] == report.mean
+    assert result["eval/episodes"] == report.scored
+    dumped = report.model_dump(mode="json")
+    assert dumped["coverage"] == report.coverage and dumped["scored"] == report.scored
+
+
+def test_outcomes_treat_an_unknown_end_reason_as_a_harness_failure():
+    kinds = outcomes(records_to_table([_row(0, 1.0), _row(1, 1.0, "cosmic_ray")]))
+    assert kinds.scored.tolist() == [True, False] and kinds.harness.tolist() == [False, True]
