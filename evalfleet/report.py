@@ -128,6 +128,7 @@ def aggregate(
     # never succeeded, whatever its row says.
     if any(s is not None for s in succ_all[kinds.completed]):
         known = [bool(s) for s in succ_all[kinds.completed] if s is not None]
+        unreported = int(kinds.completed.sum()) - len(known)
         known += [False] * int((scored & kinds.policy).sum())
         wins = sum(known)
         interval = stats.wilson_interval(wins, len(known))
@@ -137,7 +138,19 @@ def aggregate(
             "rate": wins / len(known),
             "ci": {"low": interval.low, "high": interval.high, "level": interval.level,
                    "method": interval.method},
+            "unreported": unreported,
         }
+        if unreported:
+            # An env that puts the flag only on some endings (often only on success) would make
+            # the rate over reporting episodes look better than it is: say so, and give the rate
+            # with the silent episodes counted as failures next to it.
+            success["rate_unreported_as_failure"] = wins / (len(known) + unreported)
+            alarms.append(
+                f"success_partially_reported: {unreported} of {int(kinds.completed.sum())} completed "
+                "episodes put no 'success'/'is_success' in their final info; the success rate is over "
+                f"the {len(known)} that did ({wins / len(known):.3f}; "
+                f"{success['rate_unreported_as_failure']:.3f} if the silent ones failed)"
+            )
     steps = int(lengths.sum())
     wall = max(run_seconds, 1e-9)
     manifest = {

@@ -179,3 +179,22 @@ def test_coverage_on_every_surface_built_from_the_report():
 def test_outcomes_treat_an_unknown_end_reason_as_a_harness_failure():
     kinds = outcomes(records_to_table([_row(0, 1.0), _row(1, 1.0, "cosmic_ray")]))
     assert kinds.scored.tolist() == [True, False] and kinds.harness.tolist() == [False, True]
+
+
+def test_a_success_flag_reported_on_some_endings_only_raises_an_alarm():
+    # An env that sets info["success"] only when it succeeds: the silent (truncated) episodes
+    # must not vanish from the success rate without a word.
+    rows = [EpisodeRecord("r", "ab" * 32, ENV, "s", i, i, float(i), 10, reason, None, flag,
+                          0.1, "w", "0", "inprocess")
+            for i, (reason, flag) in enumerate([("terminated", True)] * 3 + [("truncated", None)] * 7)]
+    report = _report(records_to_table(rows))
+    assert report.success is not None
+    assert report.success["rate"] == 1.0 and report.success["unreported"] == 7
+    assert report.success["rate_unreported_as_failure"] == pytest.approx(0.3)
+    assert any(a.startswith("success_partially_reported: 7 of 10") for a in report.alarms)
+    # every completed episode reporting its flag raises nothing
+    full = [EpisodeRecord("r", "ab" * 32, ENV, "s", i, i, 1.0, 10, "terminated", None, i < 4, 0.1, "w",
+                          "0", "inprocess") for i in range(10)]
+    quiet = _report(records_to_table(full))
+    assert quiet.success is not None and quiet.success["unreported"] == 0
+    assert not any("success_partially" in a for a in quiet.alarms)
