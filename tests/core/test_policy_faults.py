@@ -203,3 +203,46 @@ def test_policy_timeout_is_a_validated_request_option() -> None:
     for bad in (0, -1, float("nan")):
         with pytest.raises(RequestError, match="'policy_timeout_s' must be > 0 seconds"):
             EvalRequest.build(policy="m:f", policy_timeout_s=bad)
+
+
+@pytest.mark.slow
+def test_on_a_dask_worker_the_request_bound_applies_and_progress_still_flows(
+        release_hung: None) -> None:
+    """``execute_shard`` on a real worker: ``policy_timeout_s`` reaches the runner, the shard
+    thread's rows come back in bounded time, and its progress events (published through Dask's
+    ``get_worker``, a context variable) still reach the driver."""
+    from evalfleet import cluster, pipeline
+    from evalfleet.planning import plan_shards
+    from evalfleet.progress import topic
+    from evalfleet.worker import execute_shard
+
+    events: dict[str, list[Any]] = {}
+    with cluster.fleet_cluster(None, 1) as address:
+        client = cluster.client_for(address)
+        for name, timeout_s in (("angle_raises_far", 30.0), ("angle_hangs_far", 0.5)):
+            request = EvalRequest.build(env=ENV, policy=f"tests.core.faulty_policies:{name}",
+                                        episodes=24, concurrency=6, seed=0,
+                                        policy_timeout_s=timeout_s)
+            client.subscribe_topic(topic(request.request_id), events.setdefault(name, []).append)
+            handle = cluster.distribute(pipeline.receive(request).artifact, address, "cpu", True)
+            [shard] = plan_shards(request.request_id, 0, range(24), 6, 1).shards
+            started = time.monotonic()
+            table = client.submit(execute_shard, shard, handle, request, "inprocess",
+                                  pure=False).result(timeout=120)
+            assert time.monotonic() - started < 30
+            reasons = dict(zip(table.column("episode_index").to_pylist(),
+                               table.column("end_reason").to_pylist(), strict=True))
+            assert sorted(reasons) == list(range(24))
+            if name == "angle_raises_far":
+                far = {i for i in range(24) if _first_far("angle", i, fp.ANGLE_FAR) is not None}
+                assert {i for i, r in reasons.items() if r == "policy_error"} == far
+            else:
+                assert {"policy_timeout", "terminated"} <= set(reasons.values())
+                client.run(fp.release)  # the worker's hung forward may go
+        deadline = time.monotonic() + 10
+        while len(events.get("angle_raises_far", [])) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+    done = [e[1]["done"] for e in events.get("angle_raises_far", [])]
+    assert 24 in done, f"no final progress event of the shard (got {done})"
+    # The first finished episode publishes at once, from the shard thread: mid-shard progress.
+    assert any(d < 24 for d in done), f"no progress event from inside the shard (got {done})"
