@@ -55,6 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds one episode may spend in its env's reset/step calls (process/bwrap)")
     p.add_argument("--step-timeout", type=float, default=d["step_timeout_s"].default,
                    help="wall-clock seconds one env step may take in a sandbox (process/bwrap)")
+    p.add_argument("--policy-timeout", type=float, default=d["policy_timeout_s"].default,
+                   help="wall-clock seconds one batched policy forward may take (a shard's first: "
+                   "4x); past it the shard's episodes end as policy_timeout")
     p.add_argument("--envs-per-sandbox", type=int, default=d["envs_per_sandbox"].default,
                    help="env instances per sandbox process: trades isolation for speed")
     p.add_argument("--sandbox-memory-mb", type=int, default=d["sandbox_memory_mb"].default,
@@ -112,6 +115,7 @@ def request_from_args(args: argparse.Namespace) -> EvalRequest:
         isolation=args.isolation,
         episode_timeout_s=args.episode_timeout,
         step_timeout_s=args.step_timeout,
+        policy_timeout_s=args.policy_timeout,
         envs_per_sandbox=args.envs_per_sandbox,
         sandbox_memory_mb=args.sandbox_memory_mb,
         workers=args.workers,

@@ -84,6 +84,10 @@ class EvalRequest(_Frozen):
         "(process/bwrap sandboxes; a single step is also cut off after step_timeout_s)."
     )
     step_timeout_s: float = Field(10.0, description="Wall-clock limit of one env step in a sandbox.")
+    policy_timeout_s: float = Field(
+        30.0, description="Wall-clock limit of one batched policy forward (a shard's first: 4x, "
+        "for CUDA set-up and JIT warm-up); past it the shard's episodes end as policy_timeout."
+    )
     envs_per_sandbox: int = Field(1, description="Env instances per sandbox process (process/bwrap).")
     sandbox_memory_mb: int = Field(1024, description="Address-space limit of one sandbox process.")
     workers: int = Field(2, description="Local Dask worker processes when no dask_address is given.")
@@ -162,6 +166,10 @@ class EvalRequest(_Frozen):
                 raise RequestError(f"'{name}' must be >= 0 (got {getattr(self, name)!r}).")
         if self.step_timeout_s <= 0:
             raise RequestError(f"'step_timeout_s' must be > 0 seconds (got {self.step_timeout_s!r}).")
+        if not self.policy_timeout_s > 0:
+            raise RequestError(
+                f"'policy_timeout_s' must be > 0 seconds (got {self.policy_timeout_s!r})."
+            )
         if self.episode_timeout_s <= 0:
             raise RequestError(
                 f"'episode_timeout_s' must be > 0 seconds (got {self.episode_timeout_s!r})."

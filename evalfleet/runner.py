@@ -9,7 +9,9 @@ step can leak into a return or a length, and the set of episodes is fixed by ind
 
 from __future__ import annotations
 
+import contextvars
 import logging
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -29,6 +31,35 @@ logger = logging.getLogger(__name__)
 
 #: ``info`` keys read as the episode's success flag, in order (SB3 uses ``is_success``).
 SUCCESS_KEYS = ("success", "is_success")
+
+#: Default bound, in seconds, of one batched policy forward (``EvalRequest.policy_timeout_s``).
+DEFAULT_POLICY_TIMEOUT_S = 30.0
+#: The first forward of a shard may take this many times the bound: it pays one-off costs (CUDA
+#: context and cuBLAS/cuDNN set-up, TorchScript's profiling runs, lazy modules, first page-ins).
+FIRST_FORWARD_FACTOR = 4.0
+
+
+class _Abandoned(Exception):
+    """Raised in a shard thread whose forward returned after the shard was given up on."""
+
+
+class _ForwardWatch:
+    """The deadline of the forward in flight, shared by the shard thread and its watcher.
+
+    The shard thread sets ``deadline`` before each forward (a plain store) and clears it under
+    ``lock`` right after; the watcher sets ``abandoned`` under ``lock`` only while a deadline has
+    passed. So once ``abandoned`` is set, the shard thread is inside the policy and never touches
+    the shard's state again: the watcher owns it.
+    """
+
+    __slots__ = ("lock", "deadline", "bound", "rows", "abandoned")
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.deadline: float | None = None
+        self.bound = 0.0
+        self.rows = 0
+        self.abandoned = False
 
 
 @dataclass(frozen=True)
@@ -136,6 +167,40 @@ def _obs_error(obs: Any, obs_out: npt.NDArray[np.float32], err: BaseException) -
             f"{obs_out.shape[1:]}: {error_text(err)}")[:500]
 
 
+def _split_forward(
+    forward: Callable[[npt.NDArray[np.intp], npt.NDArray[np.float32]], npt.NDArray[Any]],
+    rows: npt.NDArray[np.intp],
+    obs: npt.NDArray[np.float32],
+) -> tuple[npt.NDArray[np.bool_], npt.NDArray[Any] | None, dict[int, str]]:
+    """Retry a failed forward on halves, down to single rows.
+
+    Returns the mask of rows that got an action, their actions (in row order; None when none
+    did) and the error text of every row whose single-row forward raised, keyed by position.
+    """
+    done: list[tuple[int, npt.NDArray[Any]]] = []
+    errors: dict[int, str] = {}
+    spans = [(0, len(rows))]
+    while spans:
+        lo, hi = spans.pop()
+        mid = (lo + hi) // 2
+        for a, b in ((lo, mid), (mid, hi)):
+            try:
+                done.append((a, forward(rows[a:b], obs[a:b])))
+            except _Abandoned:
+                raise
+            except Exception as err:
+                if b - a == 1:
+                    errors[a] = error_text(err)
+                else:
+                    spans.append((a, b))
+    ok = np.ones(len(rows), dtype=bool)
+    ok[list(errors)] = False
+    if not done:
+        return ok, None, errors
+    done.sort(key=lambda item: item[0])
+    return ok, np.concatenate([np.asarray(acts) for _, acts in done]), errors
+
+
 def run_shard(
     episodes: list[tuple[int, int]],
     slots: EnvSlots,
@@ -144,12 +209,24 @@ def run_shard(
     *,
     retry_infrastructure: bool = True,
     on_episode: Callable[[EpisodeRecord], None] | None = None,
+    policy_timeout_s: float | None = DEFAULT_POLICY_TIMEOUT_S,
 ) -> list[EpisodeRecord]:
     """Run ``episodes`` (``(index, seed)`` pairs) on ``slots``; one record per episode.
 
     A failure ends only its own episode: the slot's env is rebuilt and takes the next index.
     Infrastructure failures (timeout, crash, OOM of a sandbox) are retried once with the same
-    seed when ``retry_infrastructure``; the row then says ``retried``.
+    seed when ``retry_infrastructure``; the row then says ``retried``. A policy that raises ends
+    only the episodes whose observation makes it raise (the batch is split down to single rows);
+    their rows keep the return and length up to that step.
+
+    ``policy_timeout_s`` bounds each policy forward (the shard's first: ``FIRST_FORWARD_FACTOR``
+    times that). The episodes then run in a thread of their own while the calling thread
+    watches the deadline. A forward past it cannot be stopped (Python cannot kill a thread): the
+    thread is abandoned inside the policy, and the shard ends without another call into the
+    policy, which may still be running, hold a lock or a GPU stream, and hang again. Every live
+    episode ends as ``policy_timeout`` with its return and length so far; every episode not yet
+    started is a ``policy_timeout`` row of length 0 saying it was not run. So a shard takes at
+    most its normal time plus one bound. None: no bound, everything in the calling thread.
 
     Per step the work is array-shaped: observations live in one preallocated float32 buffer (a
     row per slot), returns and lengths in float64/int64 arrays, and only the rows whose episode
@@ -158,6 +235,7 @@ def run_shard(
     """
     space = policy.action_space
     deterministic = policy.deterministic
+    act = policy.act
     n = slots.n
     step_batch = slots.step_batch if isinstance(slots, BatchEnvSlots) else None
     pending: deque[tuple[int, int, bool]] = deque((i, s, False) for i, s in episodes)
@@ -177,6 +255,9 @@ def run_shard(
     rmax = np.full(n, -np.inf)
     nmin = np.zeros(n, dtype=np.int64)
     nmax = np.zeros(n, dtype=np.int64)
+    watch = _ForwardWatch()
+    bounds = (None if policy_timeout_s is None
+              else [policy_timeout_s * FIRST_FORWARD_FACTOR, policy_timeout_s])
 
     def track(idx: npt.NDArray[np.intp] | None, rewards: npt.NDArray[np.float64]) -> None:
         # Finite rewards of the slots ``idx`` (None: every slot, whole-array operations).
@@ -195,6 +276,11 @@ def run_shard(
         rmin[idx], rmax[idx] = lo, hi
     obs_rows: list[npt.NDArray[np.float32]] = []  # the (n, *obs_shape) buffer, once known
 
+    def emit(record: EpisodeRecord) -> None:
+        records.append(record)
+        if on_episode is not None:
+            on_episode(record)
+
     def finish(slot: int, reason: str, error: str | None, info: dict[str, float]) -> None:
         live[slot] = False
         retried = ep_retried[slot]
@@ -202,7 +288,7 @@ def run_shard(
             pending.appendleft((ep_index[slot], ep_seed[slot], True))
             return
         success = next((bool(info[k]) for k in SUCCESS_KEYS if k in info), None)
-        record = EpisodeRecord(
+        emit(EpisodeRecord(
             request_id=ctx.request_id,
             policy_sha256=ctx.policy_sha256,
             env_id=ctx.env_id,
@@ -224,10 +310,7 @@ def run_shard(
             nonfinal_reward_max=float(rmax[slot]) if nmax[slot] else None,
             nonfinal_steps_at_min=int(nmin[slot]),
             nonfinal_steps_at_max=int(nmax[slot]),
-        )
-        records.append(record)
-        if on_episode is not None:
-            on_episode(record)
+        ))
 
     def store_obs(slot: int, obs: Any) -> str | None:
         if not obs_rows:
@@ -260,80 +343,166 @@ def run_shard(
                     finish(slot, out.failure or EndReason.ENV_ERROR.value, error, {})
                     free.append(slot)
 
-    fill(list(range(min(n, len(pending))))[::-1])
-    everyone = np.arange(n)
-    while live.any():
-        all_live = bool(live.all())
-        order = everyone if all_live else np.flatnonzero(live)  # ascending: the batch's row order
-        buf = obs_rows[0]
-        batch_obs = buf if all_live else buf[order]
+    def forward(rows: npt.NDArray[np.intp], obs: npt.NDArray[np.float32]) -> npt.NDArray[Any]:
+        # One policy call under the watch: the watcher may give the shard up while it runs.
+        rngs = None if deterministic else [ep_rng[s] for s in rows.tolist()]
+        if bounds is not None:
+            watch.bound = bounds[0]
+            watch.rows = len(rows)
+            watch.deadline = time.monotonic() + bounds[0]
         try:
-            rngs = None if deterministic else [ep_rng[s] for s in order.tolist()]
-            actions = policy.act(batch_obs, rngs)  # type: ignore[arg-type]
-            if len(actions) != len(order):
-                raise ValueError(f"policy returned {len(actions)} actions for {len(order)} rows")
-        except Exception as err:
-            text = error_text(err)
-            freed = order.tolist()
-            for s in freed:
-                finish(s, EndReason.POLICY_ERROR.value, text, {})
-            fill(freed)
-            continue
-        if batch_obs is buf and np.may_share_memory(actions, buf):
-            actions = np.array(actions)  # the buffer is rewritten while the actions are applied
-        bad = _invalid_actions(space, actions)
-        freed = []
-        step_idx = order
-        if bad.any():
-            for k in np.flatnonzero(bad).tolist():
-                text = f"action {np.asarray(actions[k]).tolist()!r} not in {space}"
-                finish(int(order[k]), EndReason.INVALID_ACTION.value, text, {})
-                freed.append(int(order[k]))
-            step_idx, actions = order[~bad], actions[~bad]
-        if len(step_idx):
-            if step_batch is not None:
-                rewards, ended = step_batch(step_idx, _batch_actions(space, actions), buf)
-            else:
-                rewards, ended = _step_via_many(slots, step_idx, actions, space, buf)
-            finite = np.isfinite(rewards)
-            if not ended and finite.all():
-                if len(step_idx) == n:  # every slot stepped: whole-array updates
-                    length += 1
-                    ret += rewards
-                    track(None, rewards)
+            actions = act(obs, rngs)
+        finally:
+            if bounds is not None:
+                with watch.lock:
+                    if watch.abandoned:
+                        raise _Abandoned
+                    watch.deadline = None
+                bounds[0] = bounds[1]
+        if len(actions) != len(rows):
+            raise ValueError(f"policy returned {len(actions)} actions for {len(rows)} rows")
+        return actions
+
+    def loop() -> None:
+        fill(list(range(min(n, len(pending))))[::-1])
+        everyone = np.arange(n)
+        while live.any():
+            all_live = bool(live.all())
+            order = everyone if all_live else np.flatnonzero(live)  # ascending: the row order
+            buf = obs_rows[0]
+            batch_obs = buf if all_live else buf[order]
+            freed: list[int] = []
+            try:
+                actions = forward(order, batch_obs)
+            except _Abandoned:
+                raise
+            except Exception:
+                # Find the rows that make it raise; the others keep their sub-batch's actions.
+                ok, split_actions, errors = _split_forward(forward, order, batch_obs)
+                for pos, text in sorted(errors.items()):
+                    finish(int(order[pos]), EndReason.POLICY_ERROR.value, text, {})
+                    freed.append(int(order[pos]))
+                if split_actions is None:
+                    fill(freed)
+                    continue
+                actions, order = split_actions, order[ok]
+            if batch_obs is buf and np.may_share_memory(actions, buf):
+                actions = np.array(actions)  # the buffer is rewritten while the actions are applied
+            bad = _invalid_actions(space, actions)
+            step_idx = order
+            if bad.any():
+                for k in np.flatnonzero(bad).tolist():
+                    text = f"action {np.asarray(actions[k]).tolist()!r} not in {space}"
+                    finish(int(order[k]), EndReason.INVALID_ACTION.value, text, {})
+                    freed.append(int(order[k]))
+                step_idx, actions = order[~bad], actions[~bad]
+            if len(step_idx):
+                if step_batch is not None:
+                    rewards, ended = step_batch(step_idx, _batch_actions(space, actions), buf)
                 else:
-                    length[step_idx] += 1
-                    ret[step_idx] += rewards
-                    track(step_idx, rewards)
-            else:
-                counted = finite.copy()  # finite rewards of steps the episode goes on after
-                counted[list(ended)] = False
-                track(step_idx[counted], rewards[counted])
-                nonfinite = np.flatnonzero(~finite)
-                special = sorted(set(ended).union(nonfinite.tolist()))
-                regular = np.ones(len(step_idx), dtype=bool)
-                regular[special] = False
-                length[step_idx[regular]] += 1
-                ret[step_idx[regular]] += rewards[regular]
-                for pos in special:
-                    s = int(step_idx[pos])
-                    out = ended.get(pos)
-                    if out is not None and out.failure is not None:
-                        finish(s, out.failure, out.error, {})
-                        freed.append(s)
-                        continue
-                    length[s] += 1
-                    reward = float(rewards[pos])
-                    if not is_finite(reward):
-                        finish(s, EndReason.INVALID_REWARD.value,
-                               f"reward {reward!r} at step {int(length[s])}", {})
-                        freed.append(s)
-                        continue
-                    ret[s] += reward
-                    if out is not None:
-                        reason = EndReason.TERMINATED if out.terminated else EndReason.TRUNCATED
-                        finish(s, reason.value, None, out.info)
-                        freed.append(s)
-        if freed:
-            fill(freed)
+                    rewards, ended = _step_via_many(slots, step_idx, actions, space, buf)
+                finite = np.isfinite(rewards)
+                if not ended and finite.all():
+                    if len(step_idx) == n:  # every slot stepped: whole-array updates
+                        np.add(length, 1, out=length)  # the shard's arrays, updated in place
+                        np.add(ret, rewards, out=ret)
+                        track(None, rewards)
+                    else:
+                        length[step_idx] += 1
+                        ret[step_idx] += rewards
+                        track(step_idx, rewards)
+                else:
+                    counted = finite.copy()  # finite rewards of steps the episode goes on after
+                    counted[list(ended)] = False
+                    track(step_idx[counted], rewards[counted])
+                    nonfinite = np.flatnonzero(~finite)
+                    special = sorted(set(ended).union(nonfinite.tolist()))
+                    regular = np.ones(len(step_idx), dtype=bool)
+                    regular[special] = False
+                    length[step_idx[regular]] += 1
+                    ret[step_idx[regular]] += rewards[regular]
+                    for pos in special:
+                        s = int(step_idx[pos])
+                        out = ended.get(pos)
+                        if out is not None and out.failure is not None:
+                            finish(s, out.failure, out.error, {})
+                            freed.append(s)
+                            continue
+                        length[s] += 1
+                        reward = float(rewards[pos])
+                        if not is_finite(reward):
+                            finish(s, EndReason.INVALID_REWARD.value,
+                                   f"reward {reward!r} at step {int(length[s])}", {})
+                            freed.append(s)
+                            continue
+                        ret[s] += reward
+                        if out is not None:
+                            reason = EndReason.TERMINATED if out.terminated else EndReason.TRUNCATED
+                            finish(s, reason.value, None, out.info)
+                            freed.append(s)
+            if freed:
+                fill(freed)
+
+    if bounds is None:
+        loop()
+        return records
+
+    def give_up() -> None:
+        # The watcher's end of a hung forward: the shard thread is inside the policy for good.
+        bound, rows = watch.bound, watch.rows
+        for slot in np.flatnonzero(live).tolist():
+            finish(slot, EndReason.POLICY_TIMEOUT.value,
+                   f"policy forward did not return within {bound:g} s (a batch of {rows} rows, "
+                   f"at step {int(length[slot])} of this episode); the shard's other episodes "
+                   "were ended without another call into the policy", {})
+        for index, seed, retried in pending:
+            emit(EpisodeRecord(
+                request_id=ctx.request_id, policy_sha256=ctx.policy_sha256, env_id=ctx.env_id,
+                env_spec_hash=ctx.env_spec_hash, episode_index=index, seed=seed,
+                episode_return=0.0, length=0, end_reason=EndReason.POLICY_TIMEOUT.value,
+                error=f"not run: a policy forward in this shard did not return within {bound:g} s",
+                success=None, wall_seconds=0.0, worker=ctx.worker, sandbox="not-started",
+                isolation=slots.isolation, retried=retried, metrics={},
+                nonfinal_reward_min=None, nonfinal_reward_max=None,
+                nonfinal_steps_at_min=0, nonfinal_steps_at_max=0))
+        pending.clear()
+        logger.warning("policy forward hung for %g s on a batch of %d rows; shard of %s ended "
+                       "as policy_timeout", bound, rows, ctx.worker)
+
+    outcome: list[BaseException] = []
+    done = threading.Event()
+
+    def shard_thread() -> None:
+        try:
+            loop()
+        except _Abandoned:
+            return
+        except BaseException as err:  # handed to the calling thread
+            outcome.append(err)
+        done.set()
+
+    # The context travels along: Dask's get_worker() (progress events) reads a context variable.
+    thread = threading.Thread(target=contextvars.copy_context().run, args=(shard_thread,),
+                              name=f"evalfleet-shard-{ctx.worker}", daemon=True)
+    thread.start()
+    wait_s = policy_timeout_s
+    try:
+        while not done.wait(wait_s):
+            with watch.lock:
+                now, deadline = time.monotonic(), watch.deadline
+                if deadline is not None and now >= deadline:
+                    watch.abandoned = True
+                    break
+            wait_s = policy_timeout_s if deadline is None else deadline - now
+    except BaseException:  # Ctrl-C or SIGTERM while waiting: the thread stops at its next forward
+        with watch.lock:
+            watch.abandoned = True
+        thread.join(timeout=1.0)
+        raise
+    if watch.abandoned:
+        give_up()
+        return records
+    thread.join()
+    if outcome:
+        raise outcome[0]
     return records

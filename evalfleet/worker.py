@@ -91,7 +91,8 @@ def execute_shard(shard: Shard, handle: PolicyHandle, request: EvalRequest, isol
     on_episode, flush = shard_publisher(request.request_id, shard.shard_id, _publish)
     try:
         records = run_shard(list(zip(shard.episode_indices, shard.seeds, strict=True)), slots,
-                            policy, ctx, on_episode=None if shard.audit else on_episode)
+                            policy, ctx, on_episode=None if shard.audit else on_episode,
+                            policy_timeout_s=request.policy_timeout_s)
     finally:
         slots.close()
     if not shard.audit:
