@@ -165,6 +165,7 @@ def aggregate(
             "deterministic": request.deterministic,
             "episode_timeout_s": request.episode_timeout_s,
             "step_timeout_s": request.step_timeout_s,
+            "policy_timeout_s": request.policy_timeout_s,
             "bootstrap": {"resamples": 2000, "seed": request.seed},
         },
         "execution": {
