@@ -9,6 +9,13 @@ def _fmt(x: float) -> str:
     return f"{x:.4g}" if abs(x) < 1e5 else f"{x:.3e}"
 
 
+def _device(report: EvalReport) -> str:
+    execution = report.manifest.get("execution") or {}
+    device = str(execution.get("device", "?"))
+    fallback = execution.get("device_fallback")
+    return f"{device} (fallback: {fallback})" if fallback else device
+
+
 def summary_rows(report: EvalReport) -> list[dict[str, str]]:
     """The summary as (metric, value) rows."""
     r = report.returns
@@ -18,6 +25,7 @@ def summary_rows(report: EvalReport) -> list[dict[str, str]]:
         ("env", report.env_id),
         ("policy sha256", report.policy_sha256[:16]),
         ("isolation", report.isolation),
+        ("device", _device(report)),
         ("episodes", f"{report.episodes} ({report.completed} completed)"),
         ("mean return ± 95% CI", f"{_fmt(r['mean'])}  [{_fmt(low)}, {_fmt(high)}]"),
         ("std", _fmt(r["std"])),
