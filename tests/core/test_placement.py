@@ -33,8 +33,8 @@ def cpu_cluster():
 @pytest.fixture
 def fake_gpu_cluster():
     """Workers that advertise GPU=1 on a machine where torch sees no CUDA device."""
-    with LocalCluster(n_workers=1, threads_per_worker=1, processes=False, dashboard_address=":0", protocol="tcp",
-                      host="127.0.0.1", resources={"GPU": 1}) as c:
+    with LocalCluster(n_workers=1, threads_per_worker=1, processes=False, dashboard_address=":0",
+                      protocol="tcp", host="127.0.0.1", resources={"GPU": 1}) as c:
         yield c
         fleet.forget_client(c.scheduler_address)
 

@@ -56,3 +56,17 @@ class RenderDiesLaterEnv(WarehouseEnv):
 
 
 gym.register("RenderDiesLater-v0", entry_point=RenderDiesLaterEnv, max_episode_steps=60)
+
+
+class SlowEnv(WarehouseEnv):
+    """Every step takes half a second: an evaluation of it waits on the run stage for minutes."""
+
+    def step(self, action: int) -> tuple[np.ndarray, float, bool, bool, dict[str, Any]]:
+        """Sleep, then step."""
+        import time
+
+        time.sleep(0.5)
+        return super().step(action)
+
+
+gym.register("Slow-v0", entry_point=SlowEnv, max_episode_steps=60)
