@@ -299,8 +299,8 @@ def check_recording(request: EvalRequest, isolation: str) -> None:
 
 
 #: Relative difference of returns tolerated between a replay and its row when the replay ran on
-#: another device than the episodes (CPU vs CUDA kernels round differently); same length and end
-#: reason are still required. A larger difference is reported as a note, never as an alarm.
+#: another device than the episodes (CPU vs CUDA kernels round differently); the same length is
+#: still required. A larger difference is reported as a note, never as an alarm.
 CROSS_DEVICE_RTOL = 1e-6
 
 
@@ -315,7 +315,7 @@ def cross_device(result: ReplayResult, device: str, received: Received) -> tuple
     """(alarms, notes) of a replay's mismatches, judged for the device it ran on.
 
     Same device: any difference is non-determinism (an alarm). Another device: differences
-    within ``CROSS_DEVICE_RTOL`` (same length and end reason) are expected; larger ones are
+    within ``CROSS_DEVICE_RTOL`` (same length) are expected; larger ones are
     stated as notes, since a different device can legitimately change an argmax.
     """
     if not result.mismatches:
