@@ -77,3 +77,41 @@ def test_replay_on_another_device_is_compared_within_a_tolerance_not_alarmed():
     same, _ = cross_device(result, "cuda", _received("cuda"))
     assert same == ["replay_nondeterminism: 2 replayed episodes differ from their rows"]
     assert cross_device(_result([(5.0, 5)], [(5.0, 5)]), "cpu", _received("cuda")) == ([], [])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("level", ["process", "bwrap"])
+def test_replay_in_a_sandbox_equals_the_in_process_replay(level, tmp_path):
+    """Same steps, rewards and frames count whether the env runs here or in a sandbox."""
+    import imageio_ffmpeg
+
+    from evalfleet.envspec import resolve_env
+    from evalfleet.policy import load_policy
+    from evalfleet.replay import ReplaySandbox, record_episodes
+    from evalfleet.sandbox.isolation import resolve_isolation
+
+    try:
+        resolve_isolation(level)
+    except Exception as err:  # this machine does not allow the level: nothing to compare
+        pytest.skip(f"{level} unavailable: {err}")
+    env = resolve_env("CartPole-v1", {}, 80)
+    policy = load_policy("torchscript", Path(POLICY).read_bytes(), None, POLICY, env.action_space,
+                         device="cpu", deterministic=True)
+    episodes = [(0, 11), (1, 12)]
+    here = record_episodes("CartPole-v1", {}, 80, policy, episodes, video_dir=tmp_path / "here",
+                           trajectories=True, video_for=[0])
+    sandbox = ReplaySandbox(level, 60.0, env.fingerprint.as_dict(),
+                            obs_shape=tuple(env.observation_space.shape))
+    there = record_episodes("CartPole-v1", {}, 80, policy, episodes, video_dir=tmp_path / "there",
+                            trajectories=True, video_for=[0], sandbox=sandbox)
+    assert [(e.episode_return, e.length, e.end_reason) for e in there.episodes] == [
+        (e.episode_return, e.length, e.end_reason) for e in here.episodes]
+    assert there.trajectories.drop(["info"]).equals(here.trajectories.drop(["info"]))
+    assert list(there.videos) == [0] and not there.video_skipped
+
+    def frames(path):
+        reader = imageio_ffmpeg.read_frames(str(path))
+        next(reader)
+        return sum(1 for _ in reader)
+
+    assert frames(there.videos[0]) == frames(here.videos[0])
