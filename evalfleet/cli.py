@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
+import signal
 import sys
 from collections.abc import Callable, Sequence
 from importlib.resources import files
@@ -169,11 +171,36 @@ def cache_command(argv: Sequence[str]) -> int:
     return EXIT_OK
 
 
+#: Exit status after SIGTERM (128 + the signal number, as a shell reports it).
+EXIT_TERMINATED = 128 + signal.SIGTERM
+
+
+def _on_sigterm(signum: int, frame: object) -> None:
+    """First SIGTERM: unwind (stop the cluster and the local Prefect server); a second: exit now.
+
+    Python's default action kills the process outright, leaving the per-evaluation Prefect
+    server and the cluster's processes orphaned. Prefect's flow engine swaps in its own handler
+    while a flow runs, marks the run crashed, then hands the signal back to this one.
+    """
+    if getattr(_on_sigterm, "seen", False):
+        os._exit(EXIT_TERMINATED)
+    _on_sigterm.seen = True  # type: ignore[attr-defined]
+    logging.getLogger(__name__).warning("SIGTERM: stopping the evaluation")
+    raise SystemExit(EXIT_TERMINATED)
+
+
 def run_cli(
     evaluate: Callable[[EvalRequest], EvalReport], argv: Sequence[str] | None = None
 ) -> int:
-    """Parse ``argv``, evaluate, print the summary; returns the exit code."""
+    """Parse ``argv``, evaluate, print the summary; returns the exit code.
+
+    SIGTERM ends a waiting evaluation like Ctrl-C does: it unwinds and exits with 143.
+    """
     args = build_parser().parse_args(argv)
+    try:
+        signal.signal(signal.SIGTERM, _on_sigterm)
+    except ValueError:  # not the main thread (an embedding caller): keep its handling
+        pass
     logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
@@ -187,8 +214,10 @@ def run_cli(
         Path(args.report).write_text(json.dumps(report.model_dump(mode="json"), indent=2) + "\n")
     print(summary_text(report))
     if report.harness_fault and not args.allow_failures:
-        print(f"evalfleet: harness fault: more than 5% of episodes failed in the harness "
-              f"(coverage {report.coverage:.1%}; pass --allow-failures to exit 0 anyway)",
+        recording = [a for a in report.alarms if a.startswith("recording_incomplete")]
+        why = "; ".join(recording) if recording else (
+            f"more than 5% of episodes failed in the harness (coverage {report.coverage:.1%})")
+        print(f"evalfleet: harness fault: {why} (pass --allow-failures to exit 0 anyway)",
               file=sys.stderr)
         return EXIT_HARNESS_FAULT
     return EXIT_OK

@@ -8,6 +8,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import dask
@@ -41,6 +42,99 @@ def gpu_count() -> int:
         return int(torch.cuda.device_count()) if torch.cuda.is_available() else 0
     except Exception:  # torch is optional for callable policies
         return 0
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where policy inference of an evaluation runs, decided once in stage 1."""
+
+    requested: str
+    """The device the request asked for: 'auto', 'cpu' or 'cuda[:N]'."""
+    device: str
+    """The device every shard uses: 'cpu' or 'cuda[:N]' (never 'auto')."""
+    fallback: str | None
+    """Why ``device`` differs from what 'auto' would pick on a GPU cluster; None otherwise."""
+    gpu_workers: int
+    """Workers of the cluster that offer a ``GPU`` resource torch can use."""
+    workers: int
+    """Workers of the cluster (1 for the local cluster that is about to start)."""
+
+
+#: Seconds stage 1 waits for a first worker of an external cluster before judging its resources.
+WORKER_WAIT_S = 20.0
+
+
+def _describe(workers: dict[str, dict[str, Any]]) -> str:
+    shown = [f"{w.get('name', addr)} {dict(w.get('resources') or {}) or 'no resources'}"
+             for addr, w in list(workers.items())[:4]]
+    more = f" and {len(workers) - 4} more" if len(workers) > 4 else ""
+    return "; ".join(shown) + more if shown else "no workers"
+
+
+def place_inference(device: str, address: str | None) -> Placement:
+    """Stage 1: resolve ``device`` against the cluster the evaluation will run on.
+
+    ``address`` None means the local cluster ``fleet_cluster`` is about to start on this machine,
+    whose workers offer ``GPU`` exactly when torch sees CUDA here. An external cluster's workers
+    are asked for their ``resources``, and those offering ``GPU`` are asked whether torch sees a
+    CUDA device there (a mislabelled worker would otherwise fail or hang in the run stage).
+    'cuda' with no usable GPU worker raises ``RequestError``; 'auto' falls back to CPU and says so.
+    """
+    if device == "cpu":
+        return Placement(device, "cpu", None, 0, 1)
+    if address is None:
+        where = "this machine (the local Dask cluster's workers run here)"
+        usable, workers, seen = gpu_count(), 1, f"torch sees {gpu_count()} CUDA device(s)"
+        labelled_only: list[str] = []
+    else:
+        where = f"the Dask cluster at {address}"
+        usable, workers, seen, labelled_only = _cluster_gpus(address)
+    if device == "auto":
+        if usable:
+            return Placement(device, "cuda", None, usable, workers)
+        why = (f"device 'auto': no GPU on {where} ({seen}); inference runs on CPU")
+        logger.warning(why)
+        return Placement(device, "cpu", why, 0, workers)
+    index = int(device.split(":")[1]) if ":" in device and device.split(":")[1].isdigit() else 0
+    if not usable:
+        bad = (f" Worker(s) {', '.join(labelled_only)} offer a 'GPU' resource but torch sees no "
+               "CUDA device there: fix their CUDA setup or drop '--resources GPU=...'."
+               if labelled_only else "")
+        raise RequestError(
+            f"--device {device!r} asks for inference on a CUDA GPU, but {where} has none ({seen})."
+            f"{bad} Pass --device cpu, or --device auto to use a GPU only when there is one, or "
+            "point --dask-address at a cluster with a GPU worker "
+            "(dask worker ADDRESS --resources GPU=1 on a machine with CUDA)."
+        )
+    if address is None and index >= usable:
+        raise RequestError(
+            f"--device {device!r}: {where} has only {usable} CUDA device(s) (cuda:0..cuda:"
+            f"{usable - 1}). Pass --device cuda or a valid index."
+        )
+    return Placement(device, device, None, usable, workers)
+
+
+def _cluster_gpus(address: str) -> tuple[int, int, str, list[str]]:
+    """(workers with a usable GPU, workers, what was seen, workers whose GPU label is false)."""
+    client = client_for(address)
+    workers = client.scheduler_info(n_workers=-1).get("workers") or {}
+    if not workers:
+        try:
+            client.wait_for_workers(1, timeout=WORKER_WAIT_S)
+        except (TimeoutError, OSError):
+            pass
+        workers = client.scheduler_info(n_workers=-1).get("workers") or {}
+    labelled = [addr for addr, w in workers.items() if float((w.get("resources") or {}).get("GPU", 0)) > 0]
+    seen = f"{len(workers)} worker(s): {_describe(workers)}"
+    if not labelled:
+        return 0, len(workers), seen, []
+    counts = client.run(gpu_count, workers=labelled, on_error="return")
+    usable = [a for a in labelled if isinstance(counts.get(a), int) and counts[a] > 0]
+    false = [str(workers[a].get("name", a)) for a in labelled if a not in usable]
+    if false and usable:
+        logger.warning("workers %s offer a 'GPU' resource but torch sees no CUDA device there; "
+                       "shards that land on them fail", ", ".join(false))
+    return len(usable), len(workers), seen, false
 
 
 @contextmanager

@@ -31,7 +31,14 @@ from evalfleet.planning import plan_shards
 from evalfleet.plots import render_plots
 from evalfleet.policy import PolicyArtifact, load_policy, receive_policy
 from evalfleet.records import EPISODE_SCHEMA, OUTCOME_COLUMNS, concat_sorted, stamp_evaluation
-from evalfleet.replay import record_episodes, replay_inputs
+from evalfleet.replay import (
+    ReplayResult,
+    ReplaySandbox,
+    probe_encoder,
+    probe_rendering,
+    record_episodes,
+    replay_inputs,
+)
 from evalfleet.report import aggregate, versions
 from evalfleet.review import choose_episodes, cluster_failures, report_page
 from evalfleet.sandbox.isolation import resolve_isolation
@@ -53,6 +60,10 @@ class Received:
     cache_key: str
     cache_ingredients: dict[str, Any]
     seconds: float
+    device: str = "cpu"
+    """Where inference runs (stage 1 resolved 'auto' against the cluster's workers)."""
+    device_fallback: str | None = None
+    """Why a requested 'auto' runs on CPU; None when nothing fell back."""
 
 
 @dataclass(frozen=True)
@@ -94,12 +105,16 @@ def receive(request: EvalRequest) -> Received:
         request.policy, request.policy_factory, env.observation_space, env.action_space,
         deterministic=request.deterministic,
     )
+    placement = cluster.place_inference(request.device, request.dask_address)
+    if request.record_video:
+        check_recording(request, isolation)
     ingredients = key_ingredients(
         artifact.summary(), env.fingerprint.as_dict(), request.seed, request.max_steps,
         request.deterministic, versions(),
     )
     return Received(artifact, env.fingerprint.as_dict(), env.fingerprint.spec_hash, isolation,
-                    cache_key(ingredients), ingredients, time.perf_counter() - t0)
+                    cache_key(ingredients), ingredients, time.perf_counter() - t0,
+                    device=placement.device, device_fallback=placement.fallback)
 
 
 def episode_cache(request: EvalRequest) -> EpisodeCache:
@@ -157,7 +172,7 @@ def plan(
 
 def distribute(request: EvalRequest, received: Received, address: str | None) -> PolicyHandle:
     """Stage 3: one copy of the policy per worker."""
-    return cluster.distribute(received.artifact, address, request.device, request.deterministic)
+    return cluster.distribute(received.artifact, address, received.device, request.deterministic)
 
 
 def collect(
@@ -225,6 +240,7 @@ def summarize(
     if baseline is not None:
         comparison = compare_with_baseline(collected.table, baseline[0], request.seed, baseline[1])
     return report.model_copy(update={
+        "manifest": placed(report.manifest, request, received),
         "timings": dict(timings, aggregate=time.perf_counter() - t0),
         "alarms": alarms,
         "audit": audit,
@@ -232,6 +248,13 @@ def summarize(
         "comparison": comparison,
         "step_rewards": step_rewards(collected.table),
     })
+
+
+def placed(manifest: dict[str, Any], request: EvalRequest, received: Received) -> dict[str, Any]:
+    """The manifest with the device inference ran on, the one asked for, and any fallback."""
+    execution = dict(manifest.get("execution") or {}, device=received.device,
+                     device_requested=request.device, device_fallback=received.device_fallback)
+    return dict(manifest, execution=execution)
 
 
 class _SkipReview(Exception):
@@ -242,43 +265,142 @@ class _SkipReview(Exception):
 ACTION_SAMPLE = 16
 
 
+def replay_sandbox(request: EvalRequest, isolation: str) -> ReplaySandbox | None:
+    """Where replays step the env: a sandbox of the evaluation's level (None: in this process)."""
+    if isolation == "inprocess":
+        return None
+    from evalfleet.worker import sandbox_limits
+
+    env = resolve_env(request.env, request.env_kwargs, request.max_steps)
+    shape = tuple(env.observation_space.shape) if env.observation_space.shape else None
+    return ReplaySandbox(isolation, request.episode_timeout_s, env.fingerprint.as_dict(),
+                         sandbox_limits(request), shape)
+
+
+def check_recording(request: EvalRequest, isolation: str) -> None:
+    """Stage 1 for ``--record-video``: the encoder writes a video and the env renders a frame.
+
+    The env is reset with episode 0's seed and rendered once, in a sandbox of the evaluation's
+    level when it is not ``inprocess``. Anything missing raises ``RequestError`` naming it, before
+    any episode runs: a recording that was asked for is never silently left out.
+    """
+    asked = f"--record-video {request.record_video}"
+    problem = probe_encoder()
+    if problem is None:
+        problem = probe_rendering(request.env, request.env_kwargs, request.max_steps,
+                                  SeedLedger(request.seed).seed(0),
+                                  replay_sandbox(request, isolation))
+    if problem is not None:
+        raise RequestError(
+            f"{asked} cannot be honoured: {problem}. Install what is missing (Gymnasium's "
+            "classic-control and box2d envs render with pygame: pip install pygame), or drop "
+            "--record-video."
+        )
+
+
+#: Relative difference of returns tolerated between a replay and its row when the replay ran on
+#: another device than the episodes (CPU vs CUDA kernels round differently); the same length is
+#: still required. A larger difference is reported as a note, never as an alarm.
+CROSS_DEVICE_RTOL = 1e-6
+
+
+def replay_device(received: Received) -> str:
+    """The device replays load the policy on: where the episodes ran, when this process can."""
+    if received.device == "cpu" or cluster.gpu_count():
+        return received.device
+    return "cpu"
+
+
+def cross_device(result: ReplayResult, device: str, received: Received) -> tuple[list[str], list[str]]:
+    """(alarms, notes) of a replay's mismatches, judged for the device it ran on.
+
+    Same device: any difference is non-determinism (an alarm). Another device: differences
+    within ``CROSS_DEVICE_RTOL`` (same length) are expected; larger ones are
+    stated as notes, since a different device can legitimately change an argmax.
+    """
+    if not result.mismatches:
+        return [], []
+    if device == received.device:
+        return [f"replay_nondeterminism: {len(result.mismatches)} replayed episodes differ from "
+                "their rows"], []
+    beyond = [e for e in result.episodes if e.matches is False and e.expected is not None and not (
+        e.length == e.expected[1]
+        and abs(e.episode_return - e.expected[0]) <= CROSS_DEVICE_RTOL * max(1.0, abs(e.expected[0])))]
+    note = (f"replays ran on {device}, episodes on {received.device}: {len(beyond)} of "
+            f"{len(result.episodes)} replays differ beyond the cross-device tolerance "
+            f"(rtol {CROSS_DEVICE_RTOL:g}); not a determinism alarm")
+    return [], [note]
+
+
+def recording_shortfall(request: EvalRequest, table: pa.Table, videos: int, trajectories: int,
+                        why: list[str]) -> str | None:
+    """An alarm when fewer videos or trajectories were written than asked (and could be)."""
+    want_v = min(request.record_video, table.num_rows)
+    want_t = min(request.record_trajectories, table.num_rows)
+    short = [f"{got} of {want} {what}" for got, want, what in (
+        (videos, want_v, "videos"), (trajectories, want_t, "trajectories")) if got < want]
+    if not short:
+        return None
+    reasons = "; ".join(dict.fromkeys(why)) or "no reason was given"
+    return f"recording_incomplete: wrote {', '.join(short)} asked for ({reasons})"
+
+
 def review(
     request: EvalRequest, received: Received, report: EvalReport, table: pa.Table, folder: Path
 ) -> tuple[EvalReport, list[Path]]:
-    """Failure clusters, replays (trajectories, videos, actions), plots and the report page."""
+    """Failure clusters, replays (trajectories, videos, actions), plots and the report page.
+
+    Replays step the env at the evaluation's isolation level (a sandbox of the same level for
+    ``process`` and ``bwrap``) with the policy on the episodes' device when this process has it.
+    Fewer videos or trajectories than asked is an alarm and a harness fault, never just a note.
+    """
     clusters = cluster_failures(table)
     files: list[Path] = []
     notes: list[str] = []
+    alarms: list[str] = []
     actions = None
     videos: dict[int, Path] = {}
-    if received.isolation == "inprocess":
-        k = max(request.record_trajectories, request.record_video, ACTION_SAMPLE)
-        chosen = choose_episodes(table, k, seed=request.seed)
+    trajectories = 0
+    why: list[str] = []
+    k = max(request.record_trajectories, request.record_video, ACTION_SAMPLE)
+    chosen = choose_episodes(table, k, seed=request.seed)
+    try:
         episodes, expected, reasons = replay_inputs(table, chosen)
         env = resolve_env(request.env, request.env_kwargs, request.max_steps)
         art = received.artifact
+        device = replay_device(received)
         policy = load_policy(art.format, art.payload, art.factory, art.source, env.action_space,
-                             device="cpu", deterministic=request.deterministic)
+                             device=device, deterministic=request.deterministic)
         result = record_episodes(
             request.env, request.env_kwargs, request.max_steps, policy, episodes,
             video_dir=folder / "videos" if request.record_video else None,
             trajectories=request.record_trajectories > 0, expected=expected, end_reasons=reasons,
             video_for=chosen[: request.record_video],
             trajectories_for=chosen[: request.record_trajectories],
+            sandbox=replay_sandbox(request, received.isolation),
         )
         if result.trajectories is not None and result.trajectories.num_rows:
             files.append(write_table(result.trajectories, folder / "trajectories.parquet"))
+            trajectories = len(set(result.trajectories.column("episode_index").to_pylist()))
         videos = dict(result.videos)
         files += list(videos.values())
         actions = dict(result.actions, note="replayed: worst, best, failed, then a seeded sample")
         notes += result.notes()
-        if result.mismatches:
-            report = report.model_copy(update={"alarms": [*report.alarms, (
-                f"replay_nondeterminism: {len(result.mismatches)} replayed episodes differ from "
-                "their rows")]})
-    elif request.record_trajectories or request.record_video:
-        notes.append(f"trajectories and videos are replayed in the flow process, which would run "
-                     f"the env with less isolation than '{received.isolation}': skipped")
+        more_alarms, more_notes = cross_device(result, device, received)
+        alarms += more_alarms
+        notes += more_notes
+        why += list(result.video_skipped.values()) + list(result.skipped.values())
+    except Exception as err:  # the shortfall below makes it an alarm when recordings were asked
+        logger.error("replaying episodes failed: %s", err)
+        notes.append(f"replays failed: {type(err).__name__}: {err}")
+        why.append(f"replays failed: {type(err).__name__}: {err}")
+    shortfall = recording_shortfall(request, table, len(videos), trajectories, why)
+    if shortfall:
+        logger.error(shortfall)
+        alarms.append(shortfall)
+    if alarms:
+        report = report.model_copy(update={"alarms": [*report.alarms, *alarms],
+                                           "harness_fault": report.harness_fault or bool(shortfall)})
     adaptive = report.adaptive or {}
     plots = render_plots(table, folder / "plots", actions=actions, rounds=adaptive.get("rounds"),
                          ci=report.ci if report.scored else None,

@@ -14,8 +14,10 @@ for a handful of episodes (``--record-trajectories K``, ``--record-video K``), n
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
+import os
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,17 +30,22 @@ import pyarrow as pa
 from gymnasium import spaces
 
 from evalfleet.envspec import make_env
+from evalfleet.framing import RenderFailed, framed_thunk, rgb_frame, unpack
 from evalfleet.models import EndReason
 from evalfleet.policy import LoadedPolicy
 
 # The runner's own action checks, so a replay fails exactly where the evaluated episode failed.
 from evalfleet.runner import _invalid_actions, _to_env_action
-from evalfleet.sandbox.base import error_text, scalar_info
+from evalfleet.sandbox.base import EnvSlots, SlotOutcome, error_text, open_slots, scalar_info
+from evalfleet.sandbox.limits import SandboxLimits
 
 __all__ = [
     "ReplayResult",
+    "ReplaySandbox",
     "ReplayedEpisode",
     "action_summary",
+    "probe_encoder",
+    "probe_rendering",
     "record_episodes",
     "replay_inputs",
     "trajectory_schema",
@@ -229,16 +236,7 @@ def _mp4_available() -> bool:
 
 def _as_rgb(frame: Any) -> npt.NDArray[np.uint8] | None:
     """An ``(H, W, 3)`` uint8 frame from what ``render()`` returned, or None if it is not one."""
-    if frame is None:
-        return None
-    arr = np.asarray(frame)
-    if arr.ndim != 3 or arr.shape[2] not in (3, 4) or arr.shape[0] < 2 or arr.shape[1] < 2:
-        return None
-    if arr.dtype != np.uint8:
-        if np.issubdtype(arr.dtype, np.floating) and arr.size and float(np.nanmax(arr)) <= 1.0:
-            arr = arr * 255.0
-        arr = np.clip(np.nan_to_num(arr), 0, 255).astype(np.uint8)
-    return np.ascontiguousarray(arr[:, :, :3])
+    return rgb_frame(frame)
 
 
 class _VideoSink:
@@ -359,6 +357,9 @@ def _flat(x: Any) -> list[float]:
 def _open_env(
     env_id: str, env_kwargs: Mapping[str, Any], max_steps: int | None, render: bool
 ) -> gym.Env[Any, Any]:
+    if render:  # pygame (the classic-control renderer) draws off-screen; there is no display
+        os.environ.setdefault("SDL_VIDEODRIVER", "dummy")
+        os.environ.setdefault("SDL_AUDIODRIVER", "dummy")
     return make_env(env_id, dict(env_kwargs), max_steps, render_mode="rgb_array" if render else None)
 
 
@@ -402,6 +403,114 @@ def _probe_rendering(
     finally:
         _close(env)
     return None
+
+
+@dataclass(frozen=True)
+class ReplaySandbox:
+    """Replay inside sandboxes of this level, as the evaluated episodes ran (process, bwrap)."""
+
+    level: str
+    """'process' or 'bwrap'."""
+    episode_timeout_s: float
+    """The evaluation's episode budget (rendering adds to a step's time, not to the budget's)."""
+    env_spec: dict[str, Any]
+    """The env's fingerprint (what the fork server preloads)."""
+    limits: SandboxLimits = field(default_factory=SandboxLimits)
+    """The evaluation's sandbox limits."""
+    obs_shape: tuple[int, ...] | None = None
+    """The observation space's shape (observations cross the sandbox flat)."""
+
+    def open(self, env_id: str, env_kwargs: Mapping[str, Any], max_steps: int | None,
+             render: bool) -> EnvSlots:
+        """One slot whose env packs observation and frame (``evalfleet.framing``)."""
+        make = functools.partial(make_env, env_id, dict(env_kwargs), max_steps)
+        return open_slots(self.level, framed_thunk(make, render), 1,
+                          episode_timeout_s=self.episode_timeout_s, env_spec=self.env_spec,
+                          limits=self.limits)
+
+
+def _framed(out: SlotOutcome, shape: tuple[int, ...] | None
+            ) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.uint8] | None]:
+    try:
+        return unpack(out.obs, shape)
+    except ValueError as err:
+        raise _RenderError(f"the sandbox sent a malformed frame ({err})") from err
+
+
+def _slot_failure(ep: _Episode, out: SlotOutcome) -> bool:
+    """True (and ``ep`` ended) when the sandbox reported a failure; render failures raise."""
+    if out.failure is None:
+        return False
+    if out.error and out.error.startswith(RenderFailed.__name__):
+        raise _RenderError(out.error)
+    ep.reason, ep.error = out.failure, out.error
+    return True
+
+
+def _replay_one_sandboxed(
+    slots: EnvSlots, policy: LoadedPolicy, ep: _Episode, keep_rows: bool,
+    sink: _VideoSink | None, shape: tuple[int, ...] | None,
+) -> None:
+    """``_replay_one`` with the env in a sandbox: the same steps, ends and counts as the runner."""
+    space = policy.action_space
+    rng = None if policy.deterministic else np.random.default_rng(ep.seed)
+    out = slots.reset(0, ep.seed)
+    if _slot_failure(ep, out):
+        return
+    obs, frame = _framed(out, shape)
+    row = np.zeros(obs.shape, dtype=np.float32)
+    row[...] = obs
+    if sink is not None and frame is not None:
+        sink.add(frame)
+    while True:
+        try:
+            action = policy.act(row[None].copy(), None if rng is None else [rng])
+            if len(action) != 1:
+                raise ValueError(f"policy returned {len(action)} actions for 1 rows")
+        except Exception as err:
+            ep.reason, ep.error = EndReason.POLICY_ERROR.value, error_text(err)
+            return
+        if _invalid_actions(space, action)[0]:
+            ep.reason = EndReason.INVALID_ACTION.value
+            ep.error = f"action {np.asarray(action[0]).tolist()!r} not in {space}"
+            return
+        env_action = _to_env_action(space, action[0])
+        out = slots.step_many([0], [env_action])[0]
+        if _slot_failure(ep, out):
+            return
+        next_obs, frame = _framed(out, shape)
+        reward, terminated, truncated = float(out.reward), out.terminated, out.truncated
+        if not (terminated or truncated):
+            try:
+                row[...] = next_obs  # as the runner's buffer does: a misfit is an env_error
+            except ValueError as err:
+                ep.reason, ep.error = EndReason.ENV_ERROR.value, error_text(err)
+                return
+        ep.length += 1
+        ep.actions.append(env_action)
+        if keep_rows:
+            ep.rows.append({
+                "episode_index": ep.index,
+                "seed": ep.seed,
+                "step": ep.length - 1,
+                "obs": _flat(obs),
+                "action": int(env_action) if isinstance(space, spaces.Discrete) else _flat(env_action),
+                "reward": reward,
+                "terminated": terminated,
+                "truncated": truncated,
+                # A sandbox sends info only with an episode's last step.
+                "info": list(out.info.items()),
+            })
+        if sink is not None and frame is not None:
+            sink.add(frame)
+        if not math.isfinite(reward):
+            ep.reason, ep.error = EndReason.INVALID_REWARD.value, f"reward {reward!r} at step {ep.length}"
+            return
+        ep.ret += reward
+        if terminated or truncated:
+            ep.reason = (EndReason.TERMINATED if terminated else EndReason.TRUNCATED).value
+            return
+        obs = next_obs
 
 
 def _replay_one(
@@ -488,6 +597,66 @@ def _compare(
     return False, f"episode {ep.index} (seed {ep.seed}): replayed {got}, recorded {want}"
 
 
+def _run_episode_sandboxed(
+    sandbox: ReplaySandbox, env_id: str, env_kwargs: Mapping[str, Any], max_steps: int | None,
+    policy: LoadedPolicy, index: int, seed: int, keep_rows: bool, video: Path | None, fps: float,
+    shape: tuple[int, ...] | None,
+) -> tuple[_Episode, Path | None, str | None]:
+    """``_run_episode`` in a fresh sandbox of ``sandbox.level``."""
+    ep = _Episode(index, seed)
+    slots = sandbox.open(env_id, env_kwargs, max_steps, render=video is not None)
+    sink = _VideoSink(video, fps) if video is not None else None
+    try:
+        _replay_one_sandboxed(slots, policy, ep, keep_rows, sink, shape)
+    except _RenderError as err:
+        if sink is not None:
+            sink.abort()
+        problem = f"render failed at step {ep.length}: {err}"
+        slots.close()
+        ep, _, _ = _run_episode_sandboxed(sandbox, env_id, env_kwargs, max_steps, policy, index,
+                                          seed, keep_rows, None, fps, shape)
+        return ep, None, problem
+    except BaseException:
+        if sink is not None:
+            sink.abort()
+        raise
+    finally:
+        slots.close()
+    if sink is None:
+        return ep, None, None
+    try:
+        return ep, sink.write(), None
+    except Exception as err:
+        sink.abort()
+        return ep, None, f"writing the video failed: {error_text(err)}"
+
+
+def probe_rendering(
+    env_id: str, env_kwargs: Mapping[str, Any], max_steps: int | None, seed: int,
+    sandbox: ReplaySandbox | None = None,
+) -> str | None:
+    """None when the env renders an rgb_array frame after a reset (in ``sandbox``), else why not."""
+    if sandbox is None:
+        return _probe_rendering(env_id, env_kwargs, max_steps, seed)
+    try:
+        slots = sandbox.open(env_id, env_kwargs, max_steps, render=True)
+    except Exception as err:
+        return f"no {sandbox.level} sandbox for the render check ({error_text(err)})"
+    try:
+        out = slots.reset(0, seed)
+        if out.failure is not None:
+            return (f"{env_id} could not be reset and rendered in a {sandbox.level} sandbox "
+                    f"({out.failure}: {out.error})")
+        _, frame = unpack(out.obs)
+        if frame is None:
+            return f"{env_id} rendered no frame in a {sandbox.level} sandbox"
+    except Exception as err:
+        return f"{env_id} could not render in a {sandbox.level} sandbox ({error_text(err)})"
+    finally:
+        slots.close()
+    return None
+
+
 def _run_episode(
     env_id: str, env_kwargs: Mapping[str, Any], max_steps: int | None, policy: LoadedPolicy,
     index: int, seed: int, keep_rows: bool, video: Path | None, fps: int | None,
@@ -526,6 +695,46 @@ def _run_episode(
         return ep, None, f"writing the video failed: {error_text(err)}"
 
 
+def _env_fps(env_id: str, env_kwargs: Mapping[str, Any], max_steps: int | None) -> float:
+    """The env's ``render_fps`` (its metadata; stage 1 already made the env here once)."""
+    try:
+        env = _open_env(env_id, env_kwargs, max_steps, render=False)
+    except Exception:  # the sandbox will report what is wrong with it
+        return float(DEFAULT_FPS)
+    try:
+        return float(env.metadata.get("render_fps") or DEFAULT_FPS)
+    finally:
+        _close(env)
+
+
+def probe_encoder(video_format: str = "auto") -> str | None:
+    """None when this process can write a short video of ``video_format``, else why not.
+
+    Writes two frames to a temporary file with the writer ``record_episodes`` uses (ffmpeg from
+    imageio-ffmpeg for MP4, Pillow for GIF), so a missing or broken encoder is found before any
+    episode runs.
+    """
+    import tempfile
+
+    if video_format == "mp4" and not _mp4_available():
+        return "the MP4 encoder is missing (imageio-ffmpeg is not installed: pip install imageio-ffmpeg)"
+    suffix = ".mp4" if video_format == "mp4" or (video_format == "auto" and _mp4_available()) else ".gif"
+    with tempfile.TemporaryDirectory(prefix="evalfleet-encoder-") as tmp:
+        sink = _VideoSink(Path(tmp) / f"probe{suffix}", float(DEFAULT_FPS))
+        try:
+            frame = np.zeros((16, 16, 3), dtype=np.uint8)
+            sink.add(frame)
+            sink.add(frame)
+            path = sink.write()
+            if path.stat().st_size == 0:
+                return f"the {suffix[1:].upper()} encoder wrote an empty file"
+        except Exception as err:
+            sink.abort()
+            encoder = "ffmpeg (imageio-ffmpeg)" if suffix == ".mp4" else "Pillow's GIF writer"
+            return f"the video encoder {encoder} failed: {error_text(err)}"
+    return None
+
+
 def _close(env: gym.Env[Any, Any]) -> None:
     try:
         env.close()
@@ -548,8 +757,9 @@ def record_episodes(
     video_format: str = "auto",
     video_for: Collection[int] | None = None,
     trajectories_for: Collection[int] | None = None,
+    sandbox: ReplaySandbox | None = None,
 ) -> ReplayResult:
-    """Replay ``episodes`` (``(index, seed)`` pairs) in this process; record steps and videos.
+    """Replay ``episodes`` (``(index, seed)`` pairs); record steps and videos.
 
     - ``trajectories``: keep every step in ``result.trajectories`` (``trajectory_schema``).
     - ``video_dir``: render each episode with ``render_mode="rgb_array"`` and write
@@ -564,6 +774,11 @@ def record_episodes(
     - ``video_for`` / ``trajectories_for``: the episode indices that get a video / trajectory
       rows (default: all of ``episodes``), so ``--record-video 3 --record-trajectories 10`` is
       one replay of 10 episodes. Every replayed episode counts in ``result.actions``.
+    - ``sandbox``: step the env in a sandbox of that level (the policy stays here, as in the
+      runner; frames come back packed with the observation). Episodes recorded as ``timeout``,
+      ``crashed`` or ``oom`` are then replayed too: the sandbox contains them. Trajectory rows
+      carry ``info`` only at an episode's last step (a sandbox sends no more).
+      Without it, the env runs in this process.
 
     Never raises for an episode's failure: it becomes the replay's end reason, as in the runner.
     """
@@ -581,17 +796,23 @@ def record_episodes(
     todo: list[tuple[int, int]] = []
     for index, seed in episodes:
         reason = end_reasons.get(index)
-        if reason in UNSAFE_TO_REPLAY:
+        # A sandbox contains a hang or a crash, but replaying one costs its whole timeout: only
+        # for an episode whose video or trajectory was asked for.
+        recorded = (video_for is not None and index in video_for) or (
+            trajectories and (trajectories_for is None or index in trajectories_for))
+        if reason in UNSAFE_TO_REPLAY and (sandbox is None or not recorded):
             skipped[index] = (
                 f"recorded as {reason} in its sandbox; not replayed in-process (it could hang or "
                 "kill this process). Reproduce it with the same seed under isolation='process'."
+                if sandbox is None else
+                f"recorded as {reason}; replayed only when its video or trajectory is asked for"
             )
         else:
             todo.append((index, seed))
 
     render_problem: str | None = None
     if video_dir is not None and todo and (video_for is None or set(video_for) & {i for i, _ in todo}):
-        render_problem = _probe_rendering(env_id, env_kwargs, max_steps, todo[0][1])
+        render_problem = probe_rendering(env_id, env_kwargs, max_steps, todo[0][1], sandbox)
         if render_problem:
             logger.warning("videos skipped: %s", render_problem)
         else:
@@ -607,14 +828,21 @@ def record_episodes(
     mismatches: list[str] = []
     wants_video = set(video_for) if video_for is not None else {i for i, _ in todo}
     wants_rows = set(trajectories_for) if trajectories_for is not None else {i for i, _ in todo}
+    shape = sandbox.obs_shape if sandbox is not None else None
+    sandbox_fps = float(fps or _env_fps(env_id, env_kwargs, max_steps)) if sandbox else 0.0
     for index, seed in todo:
         target = None
         if rendering and video_dir is not None and index in wants_video:
             target = Path(video_dir) / f"episode-{index:06d}-seed-{seed}{suffix}"
         keep_rows = trajectories and index in wants_rows
-        ep, video, problem = _run_episode(
-            env_id, env_kwargs, max_steps, policy, index, seed, keep_rows, target, fps
-        )
+        if sandbox is not None:
+            ep, video, problem = _run_episode_sandboxed(
+                sandbox, env_id, env_kwargs, max_steps, policy, index, seed, keep_rows, target,
+                sandbox_fps, shape)
+        else:
+            ep, video, problem = _run_episode(
+                env_id, env_kwargs, max_steps, policy, index, seed, keep_rows, target, fps
+            )
         if video is not None:
             videos[index] = video
         elif video_dir is not None and index in wants_video:

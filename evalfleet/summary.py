@@ -12,6 +12,11 @@ def _fmt(x: float) -> str:
 def _dropped(comparison: dict[str, object]) -> str:
     harness = comparison.get("dropped_harness_failures", 0)
     return f"; {harness} pairs dropped (harness failure on a side)" if harness else ""
+def _device(report: EvalReport) -> str:
+    execution = report.manifest.get("execution") or {}
+    device = str(execution.get("device", "?"))
+    fallback = execution.get("device_fallback")
+    return f"{device} (fallback: {fallback})" if fallback else device
 
 
 def summary_rows(report: EvalReport) -> list[dict[str, str]]:
@@ -23,6 +28,7 @@ def summary_rows(report: EvalReport) -> list[dict[str, str]]:
         ("env", report.env_id),
         ("policy sha256", report.policy_sha256[:16]),
         ("isolation", report.isolation),
+        ("device", _device(report)),
         ("episodes", f"{report.episodes} planned, {report.scored} scored ({report.completed} "
                      f"completed + {report.policy_failures} ended by the policy), "
                      f"{report.harness_failures} harness failures left out"),

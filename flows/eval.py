@@ -42,7 +42,7 @@ def eval_flow(request: EvalRequest, address: str | None) -> EvalReport:
     with episode_cache(request).exclusive(received.cache_key):                   # one run per key
         planned = spawn_sandboxes(request, received, address, request.episodes)  # 2 spawn sandboxes
         handle = distribute_policy(request, received, planned, address)          # 3 distribute policy
-        with installed(handle, address), dask.annotate(resources=gpu(request)), \
+        with installed(handle, address), dask.annotate(resources=gpu(received)), \
                 watch(request, address):                                         # progress
             while planned is not None:                                           # rounds (adaptive)
                 shards = run_episodes.map(planned.shards, unmapped(handle), unmapped(request),
@@ -55,9 +55,12 @@ def eval_flow(request: EvalRequest, address: str | None) -> EvalReport:
         return feed_back(request, received, report, collected)                   # 7 feed back
 
 
-def gpu(request: EvalRequest) -> dict[str, int]:
-    """Dask resources the run stage asks for: a GPU worker when inference must run on CUDA."""
-    return {"GPU": 1} if request.wants_gpu else {}
+def gpu(received: Received) -> dict[str, int]:
+    """Dask resources the run stage asks for: a GPU worker when inference runs on CUDA.
+
+    Stage 1 checked that the cluster has one (``place_inference``), so this never waits forever.
+    """
+    return {"GPU": 1} if received.device.startswith("cuda") else {}
 
 
 def baseline_episodes(
