@@ -1,7 +1,14 @@
 """Adaptive rounds, harness audits and the paired comparison with a baseline (seeds 000, 004).
 
 - Adaptive evaluation: run in rounds (first round = ``episodes``), adding the next ledger indices
-  until the 95% CI half-width of the mean is at most the target or ``max_episodes`` ran.
+  until the CI half-width of the mean is at most the target or ``max_episodes`` ran. Looking at
+  the interval after every round and stopping when it is narrow enough inflates the miss rate
+  of an unadjusted 95% interval (optional stopping: 79% coverage for 0/1 returns with p = 0.1), so
+  each round at least doubles the episodes, which bounds the number of looks by
+  ``K = 1 + ceil(log2(max_episodes / episodes))``, and every look uses the interval at level
+  ``1 - 0.05 / K`` (Bonferroni): the reported interval, the one of the look that stopped, then
+  misses the true mean with probability at most 5% whatever the stopping rule did. A look whose
+  returns have no spread (all equal) never stops early.
 - Determinism audit: a seeded sample of episodes (2%, at least 2) runs a second time on the
   cluster; any difference in return or length flags ``non_deterministic_env`` with the seeds.
 - Reward integrity: identical returns across episodes of varying length flag a constant or gamed
@@ -46,41 +53,94 @@ def completed_returns(table: pa.Table) -> np.ndarray[Any, np.dtype[np.float64]]:
     return returns
 
 
+#: Overall confidence level of the reported interval of the mean, fixed-n and adaptive.
+LEVEL = 0.95
+
+
+def max_looks(episodes: int, max_episodes: int) -> int:
+    """Most looks an adaptive evaluation can take when every round at least doubles the episodes."""
+    looks, n = 1, episodes
+    while n < max_episodes:
+        n, looks = 2 * n, looks + 1
+    return looks
+
+
 @dataclass
 class RoundSchedule:
-    """Decides how many episodes each round asks for, and records why it stopped."""
+    """Decides how many episodes each round asks for, and records why it stopped.
+
+    Adaptive requests get a Bonferroni-adjusted interval at every look (see the module docstring);
+    ``interval`` is the one the report must show, at overall level 95%.
+    """
 
     request: EvalRequest
     rounds: list[dict[str, Any]] = field(default_factory=list)
     stop_reason: str = ""
+    interval: stats.Interval | None = None
+    """Adaptive only: the interval of the mean at the look that stopped (overall level 95%)."""
+
+    @property
+    def adaptive(self) -> bool:
+        """True when the request asks for a target CI half-width."""
+        return self.request.target_ci_halfwidth is not None
+
+    @property
+    def looks(self) -> int:
+        """The most looks this schedule can take (1 for a fixed episode count)."""
+        r = self.request
+        return max_looks(r.episodes, r.max_episodes or r.episodes) if self.adaptive else 1
+
+    @property
+    def look_level(self) -> float:
+        """Confidence level of each look's interval: ``1 - 0.05 / looks``."""
+        return 1.0 - (1.0 - LEVEL) / self.looks
 
     def next_episodes(self, table: pa.Table | None) -> int | None:
         """Episodes the next round should cover in total, or None when done."""
-        r = self.request
         if table is None:
-            return r.episodes
-        n = table.num_rows
-        returns = scored_returns(table)  # the episodes the headline CI is computed over
-        halfwidth = (
-            stats.mean_ci(returns, seed=r.seed).halfwidth if returns.size >= 2 else math.inf
+            return self.request.episodes
+        return self.observe(scored_returns(table), table.num_rows)
+
+    def observe(self, returns: np.ndarray[Any, np.dtype[np.float64]], n: int) -> int | None:
+        """Record a look at the scored ``returns`` of the first ``n`` episodes; plan the next round.
+
+        Pure decision logic (no table), so the coverage simulation runs exactly this.
+        """
+        r = self.request
+        level = self.look_level
+        interval = (
+            stats.mean_ci(returns, seed=r.seed, level=level) if returns.size else None
         )
-        self.rounds.append({"round": len(self.rounds) + 1, "episodes": n, "halfwidth": halfwidth,
-                            "mean": float(returns.mean()) if returns.size else math.nan})
+        spread = returns.size >= 2 and bool(returns.min() < returns.max())
+        halfwidth = interval.halfwidth if interval is not None else math.inf
+        self.rounds.append({
+            "round": len(self.rounds) + 1, "episodes": n, "scored": int(returns.size),
+            "halfwidth": halfwidth, "level": level,
+            "mean": float(returns.mean()) if returns.size else math.nan,
+            "low": interval.low if interval is not None else math.nan,
+            "high": interval.high if interval is not None else math.nan,
+        })
+        if interval is not None and self.adaptive:
+            self.interval = stats.Interval(
+                interval.low, interval.high, LEVEL,
+                f"{interval.method}, Bonferroni over {self.looks} looks "
+                f"(per-look level {level:.6g})",
+            )
         if r.target_ci_halfwidth is None:
             self.stop_reason = "fixed episode count"
             return None
-        if halfwidth <= r.target_ci_halfwidth:
+        # An interval from returns with no spread says nothing about the spread to come.
+        if spread and halfwidth <= r.target_ci_halfwidth:
             self.stop_reason = "target CI half-width reached"
             return None
         cap = r.max_episodes or n
-        if n >= cap:
+        if n >= cap or len(self.rounds) >= self.looks:
             self.stop_reason = "max episodes reached"
             return None
-        std = float(returns.std(ddof=1)) if returns.size >= 2 else 0.0
-        needed = stats.needed_episodes(std, r.target_ci_halfwidth) if std > 0 else n + 1
-        # Aim 10% past the normal-approximation estimate; grow by at least half a round.
-        target = max(math.ceil(needed * 1.1), n + max(1, r.episodes // 2))
-        return int(min(cap, target))
+        std = float(returns.std(ddof=1)) if spread else 0.0
+        needed = stats.needed_episodes(std, r.target_ci_halfwidth, level) if std > 0 else 0
+        # Aim 10% past the normal-approximation estimate; at least double (bounds the looks).
+        return int(min(cap, max(math.ceil(needed * 1.1), 2 * n)))
 
     def summary(self) -> dict[str, Any] | None:
         """The adaptive section of the report (None for a fixed-count evaluation)."""
@@ -94,6 +154,14 @@ class RoundSchedule:
             "achieved_halfwidth": last["halfwidth"],
             "rounds": self.rounds,
             "stop_reason": self.stop_reason,
+            "max_looks": self.looks,
+            "per_look_level": self.look_level,
+            "ci": self.interval.to_dict() if self.interval is not None else None,
+            "ci_rule": (
+                "each look's interval at level 1 - 0.05/max_looks (Bonferroni; rounds at least "
+                "double, so there are at most max_looks looks); the reported interval is the "
+                "last look's and misses the true mean with probability at most 5%"
+            ),
         }
 
 

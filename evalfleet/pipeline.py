@@ -239,8 +239,16 @@ def summarize(
     comparison = None
     if baseline is not None:
         comparison = compare_with_baseline(collected.table, baseline[0], request.seed, baseline[1])
+    returns = report.returns
+    if schedule.interval is not None:
+        # Adaptive: the 95% interval is the last look's Bonferroni-adjusted one (audit.py).
+        returns = dict(report.returns, ci=schedule.interval.to_dict())
+        if report.returns.get("n") != schedule.rounds[-1]["scored"]:
+            logger.warning("adaptive interval from %s scored episodes, headline from %s",
+                           schedule.rounds[-1]["scored"], report.returns.get("n"))
     return report.model_copy(update={
         "manifest": placed(report.manifest, request, received),
+        "returns": returns,
         "timings": dict(timings, aggregate=time.perf_counter() - t0),
         "alarms": alarms,
         "audit": audit,

@@ -3,6 +3,20 @@
 Everything here is plain numpy (no scipy) and deterministic: every function that resamples takes a
 ``seed`` and builds its own ``np.random.default_rng(seed)``; nothing touches the global RNG.
 
+The reported interval of the mean (``method="auto"``, the default) must hold its level at the
+small counts of a first adaptive round (16-32 episodes) and for 0/1-type returns, where bootstrap
+percentile intervals cover only 91-93% and a sample with no success gives ``[0, 0]``:
+
+* three or more distinct values: Student t with Hall's (1992) skewness correction, the skewness
+  bias-adjusted (``G1``); analytic, so it needs no resamples and no seed;
+* two distinct values ``a < b``: the Clopper-Pearson interval of the share at ``b``, mapped onto
+  ``[a, b]`` (the returns are a scaled binomial);
+* one value ``c`` (a constant sample): never zero width while ``n`` is finite. With declared
+  ``bounds`` the exact bound for any distribution on them: if the mean were further than
+  ``u = 1 - (alpha/2)**(1/n)`` of the range from ``c``, ``n`` equal returns would have had
+  probability below ``alpha/2``. Without bounds nothing in the sample gives a scale, so the same
+  ``u`` is taken in units of ``max(1, |c|)``, and the method name says so.
+
 Bootstrap conventions, shared by every resampling function:
 
 * The values are sorted before resampling, so the result depends on the multiset of returns and
@@ -18,6 +32,7 @@ Bootstrap conventions, shared by every resampling function:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 import numbers
@@ -49,7 +64,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 FloatArray = NDArray[np.float64]
-MeanCIMethod = Literal["percentile", "bca", "t"]
+MeanCIMethod = Literal["auto", "percentile", "bca", "t"]
 
 #: Upper bound on resample indices drawn at once (int32: 16 MB, plus 32 MB of gathered floats).
 _MAX_INDICES_PER_CHUNK: Final = 4_000_000
@@ -57,7 +72,7 @@ _MAX_INDICES_PER_CHUNK: Final = 4_000_000
 _MAX_ABS: Final = 1e100
 _MIN_BOOT: Final = 100
 _PERCENTILES: Final = (("p5", 5.0), ("p25", 25.0), ("p50", 50.0), ("p75", 75.0), ("p95", 95.0))
-_MEAN_CI_METHODS: Final = ("percentile", "bca", "t")
+_MEAN_CI_METHODS: Final = ("auto", "percentile", "bca", "t")
 
 METHOD_PERCENTILE: Final = "bootstrap-percentile"
 METHOD_BCA: Final = "bootstrap-bca"
@@ -65,6 +80,15 @@ METHOD_BCA: Final = "bootstrap-bca"
 METHOD_BCA_FALLBACK: Final = "bootstrap-percentile (bca degenerate)"
 METHOD_WILSON: Final = "wilson"
 METHOD_T: Final = "t"
+#: ``method="auto"`` on three or more distinct values.
+METHOD_SKEW_T: Final = "skew-corrected t (Hall)"
+#: ``method="auto"`` on exactly two distinct values.
+METHOD_TWO_VALUES: Final = "clopper-pearson (two values)"
+#: ``method="auto"`` on a constant sample with declared bounds.
+METHOD_CONSTANT_BOUNDED: Final = "exact bound (constant sample, declared bounds)"
+#: ``method="auto"`` on a constant sample without bounds: the scale is an assumption.
+METHOD_CONSTANT_UNIT: Final = "exact bound at scale max(1, |value|) (constant sample, no bounds)"
+Bounds = tuple[float, float]
 
 
 class StatsInputError(EvalfleetError, ValueError):
@@ -87,8 +111,9 @@ class Interval:
     level: float
     """Confidence level, e.g. ``0.95``."""
     method: str
-    """How it was computed: ``"bootstrap-percentile"``, ``"bootstrap-bca"``, ``"wilson"``,
-    ``"t"``, or ``"bootstrap-percentile (bca degenerate)"`` when BCa fell back."""
+    """How it was computed: one of the ``METHOD_*`` names of this module, e.g.
+    ``"skew-corrected t (Hall)"``, ``"bootstrap-percentile"``, ``"wilson"``, ``"t"``, or
+    ``"bootstrap-percentile (bca degenerate)"`` when BCa fell back."""
 
     def __post_init__(self) -> None:
         """Reject bounds that are not finite or out of order."""
@@ -181,7 +206,8 @@ def summarize(
     seed: int,
     level: float = 0.95,
     n_boot: int = 2000,
-    method: str = "percentile",
+    method: str = "auto",
+    bounds: Bounds | None = None,
 ) -> ReturnStats:
     """Summarize the returns of one evaluation.
 
@@ -190,8 +216,12 @@ def summarize(
         seed: Seed of the bootstrap generator.
         level: Confidence level of both intervals.
         n_boot: Number of bootstrap resamples (at least 100).
-        method: Interval of the mean: ``"percentile"`` or ``"bca"`` (bootstrap) or ``"t"``
+        method: Interval of the mean: ``"auto"`` (valid at small n and for proportions, see
+            the module docstring), ``"percentile"`` or ``"bca"`` (bootstrap) or ``"t"``
             (Student t). The IQM interval is always a percentile bootstrap.
+        bounds: Declared ``(low, high)`` range of a return, if known (e.g. ``(0, 1)`` for a
+            success reward); only ``"auto"`` uses it, to bound a constant sample exactly and to
+            clip the interval.
 
     Returns:
         The summary. ``ci`` equals ``mean_ci(values, seed=seed, ...)`` and ``iqm_ci`` equals
@@ -202,6 +232,7 @@ def summarize(
     n_boot = _check_n_boot(n_boot)
     seed = _check_seed(seed)
     mean_method = _check_mean_ci_method(method)
+    checked_bounds = _check_bounds(bounds, x)
 
     n = int(x.size)
     mean = _mean_of_sorted(x)
@@ -209,7 +240,7 @@ def summarize(
     iqm_value = _iqm_of_sorted(x)
 
     boot_means, boot_iqms = _bootstrap(x, seed, n_boot, with_iqm=True)
-    ci = _mean_interval(x, mean, boot_means, level, mean_method)
+    ci = _mean_interval(x, mean, boot_means, level, mean_method, checked_bounds)
     iqm_interval = _percentile_interval(boot_iqms, iqm_value, level, METHOD_PERCENTILE)
 
     percentiles = {
@@ -237,16 +268,20 @@ def mean_ci(
     seed: int,
     level: float = 0.95,
     n_boot: int = 2000,
-    method: str = "percentile",
+    method: str = "auto",
+    bounds: Bounds | None = None,
 ) -> Interval:
     """Return a confidence interval of the mean of ``values``.
 
     Args:
         values: One return per episode (1-D, finite).
-        seed: Seed of the bootstrap generator (unused by ``method="t"``).
+        seed: Seed of the bootstrap generator (unused by ``"auto"`` and ``"t"``).
         level: Confidence level in (0, 1).
         n_boot: Number of bootstrap resamples (at least 100).
-        method: ``"percentile"`` (bootstrap percentile), ``"bca"`` (bias-corrected and
+        bounds: Declared ``(low, high)`` range of a return, used by ``"auto"`` only.
+        method: ``"auto"`` (the reported interval: skewness-corrected t, Clopper-Pearson for
+            two-valued returns, an exact bound for a constant sample; see the module
+            docstring), ``"percentile"`` (bootstrap percentile), ``"bca"`` (bias-corrected and
             accelerated bootstrap; falls back to percentile, and says so in ``method``, when the
             bootstrap distribution is degenerate) or ``"t"`` (Student t, no resampling).
     """
@@ -255,12 +290,15 @@ def mean_ci(
     n_boot = _check_n_boot(n_boot)
     seed = _check_seed(seed)
     mean_method = _check_mean_ci_method(method)
+    checked_bounds = _check_bounds(bounds, x)
 
     mean = _mean_of_sorted(x)
     if mean_method == "t":
         return _t_interval(x, mean, level)
+    if mean_method == "auto":
+        return _auto_interval(x, mean, level, checked_bounds)
     boot_means, _ = _bootstrap(x, seed, n_boot, with_iqm=False)
-    return _mean_interval(x, mean, boot_means, level, mean_method)
+    return _mean_interval(x, mean, boot_means, level, mean_method, checked_bounds)
 
 
 def iqm(values: ArrayLike) -> float:
@@ -532,7 +570,31 @@ def _check_seed(seed: int) -> int:
 def _check_mean_ci_method(method: str) -> MeanCIMethod:
     if method in _MEAN_CI_METHODS:
         return cast(MeanCIMethod, method)
-    raise StatsInputError(f"Unknown method {method!r}. Choose 'percentile', 'bca' or 't'.")
+    raise StatsInputError(
+        f"Unknown method {method!r}. Choose 'auto', 'percentile', 'bca' or 't'."
+    )
+
+
+def _check_bounds(bounds: Bounds | None, x: FloatArray) -> Bounds | None:
+    if bounds is None:
+        return None
+    try:
+        low, high = (float(b) for b in bounds)
+    except (TypeError, ValueError) as err:
+        raise StatsInputError(
+            f"bounds must be a pair (low, high) of numbers (got {bounds!r}); pass e.g. (0, 1)"
+        ) from err
+    if not (math.isfinite(low) and math.isfinite(high) and low < high):
+        raise StatsInputError(
+            f"bounds must be finite with low < high (got {bounds!r}); pass the smallest and "
+            "largest return an episode can have, or None"
+        )
+    if x[0] < low or x[-1] > high:
+        raise StatsInputError(
+            f"returns lie outside the declared bounds {bounds!r} (got min {float(x[0])!r}, max "
+            f"{float(x[-1])!r}); fix the declared range or the reward"
+        )
+    return low, high
 
 
 # --------------------------------------------------------------------------------------------
@@ -646,10 +708,17 @@ def _percentile_interval(boot: FloatArray, estimate: float, level: float, method
 
 
 def _mean_interval(
-    x: FloatArray, mean: float, boot_means: FloatArray, level: float, method: MeanCIMethod
+    x: FloatArray,
+    mean: float,
+    boot_means: FloatArray,
+    level: float,
+    method: MeanCIMethod,
+    bounds: Bounds | None = None,
 ) -> Interval:
     if method == "t":
         return _t_interval(x, mean, level)
+    if method == "auto":
+        return _auto_interval(x, mean, level, bounds)
     if _is_constant(x):
         # Resampled means of a constant can differ from it by rounding; the answer is exact.
         name = METHOD_BCA if method == "bca" else METHOD_PERCENTILE
@@ -691,6 +760,115 @@ def _bca_interval(x: FloatArray, mean: float, boot_means: FloatArray, level: flo
             return _containing(float(low), float(high), mean, level, METHOD_BCA)
     logger.debug("BCa interval degenerate (%s); using the percentile interval", reason)
     return _percentile_interval(boot_means, mean, level, METHOD_BCA_FALLBACK)
+
+
+def _auto_interval(x: FloatArray, mean: float, level: float, bounds: Bounds | None) -> Interval:
+    """The reported interval of the mean: see the module docstring for the three cases."""
+    n = x.size
+    alpha = 1.0 - level
+    distinct = 1 + int(np.count_nonzero(x[1:] != x[:-1]))
+    if distinct == 1:
+        c = float(x[0])
+        # Exact for any distribution: P(n returns all equal c) <= alpha/2 beyond this share.
+        share = -math.expm1(math.log(alpha / 2.0) / n)
+        if bounds is None:
+            scale = max(1.0, abs(c)) * share
+            return Interval(c - scale, c + scale, level, METHOD_CONSTANT_UNIT)
+        low, high = bounds
+        return Interval(
+            c - (c - low) * share, c + (high - c) * share, level, METHOD_CONSTANT_BOUNDED
+        )
+    if distinct == 2:
+        a, b = float(x[0]), float(x[-1])
+        k = int(n - np.searchsorted(x, b))
+        p_low, p_high = _clopper_pearson(k, n, level)
+        # Same formula for the mean itself, so an estimate at a or b maps exactly.
+        return _containing(a + (b - a) * p_low, a + (b - a) * p_high, mean, level, METHOD_TWO_VALUES)
+    low, high = _skew_t_bounds(x, mean, level)
+    if bounds is not None:
+        low, high = max(low, bounds[0]), min(high, bounds[1])
+    return _containing(low, high, mean, level, METHOD_SKEW_T)
+
+
+def _skew_t_bounds(x: FloatArray, mean: float, level: float) -> tuple[float, float]:
+    """Student t with Hall's (1992) cubic transformation removing the skewness term.
+
+    ``T = sqrt(n)(mean - mu)/s`` has an Edgeworth skewness term of order ``gamma/sqrt(n)``;
+    ``g(T) = T + a T^2 + a^2 T^3 / 3 + b`` with ``a = gamma/(3 sqrt n)``, ``b = gamma/(6 sqrt n)``
+    removes it and is monotone (``g' = (1 + aT)^2``), so ``-q <= g(T) <= q`` inverts in closed
+    form. The sample skewness is bias-adjusted (``G1``): at n = 16 the raw one is too small and
+    the interval covered 94.0% of 50 + Exponential(40) samples instead of 94.5%.
+    """
+    n = x.size
+    _, std = _spread_of_sorted(x, mean)
+    d = x - mean
+    d = d / float(np.max(np.abs(d)))  # scale-free; the cubes stay far from overflow
+    m2 = float(d @ d) / n
+    m3 = float(d @ (d * d)) / n
+    gamma = m3 / (m2 * math.sqrt(m2)) * math.sqrt(n * (n - 1.0)) / (n - 2.0)
+    a = gamma / (3.0 * math.sqrt(n))
+    b = gamma / (6.0 * math.sqrt(n))
+    q = _t_isf_cached(round((1.0 - level) / 2.0, 15), n - 1)
+
+    def inverse(z: float) -> float:
+        u = 3.0 * a * (z - b)
+        if a == 0.0:
+            return z - b
+        if u > -1.0:
+            return math.expm1(math.log1p(u) / 3.0) / a  # accurate for small a
+        return (float(np.cbrt(1.0 + u)) - 1.0) / a
+
+    stderr = std / math.sqrt(n)
+    return mean - stderr * inverse(q), mean - stderr * inverse(-q)
+
+
+@functools.lru_cache(maxsize=4096)
+def _t_isf_cached(q: float, df: int) -> float:
+    if df >= 200:
+        # Cornish-Fisher in 1/df: relative error below 1e-9 for q >= 1e-5 at df = 200, and the
+        # exact inversion costs milliseconds at the many df values adaptive looks meet.
+        return _cornish_fisher_t(q, df)
+    return _t_isf(q, df)
+
+
+def _cornish_fisher_t(q: float, df: int) -> float:
+    """Student t quantile (upper tail ``q``) by its Cornish-Fisher expansion in ``1/df``."""
+    z = -_norm_ppf(q)
+    z2 = z * z
+    g1 = (z2 + 1.0) * z / 4.0
+    g2 = ((5.0 * z2 + 16.0) * z2 + 3.0) * z / 96.0
+    g3 = (((3.0 * z2 + 19.0) * z2 + 17.0) * z2 - 15.0) * z / 384.0
+    g4 = ((((79.0 * z2 + 776.0) * z2 + 1482.0) * z2 - 1920.0) * z2 - 945.0) * z / 92160.0
+    return z + g1 / df + g2 / df**2 + g3 / df**3 + g4 / df**4
+
+
+@functools.lru_cache(maxsize=4096)
+def _clopper_pearson(k: int, n: int, level: float) -> tuple[float, float]:
+    """Exact binomial interval of ``k / n``: beta quantiles, ``alpha/2`` in each tail."""
+    alpha = 1.0 - level
+    low = 0.0 if k == 0 else _beta_ppf(alpha / 2.0, k, n - k + 1)
+    high = 1.0 if k == n else _beta_ppf(1.0 - alpha / 2.0, k + 1, n - k)
+    return low, high
+
+
+def _beta_ppf(p: float, a: float, b: float) -> float:
+    """Quantile of Beta(a, b): Newton on the regularized incomplete beta, kept in a bracket."""
+    log_norm = math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b)
+    lo, hi = 0.0, 1.0
+    x = a / (a + b)
+    for _ in range(200):
+        cdf = _betainc(a, b, x, 1.0 - x)
+        if cdf < p:
+            lo = x
+        else:
+            hi = x
+        density = math.exp(log_norm + (a - 1.0) * math.log(x) + (b - 1.0) * math.log1p(-x))
+        step = x - (cdf - p) / density if density > 0.0 else -1.0
+        new_x = step if lo < step < hi else 0.5 * (lo + hi)
+        if abs(new_x - x) <= 1e-15 * x or hi - lo <= 1e-300:
+            return new_x
+        x = new_x
+    return x  # pragma: no cover - Newton converges in a handful of steps
 
 
 def _t_interval(x: FloatArray, mean: float, level: float) -> Interval:
@@ -818,15 +996,9 @@ def _t_isf(q: float, df: int) -> float:
     if df == 2:
         p = 1.0 - q
         return (2.0 * p - 1.0) / math.sqrt(2.0 * p * q)
-    z = -_norm_ppf(q)
     if df >= 10_000:
-        # Cornish-Fisher expansion in 1/df; the next term is below 1e-14 here.
-        z2 = z * z
-        g1 = (z2 + 1.0) * z / 4.0
-        g2 = ((5.0 * z2 + 16.0) * z2 + 3.0) * z / 96.0
-        g3 = (((3.0 * z2 + 19.0) * z2 + 17.0) * z2 - 15.0) * z / 384.0
-        g4 = ((((79.0 * z2 + 776.0) * z2 + 1482.0) * z2 - 1920.0) * z2 - 945.0) * z / 92160.0
-        return z + g1 / df + g2 / df**2 + g3 / df**3 + g4 / df**4
+        return _cornish_fisher_t(q, df)  # the next term is below 1e-14 here
+    z = -_norm_ppf(q)
     # Newton on the tail probability, safeguarded by bisection; t quantiles exceed z.
     log_norm = math.lgamma((df + 1) / 2.0) - math.lgamma(df / 2.0) - 0.5 * math.log(df * math.pi)
     lo, hi = z, 2.0 * z

@@ -3,6 +3,7 @@
 import gymnasium as gym
 import numpy as np
 import pyarrow as pa
+import pytest
 
 import tests.flows.user_envs  # noqa: F401
 from evalfleet.audit import (
@@ -12,6 +13,7 @@ from evalfleet.audit import (
     compare_with_baseline,
     determinism_audit,
     reward_integrity,
+    scored_returns,
     step_rewards,
 )
 from evalfleet.envspec import env_thunk, resolve_env
@@ -21,6 +23,7 @@ from evalfleet.records import EpisodeRecord, records_to_table
 from evalfleet.runner import EpisodeContext, run_shard
 from evalfleet.sandbox.base import InProcessSlots
 from evalfleet.seeds import SeedLedger
+from evalfleet.stats import mean_ci
 
 ENV = "tests.flows.user_envs:Warehouse-v0"
 
@@ -97,6 +100,50 @@ def test_round_schedule_grows_until_target_or_cap():
     fixed.next_episodes(None)
     assert fixed.next_episodes(pa.concat_tables([table(20, 1.0)])) is None
     assert fixed.summary() is None
+
+
+def test_a_first_round_with_no_spread_never_stops_the_evaluation():
+    # Issue 13: 16 episodes of a 0/1 reward without a success gave the CI [0, 0], half-width 0,
+    # and adaptive evaluation stopped at once; the truth could be p = 0.1 (18.5% likely).
+    req = EvalRequest.build(policy="x.pt", episodes=16, target_ci_halfwidth=0.05, max_episodes=2000)
+    sched = RoundSchedule(req)
+    assert sched.next_episodes(None) == 16
+    assert sched.next_episodes(records_to_table([_row(i, 0.0, 10) for i in range(16)])) == 32
+    assert sched.stop_reason == ""
+    first = sched.rounds[0]
+    assert first["low"] < 0.1 < first["high"] and first["halfwidth"] > 0.05
+
+
+def test_adaptive_looks_are_bonferroni_adjusted_and_bounded():
+    req = EvalRequest.build(policy="x.pt", episodes=16, target_ci_halfwidth=0.05, max_episodes=2000)
+    sched = RoundSchedule(req)
+    assert sched.looks == 8  # 16 -> 32 -> ... -> 2048 >= 2000: at most 8 looks
+    assert sched.look_level == pytest.approx(1 - 0.05 / 8)
+    x = (np.random.default_rng(1).random(2000) < 0.1).astype(float)
+    n, seen = sched.next_episodes(None), []
+    while n is not None:
+        seen.append(n)
+        n = sched.observe(x[:n], n)
+    assert all(b >= 2 * a or b == 2000 for a, b in zip(seen, seen[1:], strict=False))
+    assert len(seen) <= sched.looks
+    summary = sched.summary()
+    assert summary["per_look_level"] == pytest.approx(0.99375) and summary["max_looks"] == 8
+    assert summary["ci"]["level"] == 0.95
+    assert summary["ci"]["method"] == (
+        "clopper-pearson (two values), Bonferroni over 8 looks (per-look level 0.99375)")
+    last = summary["rounds"][-1]
+    assert (summary["ci"]["low"], summary["ci"]["high"]) == (last["low"], last["high"])
+    # The reported interval is the per-look one, wider than an unadjusted 95% interval.
+    plain = mean_ci(x[: seen[-1]], seed=0)
+    assert summary["ci"]["high"] - summary["ci"]["low"] > plain.high - plain.low
+    if summary["stop_reason"] == "target CI half-width reached":
+        assert last["halfwidth"] <= 0.05
+
+
+def test_scored_returns_keep_policy_failures_and_drop_harness_failures():
+    table = records_to_table([_row(0, 1.0, 10), _row(1, 2.0, 10, "invalid_action"),
+                              _row(2, 3.0, 10, "crashed"), _row(3, 4.0, 10, "truncated")])
+    assert scored_returns(table).tolist() == [1.0, 2.0, 4.0]
 
 
 def _stepped(i, length, lo, hi, at_lo, at_hi, reason="terminated"):

@@ -39,7 +39,7 @@ N_BOOT = 200
 # ---------------------------------------------------------------------------------------------
 
 seeds = st.integers(min_value=0, max_value=2**32 - 1)
-mean_ci_methods = st.sampled_from(["percentile", "bca", "t"])
+mean_ci_methods = st.sampled_from(["auto", "percentile", "bca", "t"])
 # Shift-equivariant methods: BCa's bias correction counts bootstrap means equal to the estimate,
 # and a shift can turn such a tie into a rounding-level inequality.
 shift_methods = st.sampled_from(["percentile", "t"])
@@ -210,7 +210,10 @@ def test_constant_sample_gives_degenerate_interval(method: str) -> None:
 def test_single_episode() -> None:
     s = summarize([-3.5], seed=0)
     assert (s.n, s.mean, s.var, s.std, s.stderr) == (1, -3.5, 0.0, 0.0, 0.0)
-    assert (s.ci.low, s.ci.high, s.iqm_ci.low, s.iqm_ci.high) == (-3.5, -3.5, -3.5, -3.5)
+    # One episode bounds nothing: 0.975 of the scale max(1, 3.5) each side.
+    assert (s.ci.low, s.ci.high) == pytest.approx((-3.5 - 3.4125, -3.5 + 3.4125), rel=1e-12)
+    assert s.ci.method == stats.METHOD_CONSTANT_UNIT
+    assert (s.iqm_ci.low, s.iqm_ci.high) == (-3.5, -3.5)
     assert length_stats([17]) == {
         "mean": 17.0,
         "std": 0.0,
@@ -226,7 +229,7 @@ def test_interval_is_widened_to_contain_the_estimate() -> None:
     boot, _ = stats._bootstrap(x, 0, 1000, with_iqm=False)
     raw_high = float(np.quantile(boot, 0.51))
     assert raw_high < 104.5
-    ci = mean_ci(x, seed=0, n_boot=1000, level=0.02)
+    ci = mean_ci(x, seed=0, n_boot=1000, level=0.02, method="percentile")
     assert ci.high == 104.5
     assert ci.low == pytest.approx(float(np.quantile(boot, 0.49)))
 
@@ -236,6 +239,60 @@ def test_std_is_accurate_for_tiny_spreads() -> None:
     assert summarize([0.0, 1e-200, 3e-200], seed=0).std == pytest.approx(
         1e-200 * math.sqrt(7 / 3), rel=1e-14
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# The reported interval (method="auto"): small n, proportions, constant samples
+# ---------------------------------------------------------------------------------------------
+
+
+def test_sixteen_zero_returns_do_not_give_a_zero_width_interval() -> None:
+    # Issue 13: 16 episodes of a 0/1 reward with no success gave [0, 0]; p = 0.1 is 18.5% likely.
+    ci = summarize([0.0] * 16, seed=0).ci
+    assert ci.low < 0.1 < ci.high
+    assert ci.high == pytest.approx(1 - 0.025 ** (1 / 16), rel=1e-12)  # 0.2059
+    assert ci.method == stats.METHOD_CONSTANT_UNIT
+
+
+def test_constant_sample_with_declared_bounds_gets_the_exact_one_sided_bound() -> None:
+    ci = mean_ci([0.0] * 16, seed=0, bounds=(0, 500))
+    assert (ci.low, ci.method) == (0.0, stats.METHOD_CONSTANT_BOUNDED)
+    assert ci.high == pytest.approx(500 * (1 - 0.025 ** (1 / 16)), rel=1e-12)  # 102.95
+    top = mean_ci([500.0] * 16, seed=0, bounds=(0, 500))
+    assert top.high == 500.0 and top.low == pytest.approx(500 - ci.high, rel=1e-12)
+
+
+def test_two_valued_returns_get_the_clopper_pearson_interval() -> None:
+    # Reference: scipy.stats.binomtest(1, 16).proportion_ci(method="exact").
+    ci = mean_ci([0.0] * 15 + [1.0], seed=0)
+    assert ci.method == stats.METHOD_TWO_VALUES
+    assert (ci.low, ci.high) == pytest.approx((0.0015811117227692, 0.3023207384345610), rel=1e-9)
+    scaled = mean_ci([10.0] * 15 + [510.0], seed=0)
+    assert (scaled.low, scaled.high) == pytest.approx((10 + 500 * ci.low, 10 + 500 * ci.high))
+
+
+def test_skew_corrected_t_is_the_t_interval_on_symmetric_returns() -> None:
+    x = [1.0, 2.0, 3.0, 4.0, 5.0]
+    auto, t = mean_ci(x, seed=0), mean_ci(x, seed=0, method="t")
+    assert auto.method == stats.METHOD_SKEW_T
+    assert (auto.low, auto.high) == pytest.approx((t.low, t.high), rel=1e-12)
+
+
+def test_skew_corrected_t_reaches_further_into_the_long_tail() -> None:
+    x = 50 + np.random.default_rng(3).exponential(40.0, size=16)
+    auto, t = mean_ci(x, seed=0), mean_ci(x, seed=0, method="t")
+    mean = float(x.mean())
+    assert auto.high - mean > mean - auto.low
+    assert auto.high > t.high
+
+
+def test_declared_bounds_clip_and_are_checked() -> None:
+    ci = mean_ci([0.0, 0.2, 0.9, 1.0, 0.0, 0.0], seed=0, bounds=(0.0, 1.0))
+    assert 0.0 <= ci.low and ci.high <= 1.0
+    with pytest.raises(StatsInputError, match=r"outside the declared bounds \(0, 1\)"):
+        mean_ci([0.0, 2.0, 1.0], seed=0, bounds=(0, 1))
+    with pytest.raises(StatsInputError, match=r"low < high"):
+        mean_ci([0.0, 1.0, 0.5], seed=0, bounds=(1, 0))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -307,7 +364,7 @@ def test_paired_ci_is_mean_ci_of_the_differences() -> None:
     rng = np.random.default_rng(5)
     base = rng.normal(size=30)
     new = base + rng.normal(0.2, 0.5, size=30)
-    assert paired_comparison(new, base, seed=9).ci == mean_ci(new - base, seed=9)
+    assert paired_comparison(new, base, seed=9).ci == mean_ci(new - base, seed=9, method="percentile")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -317,7 +374,7 @@ def test_paired_ci_is_mean_ci_of_the_differences() -> None:
 
 def test_summarize_shares_resamples_with_mean_ci_and_iqm_ci() -> None:
     x = np.random.default_rng(6).gamma(2.0, size=333)
-    for method in ("percentile", "bca", "t"):
+    for method in ("auto", "percentile", "bca", "t"):
         s = summarize(x, seed=8, method=method)
         assert s.ci == mean_ci(x, seed=8, method=method)
         assert s.iqm_ci == iqm_ci(x, seed=8)
@@ -397,7 +454,7 @@ def test_non_finite_returns_are_rejected_with_their_index() -> None:
         (lambda: iqm_ci([1.0], seed=-1), r"seed must be a non-negative integer \(got -1\)"),
         (
             lambda: mean_ci([1.0], seed=0, method="basic"),
-            r"Unknown method 'basic'. Choose 'percentile', 'bca' or 't'.",
+            r"Unknown method 'basic'. Choose 'auto', 'percentile', 'bca' or 't'.",
         ),
         (lambda: wilson_interval(11, 10), r"successes must be between 0 and n=10 \(got 11\)"),
         (lambda: wilson_interval(0, 0), r"n must be at least 1 \(got 0\)"),
@@ -468,7 +525,8 @@ def test_different_seeds_give_different_bootstrap_intervals(
 ) -> None:
     assume(a != b)
     x = np.random.default_rng(data_seed).normal(size=n)  # continuous: no exact ties
-    assert mean_ci(x, seed=a, n_boot=N_BOOT) != mean_ci(x, seed=b, n_boot=N_BOOT)
+    first = mean_ci(x, seed=a, n_boot=N_BOOT, method="percentile")
+    assert first != mean_ci(x, seed=b, n_boot=N_BOOT, method="percentile")
     assert iqm_ci(x, seed=a, n_boot=N_BOOT) != iqm_ci(x, seed=b, n_boot=N_BOOT)
 
 
@@ -510,6 +568,8 @@ def test_shifting_returns_shifts_location_statistics(
     seed=seeds,
 )
 def test_scaling_returns_scales_spread(values: list[float], k: float, seed: int) -> None:
+    # A constant sample's interval assumes a scale of max(1, |value|): not scale-equivariant.
+    assume(len(set(values)) > 1)
     x = np.asarray(values)
     base = summarize(x, seed=seed, n_boot=N_BOOT)
     scaled = summarize(x * k, seed=seed, n_boot=N_BOOT)
@@ -534,7 +594,8 @@ def test_paired_comparison_properties(
     assert 0.0 <= cmp.p_improvement <= 1.0
     expected = "better" if cmp.ci.low > 0 else "worse" if cmp.ci.high < 0 else "not distinguishable"
     assert cmp.verdict == expected
-    assert cmp.ci == mean_ci(np.asarray(new) - np.asarray(base), seed=seed, n_boot=N_BOOT)
+    diffs = np.asarray(new) - np.asarray(base)
+    assert cmp.ci == mean_ci(diffs, seed=seed, n_boot=N_BOOT, method="percentile")
     # Reordering the episode pairs changes nothing.
     order = data.draw(st.permutations(range(len(new))))
     reordered = paired_comparison(

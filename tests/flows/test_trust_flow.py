@@ -27,8 +27,13 @@ def test_high_variance_policy_gets_more_episodes(prefect_server, tmp_path, examp
             policy=policy, episodes=30, concurrency=15, target_ci_halfwidth=25.0, max_episodes=240,
             output=tmp_path / "out"))
     low, high = reports["steady"], reports["varied"]
-    assert low.episodes == 30 and low.adaptive["stop_reason"] == "target CI half-width reached"
-    assert len(low.adaptive["rounds"]) == 1
+    # Returns with no spread never stop early (issue 13: 30 equal returns do not show the spread
+    # to come); rounds double up to the cap, and the report's interval is the Bonferroni one.
+    assert low.adaptive["stop_reason"] == "max episodes reached"
+    assert [r["episodes"] for r in low.adaptive["rounds"]] == [30, 60, 120, 240]
+    assert "Bonferroni over 4 looks" in low.returns["ci"]["method"]
+    assert low.returns["ci"]["low"] < 500.0 < low.returns["ci"]["high"]
+    assert "Bonferroni" in high.returns["ci"]["method"]
     assert high.episodes > 30 and len(high.adaptive["rounds"]) >= 2
     assert high.adaptive["achieved_halfwidth"] <= 25.0 or high.episodes == 240
     assert [r["episodes"] for r in high.adaptive["rounds"]] == sorted(
