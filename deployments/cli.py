@@ -41,7 +41,9 @@ from deployments import (
     WEBHOOK_SECRET_ENV,
     resolve_secret,
 )
+from deployments.webhook import add_egress_options
 from evalfleet.callback import CALLBACK_SECRET_ENV
+from evalfleet.egress import ALLOWED_HOSTS_ENV, PUBLIC_ENV
 
 
 class StartupError(RuntimeError):
@@ -224,9 +226,17 @@ class Service:
                 "pass --secret-block NAME of a Prefect Secret block."
             )
         callback_secret = resolve_secret(CALLBACK_SECRET_ENV, a.callback_secret_block) or secret
+        # One egress policy for the receiver (policy.uri, callback_url at POST time) and the
+        # flow runs (callbacks at send time): both read it from the environment.
+        egress: dict[str, str] = {}
+        if a.allow_host is not None:
+            egress[ALLOWED_HOSTS_ENV] = ",".join(a.allow_host)
+        if a.no_public_egress:
+            egress[PUBLIC_ENV] = "0"
         env = self._env(PREFECT_API_URL=api, **{DASK_ADDRESS_ENV: address,
                                                   WEBHOOK_SECRET_ENV: secret,
-                                                  CALLBACK_SECRET_ENV: callback_secret})
+                                                  CALLBACK_SECRET_ENV: callback_secret},
+                        **egress)
         # 3. Served deployment
         since = time.time()
         child = self._spawn("serve", [py, "-m", "deployments.serve", "--dask-address", address,
@@ -240,7 +250,10 @@ class Service:
         argv = [py, "-m", "deployments.webhook", "--host", a.host, "--port", str(port),
                 "--prefect-api-url", api, "--state-dir", str(self.state_dir),
                 "--output", str(Path(a.output).resolve()), "--experiment", a.experiment,
-                "--isolation", a.isolation, "--log-level", "warning"]
+                "--isolation", a.isolation, "--max-policy-bytes", str(a.max_policy_bytes),
+                "--log-level", "warning"]
+        for root in a.policy_root:
+            argv += ["--policy-root", root]
         if a.mlflow_uri:
             argv += ["--mlflow-uri", a.mlflow_uri]
         child = self._spawn("receiver", argv, env)
@@ -332,6 +345,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--secret-block", default=None, help="Prefect Secret block: webhook secret")
     s.add_argument("--callback-secret-block", default=None,
                    help="Prefect Secret block: callback secret")
+    add_egress_options(s)
     s.add_argument("--ready-file", default=None,
                    help="write the service's URLs here as JSON once everything is ready")
     s.add_argument("--startup-timeout", type=float, default=180.0,

@@ -14,12 +14,20 @@
          first delivery's callback URL; later duplicates read it from the status URL.
          A cache key whose evaluation FAILED, CRASHED or was CANCELLED may run again.
 
-``GET /v1/evaluations/{id}`` gives the flow run's state and, once completed, the report.
-``GET /healthz`` says whether the receiver, its SQLite store and Prefect answer.
+``GET /v1/evaluations/{id}`` gives the flow run's state and, once completed, the report; it needs
+the same secret: ``X-Evalfleet-Timestamp`` and ``X-Evalfleet-Signature`` over
+``b"<timestamp>.GET /v1/evaluations/<id>"`` (``evalfleet.callback.signed_read_headers``), 401
+otherwise. ``GET /healthz`` says whether the receiver, its SQLite store and Prefect answer.
 
-Delivery ids and cache keys map to evaluations in a small SQLite file; policies are copied into a
-content-addressed folder after their sha256 is checked, so the file a flow run loads is exactly
-the one the trainer hashed. Run with ``python -m deployments.webhook`` or ``evalfleet serve``.
+Prefect's idempotency keys decide what is a new flow run (see ``Receiver``), so receivers behind
+one load balancer never start two runs for one delivery or one live cache key; a small SQLite
+file remembers this receiver's answers. ``policy.uri`` and ``callback_url`` may only reach hosts
+the egress policy allows (``evalfleet.egress``: public https by default, private and loopback
+targets only when allow-listed, checked on the resolved address the connection then uses);
+policies are streamed, size-capped and hashed into a content-addressed folder, so the file a flow
+run loads is exactly the one the trainer hashed. Run with ``python -m deployments.webhook`` or
+``evalfleet serve``. Several receivers share one Prefect server, and need the same ``--output``
+and ``--state-dir`` storage (the flow run reads the policy copy from the receiver that made it).
 """
 
 from __future__ import annotations
@@ -34,11 +42,11 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import unquote, urlsplit
 
 import httpx
@@ -60,13 +68,24 @@ from evalfleet.callback import (
     TIMESTAMP_HEADER,
     SignatureError,
     canonical_json,
+    read_message,
     verify,
+)
+from evalfleet.egress import (
+    ALLOWED_HOSTS_ENV,
+    DEFAULT_MAX_DOWNLOAD_BYTES,
+    PUBLIC_ENV,
+    DownloadError,
+    EgressPolicy,
+    EgressRefused,
+    download,
 )
 from evalfleet.errors import RequestError
 from evalfleet.models import EvalRequest
 from evalfleet.storage import run_dir
 
 logger = logging.getLogger("evalfleet.webhook")
+T = TypeVar("T")
 
 #: Prefect state types after which a flow run will not change any more.
 FINAL_STATES = ("COMPLETED", "FAILED", "CRASHED", "CANCELLED")
@@ -188,13 +207,18 @@ class Evaluation:
 
 
 class EvaluationStore:
-    """Delivery ids and cache keys → evaluations, in SQLite (one writer: this receiver)."""
+    """Delivery ids and cache keys → evaluations, in SQLite: this receiver's memory of answers.
+
+    Not what keeps runs unique: Prefect's idempotency keys do that across receivers. The store
+    answers repeated deliveries without a round trip and detects a delivery id reused for a
+    different body.
+    """
 
     def __init__(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
         self._db.execute("PRAGMA journal_mode=WAL")
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # one connection, shared by the threadpool
         with self._lock:
             self._db.executescript(
                 """
@@ -244,11 +268,11 @@ class EvaluationStore:
             try:
                 if evaluation is not None:
                     self._db.execute(
-                        "INSERT INTO evaluations VALUES (?, ?, ?, ?, ?)",
+                        "INSERT OR IGNORE INTO evaluations VALUES (?, ?, ?, ?, ?)",
                         (evaluation.id, evaluation.cache_key, evaluation.flow_run_id,
                          json.dumps(evaluation.request), evaluation.created_at),
                     )
-                self._db.execute("INSERT INTO deliveries VALUES (?, ?, ?, ?)",
+                self._db.execute("INSERT OR IGNORE INTO deliveries VALUES (?, ?, ?, ?)",
                                  (delivery_id, evaluation_id, body_sha256, now))
                 self._db.execute("COMMIT")
             except BaseException:
@@ -295,11 +319,13 @@ class PrefectAPI:
         return self._deployment_id
 
     def create_flow_run(self, parameters: dict[str, Any], idempotency_key: str,
-                        tags: list[str], attempts: int = 4) -> str:
+                        tags: list[str], attempts: int = 4) -> dict[str, Any]:
         """Create a flow run of the deployment; the server de-duplicates on ``idempotency_key``.
 
-        Retried (bounded) on 5xx and connection errors: a busy server's SQLite answers 503
-        now and then, and the idempotency key makes a retry safe even if the first call landed.
+        Returns the flow run: the new one, or the one an earlier call (from any process) created
+        with the same key, its parameters and tags included. Retried (bounded) on 5xx and
+        connection errors: a busy server's SQLite answers 503 now and then, and the idempotency
+        key makes a retry safe even if the first call landed.
         """
         url = f"/deployments/{self.deployment_id()}/create_flow_run"
         body = {"parameters": parameters, "idempotency_key": idempotency_key, "tags": tags}
@@ -314,7 +340,28 @@ class PrefectAPI:
         else:
             response = self._http.post(url, json=body)
         response.raise_for_status()
-        return str(response.json()["id"])
+        run: dict[str, Any] = response.json()
+        return run
+
+    def _run_filter(self, tags: list[str], states: tuple[str, ...] | None) -> dict[str, Any]:
+        runs: dict[str, Any] = {"tags": {"all_": tags}}
+        if states is not None:
+            runs["state"] = {"type": {"any_": list(states)}}
+        return {"flow_runs": runs, "deployments": {"id": {"any_": [self.deployment_id()]}}}
+
+    def count_flow_runs(self, tags: list[str], states: tuple[str, ...] | None = None) -> int:
+        """Flow runs of the deployment carrying every tag in ``tags`` (and in ``states``)."""
+        response = self._http.post("/flow_runs/count", json=self._run_filter(tags, states))
+        response.raise_for_status()
+        return int(response.json())
+
+    def find_flow_run(self, tags: list[str]) -> dict[str, Any] | None:
+        """The oldest flow run of the deployment carrying every tag in ``tags``, if any."""
+        response = self._http.post("/flow_runs/filter", json={
+            **self._run_filter(tags, None), "sort": "EXPECTED_START_TIME_ASC", "limit": 1})
+        response.raise_for_status()
+        runs: list[dict[str, Any]] = response.json()
+        return runs[0] if runs else None
 
     def flow_run(self, flow_run_id: str) -> dict[str, Any]:
         """The flow run as the API returns it."""
@@ -359,65 +406,101 @@ class ReceiverConfig:
     """Allowed clock difference of signed timestamps."""
     max_body_bytes: int = 64 * 1024
     """Larger bodies get 413 (policies travel by URI, not in the body)."""
-    max_policy_bytes: int = 2 * 1024**3
-    """Larger policy files are refused."""
+    max_policy_bytes: int = DEFAULT_MAX_DOWNLOAD_BYTES
+    """Larger policy files are refused (downloads stop at this many bytes)."""
+    egress: EgressPolicy = field(default_factory=EgressPolicy)
+    """Which ``policy.uri`` and ``callback_url`` hosts requests may make the service reach."""
+    policy_roots: tuple[Path, ...] = ()
+    """Folders ``file://`` policy URIs must lie under (symlinks resolved); empty: any path."""
     request_overrides: dict[str, Any] = field(default_factory=dict)
     """Extra ``EvalRequest`` fields for every evaluation (e.g. concurrency)."""
 
 
-def fetch_policy(ref: PolicyRef, folder: Path, max_bytes: int) -> Path:
-    """Copy the policy at ``ref.uri`` into ``folder/<sha256>.pt`` after checking its sha256."""
+def fetch_policy(ref: PolicyRef, folder: Path, max_bytes: int,
+                 egress: EgressPolicy | None = None, roots: tuple[Path, ...] = ()) -> Path:
+    """Copy the policy at ``ref.uri`` into ``folder/<sha256>.pt``, hashing while it streams.
+
+    http(s) URIs go through ``egress`` (default: public https only): the host is resolved once
+    and checked, each redirect hop too, and the transfer stops past ``max_bytes``. Nothing lands
+    under its final name unless the sha256 matches ``ref.sha256``. File URIs must lie under one
+    of ``roots`` when any are given.
+    """
     parts = urlsplit(ref.uri)
-    if parts.scheme in ("", "file"):
-        path = Path(unquote(parts.path) if parts.scheme else ref.uri)
-        if not path.is_absolute():
-            raise Rejected(400, "invalid_request", f"a file policy URI must be absolute (got "
-                           f"{ref.uri!r})", field_name="policy.uri")
-        try:
-            size = path.stat().st_size
-            if size > max_bytes:
-                raise Rejected(400, "invalid_request", f"policy is {size} bytes, more than the "
-                               f"{max_bytes} allowed", field_name="policy.uri")
-            blob = path.read_bytes()
-        except OSError as err:
-            raise Rejected(400, "invalid_request", f"cannot read {str(path)!r}: "
-                           f"{err.strerror or err}", field_name="policy.uri") from None
-    elif parts.scheme in ("http", "https"):
-        try:
-            with httpx.stream("GET", ref.uri, timeout=30, follow_redirects=True) as response:
-                response.raise_for_status()
-                chunks, size = [], 0
-                for chunk in response.iter_bytes():
-                    size += len(chunk)
-                    if size > max_bytes:
-                        raise Rejected(400, "invalid_request", f"policy is more than the "
-                                       f"{max_bytes} bytes allowed", field_name="policy.uri")
-                    chunks.append(chunk)
-                blob = b"".join(chunks)
-        except httpx.HTTPError as err:
-            raise Rejected(400, "invalid_request", f"cannot download {ref.uri!r}: {err}",
-                           field_name="policy.uri") from None
-    else:
-        raise Rejected(400, "invalid_request", f"unsupported URI scheme {parts.scheme!r}; use "
-                       "file:// (storage shared with the service) or http(s)://",
-                       field_name="policy.uri")
-    digest = hashlib.sha256(blob).hexdigest()
-    if digest != ref.sha256:
-        raise Rejected(400, "invalid_request", f"sha256 of the bytes at policy.uri is {digest}, "
-                       f"not {ref.sha256}: the file changed or the hash is wrong",
-                       field_name="policy.sha256")
-    dest = folder / f"{digest}.pt"
-    if not dest.exists():
-        folder.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(blob)
+    folder.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as sink:
+            if parts.scheme in ("", "file"):
+                digest = _copy_file(ref.uri, parts.path if parts.scheme else ref.uri, sink,
+                                    max_bytes, roots)
+            elif parts.scheme in ("http", "https"):
+                try:
+                    digest, _ = download(ref.uri, egress or EgressPolicy(), sink,
+                                         max_bytes=max_bytes)
+                except (EgressRefused, DownloadError) as err:
+                    raise Rejected(400, "invalid_request", f"policy.uri refused: {err}",
+                                   field_name="policy.uri") from None
+            else:
+                raise Rejected(400, "invalid_request", f"unsupported URI scheme "
+                               f"{parts.scheme!r}; use file:// (storage shared with the "
+                               "service) or http(s)://", field_name="policy.uri")
+        if digest != ref.sha256:
+            raise Rejected(400, "invalid_request", f"sha256 of the bytes at policy.uri is "
+                           f"{digest}, not {ref.sha256}: the file changed or the hash is wrong",
+                           field_name="policy.sha256")
+        dest = folder / f"{digest}.pt"
         os.replace(tmp, dest)  # concurrent writers of the same hash write the same bytes
-    return dest
+        return dest
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _copy_file(uri: str, raw_path: str, sink: Any, max_bytes: int,
+               roots: tuple[Path, ...]) -> str:
+    path = Path(unquote(raw_path))
+    if not path.is_absolute():
+        raise Rejected(400, "invalid_request", f"a file policy URI must be absolute (got "
+                       f"{uri!r})", field_name="policy.uri")
+    real = path.resolve()  # a symlink or '..' must not lead out of the roots
+    if roots and not any(real.is_relative_to(root.resolve()) for root in roots):
+        raise Rejected(400, "invalid_request", f"{str(path)!r} is outside the folders file "
+                       f"policy URIs may name ({', '.join(str(r) for r in roots)}); put the "
+                       "policy there or send an https:// URI", field_name="policy.uri")
+    digest, size = hashlib.sha256(), 0
+    try:
+        with path.open("rb") as fh:
+            while chunk := fh.read(1 << 20):
+                size += len(chunk)
+                if size > max_bytes:
+                    raise Rejected(400, "invalid_request", f"policy is more than the "
+                                   f"{max_bytes} bytes allowed", field_name="policy.uri")
+                digest.update(chunk)
+                sink.write(chunk)
+    except OSError as err:
+        raise Rejected(400, "invalid_request", f"cannot read {str(path)!r}: "
+                       f"{err.strerror or err}", field_name="policy.uri") from None
+    return digest.hexdigest()
+
+
+def _tag(kind: str, value: str) -> str:
+    # Tags are how any receiver finds a run in Prefect; delivery ids are hashed (any text).
+    return f"evalfleet-{kind}:{value}"
 
 
 class Receiver:
-    """The receiver's logic, independent of the HTTP framework (``create_app`` wires it)."""
+    """The receiver's logic, independent of the HTTP framework (``create_app`` wires it).
+
+    Prefect decides what is a new run, so several receivers behind one load balancer (each
+    with its own store) still start one flow run per delivery and per live cache key: the
+    flow run is created with idempotency key ``evalfleet-<cache key>-<generation>``, where the
+    generation counts this deployment's runs of that cache key that ended FAILED, CRASHED or
+    CANCELLED. Concurrent deliveries of one evaluation compute the same key and get the same
+    run back from the server; once a run failed, the next delivery gets a new generation and
+    a new run; a COMPLETED run keeps answering for its cache key. Every run carries tags with
+    its evaluation id, cache key and first delivery id, so any receiver can answer a status
+    request or a redelivery for a run another one created.
+    """
 
     def __init__(self, config: ReceiverConfig, prefect: PrefectAPI | None = None) -> None:
         if not config.secrets or not all(config.secrets):
@@ -428,52 +511,76 @@ class Receiver:
         self.config = config
         self.store = EvaluationStore(config.state_dir / "webhook.sqlite")
         self.prefect = prefect or PrefectAPI(config.prefect_api_url, config.deployment)
-        self._lock = threading.Lock()  # one delivery decided at a time: no double runs
+
+    def authenticate(self, message: bytes, headers: dict[str, str]) -> None:
+        """Check the HMAC headers over ``message``; raises a 401 ``Rejected``."""
+        try:
+            verify(message, headers.get(SIGNATURE_HEADER.lower()),
+                   headers.get(TIMESTAMP_HEADER.lower()), self.config.secrets,
+                   tolerance_s=self.config.tolerance_s)
+        except SignatureError as err:
+            raise Rejected(401, "unauthorized", str(err), extra={"code": err.reason}) from None
 
     def create(self, raw: bytes, headers: dict[str, str], base_url: str
                ) -> tuple[int, dict[str, Any]]:
         """Handle one delivery; returns (status, JSON body) or raises ``Rejected``."""
-        try:
-            verify(raw, headers.get(SIGNATURE_HEADER.lower()), headers.get(TIMESTAMP_HEADER.lower()),
-                   self.config.secrets, tolerance_s=self.config.tolerance_s)
-        except SignatureError as err:
-            raise Rejected(401, "unauthorized", str(err), extra={"code": err.reason}) from None
+        self.authenticate(raw, headers)
         delivery_id = (headers.get(DELIVERY_HEADER.lower()) or "").strip()
         if not delivery_id or len(delivery_id) > 200:
             raise Rejected(400, "invalid_request", "a unique delivery id (≤ 200 characters) is "
                            "required; retries must reuse it", field_name=DELIVERY_HEADER)
         body = parse_body(raw)
+        if body.callback_url is not None:
+            try:
+                self.config.egress.check(str(body.callback_url))
+            except EgressRefused as err:
+                raise Rejected(400, "invalid_request", f"callback_url refused: {err}",
+                               field_name="callback_url") from None
         body_sha = hashlib.sha256(raw).hexdigest()
         if (known := self._known_delivery(delivery_id, body_sha, base_url)) is not None:
             return 200, known
         policy_path = fetch_policy(body.policy, self.config.state_dir / "policies",
-                                   self.config.max_policy_bytes)
-        key = idempotency_key(body)
-        with self._lock:
-            if (known := self._known_delivery(delivery_id, body_sha, base_url)) is not None:
-                return 200, known
-            live = self._live_evaluation(key)
-            if live is not None:
-                self.store.record(delivery_id, body_sha, None, live.id)
-                logger.info("delivery %s: same cache key as evaluation %s", delivery_id, live.id)
-                return 200, self._accepted(live, base_url, duplicate="cache_key")
-            evaluation = self._start(body, policy_path, key)
+                                   self.config.max_policy_bytes, self.config.egress,
+                                   self.config.policy_roots)
+        delivery_tag = _tag("delivery", hashlib.sha256(delivery_id.encode()).hexdigest()[:32])
+        earlier = self._prefect(lambda: self.prefect.find_flow_run([delivery_tag]))
+        if earlier is not None:  # delivered before, to another receiver
+            evaluation = self._from_run(earlier)
             self.store.record(delivery_id, body_sha, evaluation, evaluation.id)
-        logger.info("delivery %s: evaluation %s, flow run %s", delivery_id, evaluation.id,
-                    evaluation.flow_run_id)
-        return 202, self._accepted(evaluation, base_url, duplicate=None)
+            return 200, self._accepted(evaluation, base_url, duplicate="delivery")
+        key = idempotency_key(body)
+        generation = self._prefect(lambda: self.prefect.count_flow_runs(
+            [_tag("key", key)], RETRYABLE_STATES))
+        proposed = uuid.uuid4().hex[:16]
+        parameters = {"request": self._request(body, policy_path, proposed)}
+        tags = ["evalfleet", "webhook", _tag("key", key), _tag("eval", proposed), delivery_tag]
+        tags += [f"train:{body.training_run_id}"] if body.training_run_id else []
+        run = self._prefect(lambda: self.prefect.create_flow_run(
+            parameters, f"evalfleet-{key}-{generation}", tags))
+        evaluation = self._from_run(run)
+        self.store.record(delivery_id, body_sha, evaluation, evaluation.id)
+        if evaluation.id == proposed:
+            logger.info("delivery %s: evaluation %s, flow run %s", delivery_id, evaluation.id,
+                        evaluation.flow_run_id)
+            return 202, self._accepted(evaluation, base_url, duplicate=None)
+        duplicate = "delivery" if delivery_tag in (run.get("tags") or []) else "cache_key"
+        logger.info("delivery %s: same %s as evaluation %s", delivery_id, duplicate,
+                    evaluation.id)
+        return 200, self._accepted(evaluation, base_url, duplicate=duplicate)
 
-    def status(self, evaluation_id: str, base_url: str) -> dict[str, Any]:
-        """State of an evaluation and, once completed, its report."""
+    def status(self, evaluation_id: str, headers: dict[str, str], base_url: str
+               ) -> dict[str, Any]:
+        """State of an evaluation and, once completed, its report (signed reads only)."""
+        self.authenticate(read_message("GET", f"/v1/evaluations/{evaluation_id}"), headers)
         evaluation = self.store.get(evaluation_id)
+        if evaluation is None and len(evaluation_id) <= 64:  # made by another receiver?
+            run = self._prefect(lambda: self.prefect.find_flow_run([_tag("eval", evaluation_id)]))
+            evaluation = self._from_run(run) if run is not None else None
         if evaluation is None:
             raise Rejected(404, "not_found", f"no evaluation {evaluation_id!r}")
         out = self._accepted(evaluation, base_url, duplicate=None)
         out.pop("duplicate")
-        try:
-            run = self.prefect.flow_run(evaluation.flow_run_id)
-        except httpx.HTTPError as err:
-            raise Rejected(503, "unavailable", f"Prefect API unreachable: {err}") from None
+        run = self._prefect(lambda: self.prefect.flow_run(evaluation.flow_run_id))
         state = run.get("state") or {}
         out.update(state=state.get("type"), state_name=state.get("name"),
                    message=state.get("message"), final=state.get("type") in FINAL_STATES,
@@ -512,22 +619,28 @@ class Receiver:
                            f"evaluation {evaluation_id!r}")
         return self._accepted(evaluation, base_url, duplicate="delivery")
 
-    def _live_evaluation(self, key: str) -> Evaluation | None:
-        for evaluation in self.store.by_cache_key(key):
-            try:
-                state = (self.prefect.flow_run(evaluation.flow_run_id).get("state") or {})
-            except httpx.HTTPStatusError as err:
-                if err.response.status_code == 404:
-                    continue  # the Prefect database was reset: that run is gone
-                raise Rejected(503, "unavailable", f"Prefect API error: {err}") from None
-            except httpx.HTTPError as err:
-                raise Rejected(503, "unavailable", f"Prefect API unreachable: {err}") from None
-            if state.get("type") not in RETRYABLE_STATES:
-                return evaluation
-        return None
+    @staticmethod
+    def _prefect(call: Callable[[], T]) -> T:
+        """Run one Prefect API call; its failures become 503 (nothing was recorded)."""
+        try:
+            return call()
+        except httpx.HTTPStatusError as err:
+            raise Rejected(503, "unavailable", f"Prefect refused: {err.response.status_code} "
+                           f"{err.response.text[:300]}") from None
+        except httpx.HTTPError as err:
+            raise Rejected(503, "unavailable", f"Prefect API unreachable: {err}") from None
 
-    def _start(self, body: EvaluationCreate, policy_path: Path, key: str) -> Evaluation:
-        evaluation_id = uuid.uuid4().hex[:16]
+    @staticmethod
+    def _from_run(run: dict[str, Any]) -> Evaluation:
+        request: dict[str, Any] = (run.get("parameters") or {}).get("request") or {}
+        key = next((t.split(":", 1)[1] for t in run.get("tags") or []
+                    if t.startswith(_tag("key", ""))), "")
+        if not request.get("request_id"):
+            raise Rejected(500, "internal", f"flow run {run.get('id')} has no evaluation request")
+        return Evaluation(str(request["request_id"]), key, str(run["id"]), request, time.time())
+
+    def _request(self, body: EvaluationCreate, policy_path: Path, evaluation_id: str
+                 ) -> dict[str, Any]:
         cfg = self.config
         fields: dict[str, Any] = dict(
             env=body.env.id, env_kwargs=body.env.kwargs, policy=str(policy_path),
@@ -544,18 +657,7 @@ class Receiver:
             request = EvalRequest.build(**fields)
         except RequestError as err:
             raise Rejected(400, "invalid_request", str(err), field_name="body") from None
-        parameters = {"request": request.model_dump(mode="json")}
-        tags = ["evalfleet", "webhook"] + ([f"train:{body.training_run_id}"]
-                                           if body.training_run_id else [])
-        try:
-            flow_run_id = self.prefect.create_flow_run(parameters, f"evalfleet-{evaluation_id}",
-                                                       tags)
-        except httpx.HTTPStatusError as err:
-            raise Rejected(503, "unavailable", f"Prefect refused the flow run: "
-                           f"{err.response.status_code} {err.response.text[:300]}") from None
-        except httpx.HTTPError as err:
-            raise Rejected(503, "unavailable", f"Prefect API unreachable: {err}") from None
-        return Evaluation(evaluation_id, key, flow_run_id, parameters["request"], time.time())
+        return dict(request.model_dump(mode="json"))
 
     def _accepted(self, evaluation: Evaluation, base_url: str, duplicate: str | None
                   ) -> dict[str, Any]:
@@ -607,8 +709,10 @@ def create_app(config: ReceiverConfig, prefect: PrefectAPI | None = None) -> Fas
 
     @app.get("/v1/evaluations/{evaluation_id}")
     async def get_evaluation(evaluation_id: str, request: Request) -> JSONResponse:
+        headers = {k.lower(): v for k, v in request.headers.items()}
         try:
-            body = await run_in_threadpool(receiver.status, evaluation_id, str(request.base_url))
+            body = await run_in_threadpool(receiver.status, evaluation_id, headers,
+                                           str(request.base_url))
         except Rejected as err:
             return _json(err.status, err.body)
         return _json(200, body)
@@ -640,8 +744,35 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--experiment", default="evalfleet", help="default MLflow experiment")
     p.add_argument("--isolation", default="inprocess", help="inprocess | process | bwrap | auto")
     p.add_argument("--secret-block", default=None, help="Prefect Secret block with the secret")
+    add_egress_options(p)
     p.add_argument("--log-level", default="info")
     return p
+
+
+def add_egress_options(p: argparse.ArgumentParser) -> None:
+    """``--allow-host``, ``--no-public-egress`` and ``--max-policy-bytes`` (receiver and serve)."""
+    p.add_argument("--allow-host", action="append", default=None, metavar="HOST[:PORT]|CIDR",
+                   help=f"host, address or network that policy.uri / callback_url may reach even "
+                   f"if private or loopback, and over http (repeatable; default "
+                   f"${ALLOWED_HOSTS_ENV})")
+    p.add_argument("--no-public-egress", action="store_true",
+                   help=f"reach only allow-listed hosts (default: also public https; "
+                   f"${PUBLIC_ENV}=0 does the same)")
+    p.add_argument("--max-policy-bytes", type=int, default=DEFAULT_MAX_DOWNLOAD_BYTES,
+                   help="largest policy file accepted; downloads stop there")
+    p.add_argument("--policy-root", action="append", default=[], metavar="DIR",
+                   help="folder file:// policy URIs must lie under (repeatable; default: any)")
+
+
+def egress_from_args(args: argparse.Namespace) -> EgressPolicy:
+    """The egress policy of parsed options, falling back to the environment."""
+    env = EgressPolicy.from_env()
+    hosts = args.allow_host if args.allow_host is not None else [
+        e for e in os.environ.get(ALLOWED_HOSTS_ENV, "").split(",") if e.strip()]
+    try:
+        return EgressPolicy.parse(hosts, public=env.public and not args.no_public_egress)
+    except EgressRefused as err:
+        raise SystemExit(f"evalfleet webhook: {err}") from None
 
 
 def config_from_args(args: argparse.Namespace) -> ReceiverConfig:
@@ -656,6 +787,8 @@ def config_from_args(args: argparse.Namespace) -> ReceiverConfig:
         secrets=secrets, prefect_api_url=args.prefect_api_url, state_dir=Path(args.state_dir),
         output=Path(args.output).resolve(), deployment=args.deployment,
         mlflow_uri=args.mlflow_uri, experiment=args.experiment, isolation=args.isolation,
+        max_policy_bytes=args.max_policy_bytes, egress=egress_from_args(args),
+        policy_roots=tuple(Path(r).resolve() for r in args.policy_root),
     )
 
 

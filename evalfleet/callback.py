@@ -6,6 +6,11 @@ The scheme (Stripe-style, so a replayed body cannot be re-sent later with a fres
     X-Evalfleet-Signature: sha256=<hex HMAC-SHA256(secret, b"<timestamp>." + body)>
     X-Evalfleet-Delivery:  <unique id of this delivery; retries reuse it>
 
+Reads (``GET /v1/evaluations/{id}``) carry no body; they sign the method and the resource path
+instead, ``HMAC-SHA256(secret, b"<timestamp>.GET /v1/evaluations/<id>")`` (``sign_read``), so a
+captured read signature opens that one evaluation for ``tolerance_s`` and nothing else; and a
+JSON POST body can never equal ``GET /...``, so one kind cannot be replayed as the other.
+
 A receiver recomputes the HMAC over the raw body bytes (never over re-serialised JSON), compares
 in constant time, and rejects timestamps further than ``tolerance_s`` from its clock. Several
 secrets may be accepted at once so a secret can be rotated without downtime.
@@ -28,6 +33,7 @@ from typing import Any
 
 import httpx
 
+from evalfleet.egress import EgressPolicy, EgressRefused
 from evalfleet.errors import EvalfleetError
 
 logger = logging.getLogger(__name__)
@@ -116,6 +122,18 @@ def verify(
     )
 
 
+def read_message(method: str, path: str) -> bytes:
+    """What a body-less request signs in place of a body: ``b"GET /v1/evaluations/<id>"``."""
+    return f"{method.upper()} {path}".encode()
+
+
+def signed_read_headers(path: str, secret: str, *, timestamp: int | None = None
+                        ) -> dict[str, str]:
+    """Headers for ``GET path`` (``path`` as in the URL, e.g. ``/v1/evaluations/<id>``)."""
+    ts = int(time.time()) if timestamp is None else int(timestamp)
+    return {TIMESTAMP_HEADER: str(ts), SIGNATURE_HEADER: sign(read_message("GET", path), secret, ts)}
+
+
 def signed_headers(
     body: bytes,
     secret: str,
@@ -195,6 +213,7 @@ def post_report(
     event: str = REPORT_EVENT,
     transport: httpx.BaseTransport | None = None,
     sleep: Callable[[float], None] = time.sleep,
+    egress: EgressPolicy | None = None,
 ) -> CallbackResult:
     """POST ``report_json`` to ``url``, HMAC-signed, retrying with exponential back-off.
 
@@ -203,6 +222,10 @@ def post_report(
     that cap) between them; so the whole call is bounded too. Each attempt is re-signed with a
     fresh timestamp and carries the same delivery id. Never raises for network or HTTP failures:
     the outcome is returned, and the caller decides what a failed callback means.
+
+    ``url`` is checked by ``egress`` (default: ``EgressPolicy.from_env()``) before anything is
+    sent: its host is resolved once and every attempt goes to that checked address. A refused
+    URL makes no request at all (``attempts`` 0). Redirects are never followed.
     """
     if attempts < 1:
         raise ValueError(f"'attempts' must be >= 1 (got {attempts!r}).")
@@ -212,13 +235,21 @@ def post_report(
     status: int | None = None
     error: str | None = None
     made = 0
-    with httpx.Client(timeout=timeout, transport=transport, follow_redirects=False) as client:
+    try:
+        target = (egress or EgressPolicy.from_env()).check(url)
+    except EgressRefused as err:
+        logger.error("callback to %s refused: %s", url, err)
+        return CallbackResult(url, False, 0, None, f"refused: {err}", time.monotonic() - t0,
+                              delivery)
+    with httpx.Client(timeout=timeout, transport=transport, follow_redirects=False,
+                      trust_env=False) as client:
         for attempt in range(attempts):
             made = attempt + 1
             wait = min(max_backoff, backoff * 2**attempt)
             try:
                 headers = signed_headers(body, secret, delivery_id=delivery, event=event)
-                response = client.post(url, content=body, headers=headers)
+                response = client.send(target.request(client, "POST", content=body,
+                                                      headers=headers))
             except httpx.HTTPError as err:
                 status, error = None, f"{type(err).__name__}: {err}"
             else:
@@ -299,7 +330,9 @@ __all__ = [
     "canonical_json",
     "post_report",
     "send_report_callback",
+    "read_message",
     "sign",
     "signed_headers",
+    "signed_read_headers",
     "verify",
 ]

@@ -37,6 +37,7 @@ import warnings
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import gymnasium as gym
 import httpx
@@ -50,6 +51,7 @@ from evalfleet.callback import (
     SignatureError,
     canonical_json,
     signed_headers,
+    signed_read_headers,
     verify,
 )
 from evalfleet.tracking import default_tracking_uri
@@ -108,7 +110,9 @@ class LocalService:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "deployments.cli", "--port", "0", "--prefect-port",
              "0", "--workers", str(workers), "--state-dir", str(self.state / "state"),
-             "--output", str(output), "--mlflow-uri", mlflow_uri, "--ready-file", str(ready)],
+             "--output", str(output), "--mlflow-uri", mlflow_uri, "--ready-file", str(ready),
+             # our callback endpoint listens on loopback: allowed explicitly (refused by default)
+             "--allow-host", "127.0.0.1"],
             env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
             cwd=Path(__file__).resolve().parents[1],
         )
@@ -274,7 +278,9 @@ def main(argv: list[str] | None = None) -> int:
             while set(accepted) - set(reports) and time.monotonic() < deadline:
                 drain(block_s=1.0)
             for eid in sorted(set(accepted) - set(reports)):  # no callback: ask the service
-                status = client.get(accepted[eid]["status_url"]).json()
+                url = accepted[eid]["status_url"]  # reads are signed too (GET + path)
+                status = client.get(url, headers=signed_read_headers(urlsplit(url).path,
+                                                                     secret)).json()
                 print(f"  no callback for {eid}; status says {status.get('state')}")
                 if status.get("report"):
                     reports[eid] = status["report"]

@@ -20,18 +20,40 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
 
-from evalfleet.callback import SIGNATURE_HEADER, TIMESTAMP_HEADER, canonical_json, signed_headers
+from evalfleet.callback import (
+    SIGNATURE_HEADER,
+    TIMESTAMP_HEADER,
+    canonical_json,
+    signed_headers,
+    signed_read_headers,
+)
 from evalfleet.callback import verify as verify_signature
+from evalfleet.egress import ALLOWED_HOSTS_ENV
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE_POLICY_PATH = str(ROOT / "evalfleet" / "data" / "cartpole_mlp.pt")
 SECRET = "integration-webhook-secret"
 CALLBACK_SECRET = "integration-callback-secret"
 SERVICE_START_S = 180
+#: The fake trainers of these tests listen on 127.0.0.1: allowed explicitly, as an operator would.
+LOOPBACK = "127.0.0.1"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _allow_loopback_callbacks() -> Iterator[None]:
+    """Flows run in this process (the Evaluator) POST callbacks to 127.0.0.1 trainers."""
+    saved = os.environ.get(ALLOWED_HOSTS_ENV)
+    os.environ[ALLOWED_HOSTS_ENV] = LOOPBACK
+    yield
+    if saved is None:
+        os.environ.pop(ALLOWED_HOSTS_ENV, None)
+    else:
+        os.environ[ALLOWED_HOSTS_ENV] = saved
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -67,15 +89,27 @@ class Service:
         h.update(headers or {})
         return httpx.post(self.urls["evaluations"], content=body, headers=h, timeout=30)
 
+    def get(self, status_url: str, *, secret: str | None = None,
+            headers: dict[str, str] | None = None) -> httpx.Response:
+        """A signed GET of a status URL (``headers`` override the signed ones)."""
+        return signed_get(status_url, secret or self.secret, headers)
+
     def wait_final(self, status_url: str, timeout: float = 240) -> dict[str, Any]:
         """Poll the status URL until the evaluation is final (bounded)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            status: dict[str, Any] = httpx.get(status_url, timeout=10).json()
+            status: dict[str, Any] = self.get(status_url).json()
             if status.get("final") and (status["state"] != "COMPLETED" or status["report"]):
                 return status
             time.sleep(0.25)
         raise AssertionError(f"{status_url} not final after {timeout} s: {status}")
+
+
+def signed_get(url: str, secret: str, headers: dict[str, str] | None = None) -> httpx.Response:
+    """GET ``url`` signed over ``GET <path>`` as a trainer would."""
+    h = signed_read_headers(urlsplit(url).path, secret)
+    h.update(headers or {})
+    return httpx.get(url, headers=h, timeout=10)
 
 
 @pytest.fixture(scope="session")
@@ -95,7 +129,8 @@ def service(prefect_server: str, tmp_path_factory: pytest.TempPathFactory) -> It
             [sys.executable, "-m", "deployments.cli", "--prefect-api-url", prefect_server,
              "--port", "0", "--workers", "2", "--state-dir", str(base / "state"),
              "--output", str(output), "--mlflow-uri", mlflow_uri, "--ready-file", str(ready),
-             "--startup-timeout", str(SERVICE_START_S), "--drain-timeout", "20"],
+             "--startup-timeout", str(SERVICE_START_S), "--drain-timeout", "20",
+             "--allow-host", LOOPBACK],
             cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
         )
         try:
@@ -168,3 +203,125 @@ def trainer() -> Iterator[TrainerEndpoint]:
     yield endpoint
     server.shutdown()
     server.server_close()
+
+
+@dataclass
+class ReceiverProcess:
+    """One ``python -m deployments.webhook`` process on 127.0.0.1."""
+
+    url: str
+    proc: subprocess.Popen[bytes]
+    log: Path
+    secret: str = SECRET
+
+    def post(self, doc: dict[str, Any] | bytes, *, delivery_id: str | None = None
+             ) -> httpx.Response:
+        """POST a signed webhook."""
+        body = doc if isinstance(doc, bytes) else canonical_json(doc)
+        return httpx.post(f"{self.url}/v1/evaluations", content=body, timeout=60,
+                          headers=signed_headers(body, self.secret, delivery_id=delivery_id))
+
+    def get(self, status_url: str) -> httpx.Response:
+        """A signed GET of a status URL."""
+        return signed_get(status_url, self.secret)
+
+
+@pytest.fixture
+def start_receiver(prefect_server: str, tmp_path: Path) -> Iterator[Any]:
+    """Start receiver processes: ``start_receiver(*options, state_dir=..., output=...)``.
+
+    The environment carries no allow-list: each test names the hosts it allows, or none.
+    """
+    started: list[ReceiverProcess] = []
+
+    def start(*options: str, state_dir: Path | None = None,
+              output: Path | None = None) -> ReceiverProcess:
+        from tests.conftest import free_port
+
+        name = f"receiver{len(started)}"
+        port = free_port()
+        env = dict(os.environ, EVALFLEET_WEBHOOK_SECRET=SECRET, PREFECT_API_URL=prefect_server)
+        env.pop(ALLOWED_HOSTS_ENV, None)
+        log = tmp_path / f"{name}.log"
+        with log.open("w") as fh:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "deployments.webhook", "--host", "127.0.0.1",
+                 "--port", str(port), "--prefect-api-url", prefect_server,
+                 "--state-dir", str(state_dir or tmp_path / name),
+                 "--output", str(output or tmp_path / "results"), "--log-level", "warning",
+                 *options],
+                cwd=ROOT, env=env, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+        receiver = ReceiverProcess(f"http://127.0.0.1:{port}", proc, log)
+        started.append(receiver)
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(f"{receiver.url}/healthz", timeout=2).status_code == 200:
+                    return receiver
+            except httpx.HTTPError:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"receiver did not start:\n{log.read_text()[-3000:]}")
+            time.sleep(0.2)
+
+    yield start
+    for receiver in started:
+        receiver.proc.terminate()
+    for receiver in started:
+        try:
+            receiver.proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            receiver.proc.kill()
+            receiver.proc.wait(timeout=5)
+
+
+@dataclass
+class LoopbackServer:
+    """A plain HTTP server on 127.0.0.1 serving ``routes`` and recording every request path."""
+
+    url: str
+    routes: dict[str, tuple[int, dict[str, str], bytes]]
+    requests: list[str] = field(default_factory=list)
+
+
+@pytest.fixture
+def loopback_server() -> Iterator[Any]:
+    """Start ``LoopbackServer``s: ``loopback_server({"/path": (status, headers, body)})``."""
+    servers: list[ThreadingHTTPServer] = []
+
+    def start(routes: dict[str, tuple[int, dict[str, str], bytes]]) -> LoopbackServer:
+        box = LoopbackServer("", routes)
+
+        class Handler(BaseHTTPRequestHandler):
+            def _answer(self) -> None:
+                box.requests.append(f"{self.command} {self.path}")
+                status, headers, body = box.routes.get(self.path, (404, {}, b"not here"))
+                self.send_response(status)
+                for k, v in headers.items():
+                    if k != "Content-Length":
+                        self.send_header(k, v)
+                if headers.get("Content-Length") != "omit":  # omitted: body ends at close
+                    self.send_header("Content-Length", headers.get("Content-Length",
+                                                                   str(len(body))))
+                self.end_headers()
+                try:
+                    self.wfile.write(body)
+                except (BrokenPipeError, ConnectionResetError):
+                    pass  # the client stopped reading (size cap): expected
+
+            do_GET = _answer  # noqa: N815
+            do_POST = _answer  # noqa: N815
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        servers.append(server)
+        box.url = f"http://127.0.0.1:{server.server_port}"
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        return box
+
+    yield start
+    for server in servers:
+        server.shutdown()
+        server.server_close()
