@@ -2,11 +2,20 @@
 
 Key = sha256 over canonical JSON of:
 
-- the policy: sha256 of its bytes, format, factory, output kind (logits/actions);
-- the env: id, kwargs, registered spec (entry point, version, max_episode_steps) and the version
-  of the package that provides it (or the sha256 of its module source when it is not installed);
+- the policy: sha256 of its bytes, format, factory reference, output kind (logits/actions), the
+  sha256 of the factory's source (its module, and the module defining the function), and the code
+  version of the factory's or callable's top-level package;
+- the env: id, kwargs, registered spec (entry point, version, max_episode_steps) and the code
+  version of the package that provides it;
 - the protocol: base seed, max steps, deterministic flag;
+- inference: the device kind ('cpu' or 'cuda', 'auto' resolved) and dtype (float32);
 - versions: evalfleet, gymnasium, numpy, torch, and the episode table's schema.
+
+A *code version* (``evalfleet.provenance``) is a distribution's version when it was installed from
+a built archive, and otherwise carries the sha256 of every ``.py`` file of the top-level package:
+an editable (``pip install -e``) or path install, or a package no distribution installed (this
+repository's ``envs/``), changes its key with any edit of its code. evalfleet itself is keyed the
+same way: a development checkout's edits change the key too.
 
 The episode count is not in the key: an entry holds episodes by index, so a request for 3,000
 episodes after one for 1,000 reuses 0..999 and runs only 1,000..2,999 (a top-up), and the result
@@ -59,13 +68,15 @@ def cache_key(ingredients: dict[str, Any]) -> str:
 
 def key_ingredients(
     policy: dict[str, Any], env: dict[str, Any], seed: int, max_steps: int | None,
-    deterministic: bool, versions: dict[str, str],
+    deterministic: bool, versions: dict[str, str], inference: dict[str, str],
 ) -> dict[str, Any]:
     """Everything that can change an episode's outcome (see the module docstring)."""
     return {
-        "policy": {k: policy[k] for k in ("sha256", "format", "factory", "output_kind")},
+        "policy": {k: policy[k] for k in ("sha256", "format", "factory", "output_kind",
+                                          "factory_sha256", "code")},
         "env": env,
         "protocol": {"seed": seed, "max_steps": max_steps, "deterministic": deterministic},
+        "inference": {"device": inference["device"], "dtype": inference["dtype"]},
         "versions": {k: versions[k] for k in ("evalfleet", "gymnasium", "numpy", "torch")},
         "episode_schema": SCHEMA_VERSION,
     }

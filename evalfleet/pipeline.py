@@ -29,7 +29,14 @@ from evalfleet.errors import RequestError
 from evalfleet.models import EvalReport, EvalRequest, PolicyHandle, Shard, ShardPlan
 from evalfleet.planning import plan_shards
 from evalfleet.plots import render_plots
-from evalfleet.policy import PolicyArtifact, load_policy, receive_policy
+from evalfleet.policy import (
+    INFERENCE_DTYPE,
+    PolicyArtifact,
+    inference_device,
+    load_policy,
+    receive_policy,
+)
+from evalfleet.provenance import SOURCE_PREFIX, code_version
 from evalfleet.records import EPISODE_SCHEMA, OUTCOME_COLUMNS, concat_sorted
 from evalfleet.replay import record_episodes, replay_inputs
 from evalfleet.report import aggregate, versions
@@ -96,10 +103,24 @@ def receive(request: EvalRequest) -> Received:
     )
     ingredients = key_ingredients(
         artifact.summary(), env.fingerprint.as_dict(), request.seed, request.max_steps,
-        request.deterministic, versions(),
+        request.deterministic, harness_versions(),
+        {"device": inference_device(request.device, artifact.format), "dtype": INFERENCE_DTYPE},
     )
     return Received(artifact, env.fingerprint.as_dict(), env.fingerprint.spec_hash, isolation,
                     cache_key(ingredients), ingredients, time.perf_counter() - t0)
+
+
+def harness_versions() -> dict[str, str]:
+    """``report.versions()``, with evalfleet's own code version when it is not a built install.
+
+    A development checkout keeps its version number while its code changes; its source then
+    identifies it (``evalfleet.provenance``), so an edited runner never reuses stale episodes.
+    """
+    out = versions()
+    _, code = code_version("evalfleet")
+    if SOURCE_PREFIX in code:
+        out["evalfleet"] = f"{out['evalfleet']}+{code.split('+')[-1]}"
+    return out
 
 
 def episode_cache(request: EvalRequest) -> EpisodeCache:
