@@ -236,6 +236,9 @@ def summarize(
     )
     alarms = list(report.alarms) + reward_integrity(collected.table)
     audit = determinism_audit(collected.table, collected.audit_rows) if request.audit else None
+    if audit is not None and cache_status(request, collected) == "hit":
+        # A full hit re-runs nothing: its audit is the one that passed when the entry was stored.
+        audit = episode_cache(request).audit(received.cache_key) or audit
     if audit and audit["mismatches"]:
         seeds = ", ".join(str(m["seed"]) for m in audit["mismatches"][:5])
         alarms.append(
@@ -331,13 +334,11 @@ def feed_back(
     t0 = time.perf_counter()
     folder = run_dir(request.output, request.request_id)
     parquet = write_episodes(collected.table, folder / "episodes.parquet")
-    deterministic = not (report.audit and report.audit["mismatches"])
-    if (request.cache != "off" and deterministic
-            and (collected.fresh.num_rows or request.cache == "refresh")):
-        episode_cache(request).store(received.cache_key, collected.table, received.cache_ingredients,
-                                     replace=request.cache == "refresh")
     outputs = {"folder": str(folder.resolve()), "episodes": str(parquet.resolve())}
     artifacts = [parquet]
+    # What the review adds to the report is computed on a hit too (cheap): a hit's report equals
+    # the miss's; only the files (plots, replays, page) are skipped.
+    report = report.model_copy(update={"failure_clusters": cluster_failures(collected.table)})
     try:
         # A full cache hit was reviewed when it was computed; re-plotting it costs ~1.5 s per request.
         if collected.fresh.num_rows == 0 and not (request.record_trajectories or request.record_video):
@@ -378,6 +379,37 @@ def feed_back(
         final = final.model_copy(update={"outputs": {**final.outputs, "callback": outcome}})
         write_json(final.model_dump(mode="json"), report_path)
     return final
+
+
+def store_in_cache(request: EvalRequest, received: Received, collected: Collected | None) -> int:
+    """Store the episodes under the request's key (while its lock is held); returns rows stored.
+
+    Nothing is stored with the cache off, on a full hit, or when the determinism audit found
+    re-run episodes that differ (a non-reproducible table must never be reused). The audit is
+    kept in the entry's manifest, so that a later hit reports it as the miss did.
+    """
+    if collected is None or request.cache == "off":
+        return 0
+    if not (collected.fresh.num_rows or request.cache == "refresh"):
+        return 0
+    audit = determinism_audit(collected.table, collected.audit_rows) if request.audit else None
+    if audit and audit["mismatches"]:
+        return 0
+    return episode_cache(request).store(received.cache_key, collected.table,
+                                        received.cache_ingredients,
+                                        replace=request.cache == "refresh", audit=audit)
+
+
+def same_policy(request: EvalRequest, received: Received) -> bool:
+    """True when the baseline is the evaluated policy under the same key (same episodes)."""
+    ref = request.baseline
+    if ref is None:
+        return False
+    if ref.startswith("sha256:"):
+        return received.artifact.sha256.startswith(ref.removeprefix("sha256:").lower())
+    if (ref, request.baseline_factory) == (request.policy, request.policy_factory):
+        return True
+    return receive(baseline_request(request, request.episodes)).cache_key == received.cache_key
 
 
 def baseline_request(request: EvalRequest, episodes: int) -> EvalRequest:
@@ -441,5 +473,7 @@ __all__ = [
     "outcome_table",
     "plan",
     "receive",
+    "same_policy",
+    "store_in_cache",
     "summarize",
 ]
