@@ -168,6 +168,15 @@ def cache_command(argv: Sequence[str]) -> int:
     return EXIT_OK
 
 
+def _notes(err: BaseException | None) -> list[str]:
+    """Notes of ``err`` and of the exceptions it was raised while handling (Prefect re-raises)."""
+    notes: list[str] = []
+    while err is not None:
+        notes += [n for n in getattr(err, "__notes__", []) if n not in notes]
+        err = err.__context__
+    return notes
+
+
 @contextmanager
 def stop_on_sigterm() -> Iterator[None]:
     """SIGTERM raises ``Stopped`` where the main thread is, like Ctrl-C raises KeyboardInterrupt.
@@ -208,7 +217,7 @@ def run_cli(
         return EXIT_BAD_REQUEST
     except (Stopped, KeyboardInterrupt) as err:
         signum = err.signum if isinstance(err, Stopped) else signal.SIGINT
-        where = "; ".join(getattr(err, "__notes__", []))
+        where = "; ".join(_notes(err))
         print(f"evalfleet: stopped by {signal.Signals(signum).name}"
               + (f" {where}" if where else "") + "; episodes stored so far stay in the cache",
               file=sys.stderr)
