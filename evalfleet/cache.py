@@ -2,11 +2,20 @@
 
 Key = sha256 over canonical JSON of:
 
-- the policy: sha256 of its bytes, format, factory, output kind (logits/actions);
-- the env: id, kwargs, registered spec (entry point, version, max_episode_steps) and the version
-  of the package that provides it (or the sha256 of its module source when it is not installed);
+- the policy: sha256 of its bytes, format, factory reference, output kind (logits/actions), the
+  sha256 of the factory's source (its module, and the module defining the function), and the code
+  version of the factory's or callable's top-level package;
+- the env: id, kwargs, registered spec (entry point, version, max_episode_steps) and the code
+  version of the package that provides it;
 - the protocol: base seed, max steps, deterministic flag;
+- inference: the device kind ('cpu' or 'cuda', 'auto' resolved) and dtype (float32);
 - versions: evalfleet, gymnasium, numpy, torch, and the episode table's schema.
+
+A *code version* (``evalfleet.provenance``) is a distribution's version when it was installed from
+a built archive, and otherwise carries the sha256 of every ``.py`` file of the top-level package:
+an editable (``pip install -e``) or path install, or a package no distribution installed (this
+repository's ``envs/``), changes its key with any edit of its code. evalfleet itself is keyed the
+same way: a development checkout's edits change the key too.
 
 The episode count is not in the key: an entry holds episodes by index, so a request for 3,000
 episodes after one for 1,000 reuses 0..999 and runs only 1,000..2,999 (a top-up), and the result
@@ -41,7 +50,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from evalfleet.errors import CacheCorruptError
+from evalfleet.errors import CacheCorruptError, CacheLockTimeout
 from evalfleet.records import EPISODE_SCHEMA, SCHEMA_VERSION
 from evalfleet.storage import read_episodes, write_episodes, write_json
 
@@ -59,13 +68,15 @@ def cache_key(ingredients: dict[str, Any]) -> str:
 
 def key_ingredients(
     policy: dict[str, Any], env: dict[str, Any], seed: int, max_steps: int | None,
-    deterministic: bool, versions: dict[str, str],
+    deterministic: bool, versions: dict[str, str], inference: dict[str, str],
 ) -> dict[str, Any]:
     """Everything that can change an episode's outcome (see the module docstring)."""
     return {
-        "policy": {k: policy[k] for k in ("sha256", "format", "factory", "output_kind")},
+        "policy": {k: policy[k] for k in ("sha256", "format", "factory", "output_kind",
+                                          "factory_sha256", "code")},
         "env": env,
         "protocol": {"seed": seed, "max_steps": max_steps, "deterministic": deterministic},
+        "inference": {"device": inference["device"], "dtype": inference["dtype"]},
         "versions": {k: versions[k] for k in ("evalfleet", "gymnasium", "numpy", "torch")},
         "episode_schema": SCHEMA_VERSION,
     }
@@ -88,6 +99,14 @@ class Lookup:
         return "partial" if self.stored.num_rows else "miss"
 
 
+def _lock_holder(lock_path: Path) -> str:
+    """The pid written by the lock's holder ('?' if not written yet)."""
+    try:
+        return lock_path.read_text().strip() or "?"
+    except OSError:
+        return "?"
+
+
 def _sha256_file(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as fh:
@@ -108,20 +127,45 @@ class EpisodeCache:
 
     @contextmanager
     def exclusive(self, key: str, timeout_s: float = 3600.0) -> Iterator[None]:
-        """Hold the key's lock: one computation per key at a time, across processes."""
+        """Hold the key's lock: one computation per key at a time, across processes.
+
+        A wait is announced (with the holder's pid) and ends like any other wait: on Ctrl-C or a
+        termination signal (the exception the handler raises gets a note naming the key), or
+        with ``CacheLockTimeout`` after ``timeout_s``. The caller must not already hold the key:
+        ``flock`` locks per open file, so a second holder in one process would wait for itself.
+        """
         self.root.mkdir(parents=True, exist_ok=True)
         lock_path = self.root / f".{key}.lock"
         with open(lock_path, "a+") as fh:
             deadline = time.monotonic() + timeout_s
+            announced = False
             while True:
                 try:
                     fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
                     break
                 except BlockingIOError:
+                    holder = _lock_holder(lock_path)
+                    if not announced:
+                        logger.warning(
+                            "cache key %s is being computed by another evaluation (pid %s); "
+                            "waiting up to %.0f s to reuse its episodes (Ctrl-C or SIGTERM stops "
+                            "the wait)", key[:12], holder, timeout_s)
+                        announced = True
                     if time.monotonic() > deadline:
-                        raise TimeoutError(f"cache key {key[:12]} stayed locked {timeout_s:.0f} s") from None
-                    time.sleep(0.05)
+                        raise CacheLockTimeout(
+                            f"cache key {key[:12]} stayed locked by pid {holder} for "
+                            f"{timeout_s:.0f} s; if that evaluation is gone, remove {lock_path}"
+                        ) from None
+                    try:
+                        time.sleep(0.05)
+                    except BaseException as err:  # Ctrl-C, a termination signal
+                        err.add_note(f"while waiting for cache key {key[:12]} held by pid {holder}")
+                        raise
             try:
+                fh.seek(0)
+                fh.truncate()
+                fh.write(str(os.getpid()))
+                fh.flush()
                 yield
             finally:
                 fcntl.flock(fh, fcntl.LOCK_UN)
@@ -159,9 +203,12 @@ class EpisodeCache:
         have = set(stored.column("episode_index").to_pylist())
         return Lookup(key, stored.sort_by("episode_index"), [i for i in indices if i not in have])
 
-    def store(self, key: str, table: pa.Table, ingredients: dict[str, Any], *, replace: bool = False
-              ) -> int:
-        """Merge cacheable rows of ``table`` into the entry (or replace it); returns rows stored."""
+    def store(self, key: str, table: pa.Table, ingredients: dict[str, Any], *, replace: bool = False,
+              audit: dict[str, Any] | None = None) -> int:
+        """Merge cacheable rows of ``table`` into the entry (or replace it); returns rows stored.
+
+        ``audit`` is the determinism audit that passed for these rows, reported again on a hit.
+        """
         keep = table.filter(pc.is_in(table.column("end_reason"), value_set=pa.array(CACHEABLE_REASONS)))
         old = None
         if not replace:
@@ -182,6 +229,7 @@ class EpisodeCache:
                 "rows": keep.num_rows,
                 "parquet_sha256": _sha256_file(data_path),
                 "ingredients": ingredients,
+                "audit": audit,
                 "updated": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             },
             folder / "manifest.json",
@@ -196,6 +244,15 @@ class EpisodeCache:
             return None
         ing = data.get("ingredients")
         return ing if isinstance(ing, dict) else None
+
+    def audit(self, key: str) -> dict[str, Any] | None:
+        """The determinism audit stored with the entry (None if none or unreadable)."""
+        try:
+            data = json.loads((self.entry(key) / "manifest.json").read_text())
+        except (OSError, ValueError):
+            return None
+        audit = data.get("audit")
+        return audit if isinstance(audit, dict) else None
 
     def remove(self, key: str) -> bool:
         """Delete one entry; True if something was there."""

@@ -5,14 +5,15 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import signal
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from importlib.resources import files
 from pathlib import Path
+from types import FrameType
 
-from evalfleet.errors import EvalfleetError
+from evalfleet.errors import EvalfleetError, Stopped
 from evalfleet.models import EvalReport, EvalRequest
 from evalfleet.summary import summary_text
 
@@ -171,22 +172,37 @@ def cache_command(argv: Sequence[str]) -> int:
     return EXIT_OK
 
 
-#: Exit status after SIGTERM (128 + the signal number, as a shell reports it).
-EXIT_TERMINATED = 128 + signal.SIGTERM
+def _notes(err: BaseException | None) -> list[str]:
+    """Notes of ``err`` and of the exceptions it was raised while handling (Prefect re-raises)."""
+    notes: list[str] = []
+    while err is not None:
+        notes += [n for n in getattr(err, "__notes__", []) if n not in notes]
+        err = err.__context__
+    return notes
 
 
-def _on_sigterm(signum: int, frame: object) -> None:
-    """First SIGTERM: unwind (stop the cluster and the local Prefect server); a second: exit now.
+@contextmanager
+def stop_on_sigterm() -> Iterator[None]:
+    """SIGTERM raises ``Stopped`` where the main thread is, like Ctrl-C raises KeyboardInterrupt.
 
-    Python's default action kills the process outright, leaving the per-evaluation Prefect
-    server and the cluster's processes orphaned. Prefect's flow engine swaps in its own handler
-    while a flow runs, marks the run crashed, then hands the signal back to this one.
+    Every wait (a cache lock, a cluster, a flow) then ends, ``finally`` blocks stop the cluster and
+    the local Prefect server, and the CLI exits 143 with a message. A second SIGTERM during that
+    cleanup kills at once. Inside a flow Prefect installs its own handler, which marks the flow run
+    crashed and then re-sends the signal to this one.
     """
-    if getattr(_on_sigterm, "seen", False):
-        os._exit(EXIT_TERMINATED)
-    _on_sigterm.seen = True  # type: ignore[attr-defined]
-    logging.getLogger(__name__).warning("SIGTERM: stopping the evaluation")
-    raise SystemExit(EXIT_TERMINATED)
+    def stop(signum: int, frame: FrameType | None) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        raise Stopped(signum)
+
+    try:
+        previous = signal.signal(signal.SIGTERM, stop)
+    except ValueError:  # not the main thread: leave signals to whoever owns them
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
 
 
 def run_cli(
@@ -197,18 +213,22 @@ def run_cli(
     SIGTERM ends a waiting evaluation like Ctrl-C does: it unwinds and exits with 143.
     """
     args = build_parser().parse_args(argv)
-    try:
-        signal.signal(signal.SIGTERM, _on_sigterm)
-    except ValueError:  # not the main thread (an embedding caller): keep its handling
-        pass
     logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        request = request_from_args(args)
-        report = evaluate(request)
+        with stop_on_sigterm():
+            request = request_from_args(args)
+            report = evaluate(request)
     except EvalfleetError as err:
         print(f"evalfleet: error: {err}", file=sys.stderr)
         return EXIT_BAD_REQUEST
+    except (Stopped, KeyboardInterrupt) as err:
+        signum = err.signum if isinstance(err, Stopped) else signal.SIGINT
+        where = "; ".join(_notes(err))
+        print(f"evalfleet: stopped by {signal.Signals(signum).name}"
+              + (f" {where}" if where else "") + "; episodes stored so far stay in the cache",
+              file=sys.stderr)
+        return 128 + signum
     if args.report:
         Path(args.report).parent.mkdir(parents=True, exist_ok=True)
         Path(args.report).write_text(json.dumps(report.model_dump(mode="json"), indent=2) + "\n")

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import importlib
-import importlib.metadata
 import json
 import logging
 from collections.abc import Callable
@@ -16,6 +14,7 @@ import gymnasium as gym
 from gymnasium import spaces
 
 from evalfleet.errors import EnvSpecError
+from evalfleet.provenance import code_version
 
 logger = logging.getLogger(__name__)
 
@@ -72,43 +71,9 @@ class EnvFingerprint:
         return hashlib.sha256(blob).hexdigest()[:16]
 
 
-@functools.lru_cache(maxsize=1)
-def _distributions() -> dict[str, list[str]]:
-    # Scanning every installed distribution takes ~1 s; once per process is enough.
-    return dict(importlib.metadata.packages_distributions())
-
-
-def _distribution_named_like(top: str) -> list[str]:
-    """The distribution named like top-level module ``top``, when it ships that module.
-
-    The common case (``gymnasium``, ``ale_py``...) answered without scanning every installed
-    distribution; the same name the scan would give, so cache keys do not change.
-    """
-    try:
-        dist = importlib.metadata.distribution(top)
-    except (importlib.metadata.PackageNotFoundError, ValueError):
-        return []
-    tops = set((dist.read_text("top_level.txt") or "").split())
-    if not tops:
-        tops = {str(f).split("/", 1)[0].removesuffix(".py") for f in dist.files or []}
-    return [dist.metadata["Name"]] if top in tops else []
-
-
 def _package_of(module: str) -> tuple[str, str]:
-    top = module.split(".", 1)[0]
-    dists = _distribution_named_like(top) or _distributions().get(top, [])
-    for dist in dists:
-        try:
-            return dist, importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    mod = importlib.import_module(module)
-    source = getattr(mod, "__file__", None)
-    digest = "unknown"
-    if source:
-        with open(source, "rb") as fh:
-            digest = "source-sha256:" + hashlib.sha256(fh.read()).hexdigest()[:16]
-    return top, digest
+    """The package providing ``module`` and its code version (see ``evalfleet.provenance``)."""
+    return code_version(module)
 
 
 def make_env(

@@ -8,7 +8,11 @@ Hierarchy::
     │   └── PolicyError       the policy cannot be loaded or does not fit the env's spaces
     ├── IsolationUnavailable  the requested sandbox level cannot be had on this machine
     ├── PolicyIntegrityError  a worker received policy bytes whose sha256 does not match
-    └── CacheCorruptError     a stored cache entry failed verification
+    ├── CacheCorruptError     a stored cache entry failed verification
+    └── CacheLockTimeout      a cache key stayed locked by another evaluation for too long
+
+    Stopped (a BaseException, like KeyboardInterrupt: no ``except Exception`` swallows it)
+                              the process was asked to stop (SIGTERM) while it worked or waited
 
 Messages say what was expected, what came (``!r``) and what to do next.
 """
@@ -42,3 +46,17 @@ class PolicyIntegrityError(EvalfleetError):
 
 class CacheCorruptError(EvalfleetError):
     """A cache entry is truncated, unreadable or does not match its manifest."""
+
+
+class CacheLockTimeout(EvalfleetError, TimeoutError):
+    """Another evaluation held a cache key's lock for longer than the wait allows."""
+
+
+class Stopped(BaseException):
+    """The process received a termination signal; raised where it was, so cleanup runs."""
+
+    def __init__(self, signum: int) -> None:
+        import signal
+
+        self.signum = signum
+        super().__init__(f"stopped by {signal.Signals(signum).name}")

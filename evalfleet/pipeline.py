@@ -29,7 +29,14 @@ from evalfleet.errors import RequestError
 from evalfleet.models import EvalReport, EvalRequest, PolicyHandle, Shard, ShardPlan
 from evalfleet.planning import plan_shards
 from evalfleet.plots import render_plots
-from evalfleet.policy import PolicyArtifact, load_policy, receive_policy
+from evalfleet.policy import (
+    INFERENCE_DTYPE,
+    PolicyArtifact,
+    inference_device,
+    load_policy,
+    receive_policy,
+)
+from evalfleet.provenance import SOURCE_PREFIX, code_version
 from evalfleet.records import EPISODE_SCHEMA, OUTCOME_COLUMNS, concat_sorted, stamp_evaluation
 from evalfleet.replay import (
     ReplayResult,
@@ -110,11 +117,25 @@ def receive(request: EvalRequest) -> Received:
         check_recording(request, isolation)
     ingredients = key_ingredients(
         artifact.summary(), env.fingerprint.as_dict(), request.seed, request.max_steps,
-        request.deterministic, versions(),
+        request.deterministic, harness_versions(),
+        {"device": inference_device(placement.device, artifact.format), "dtype": INFERENCE_DTYPE},
     )
     return Received(artifact, env.fingerprint.as_dict(), env.fingerprint.spec_hash, isolation,
                     cache_key(ingredients), ingredients, time.perf_counter() - t0,
                     device=placement.device, device_fallback=placement.fallback)
+
+
+def harness_versions() -> dict[str, str]:
+    """``report.versions()``, with evalfleet's own code version when it is not a built install.
+
+    A development checkout keeps its version number while its code changes; its source then
+    identifies it (``evalfleet.provenance``), so an edited runner never reuses stale episodes.
+    """
+    out = versions()
+    _, code = code_version("evalfleet")
+    if SOURCE_PREFIX in code:
+        out["evalfleet"] = f"{out['evalfleet']}+{code.split('+')[-1]}"
+    return out
 
 
 def episode_cache(request: EvalRequest) -> EpisodeCache:
@@ -230,6 +251,9 @@ def summarize(
     )
     alarms = list(report.alarms) + reward_integrity(collected.table)
     audit = determinism_audit(collected.table, collected.audit_rows) if request.audit else None
+    if audit is not None and cache_status(request, collected) == "hit":
+        # A full hit re-runs nothing: its audit is the one that passed when the entry was stored.
+        audit = episode_cache(request).audit(received.cache_key) or audit
     if audit and audit["mismatches"]:
         seeds = ", ".join(str(m["seed"]) for m in audit["mismatches"][:5])
         alarms.append(
@@ -441,13 +465,11 @@ def feed_back(
     folder = run_dir(request.output, request.request_id)
     stamped = stamp_evaluation(collected.table, request.training_run_id, request.step)
     parquet = write_episodes(stamped, folder / "episodes.parquet")
-    deterministic = not (report.audit and report.audit["mismatches"])
-    if (request.cache != "off" and deterministic
-            and (collected.fresh.num_rows or request.cache == "refresh")):
-        episode_cache(request).store(received.cache_key, collected.table, received.cache_ingredients,
-                                     replace=request.cache == "refresh")
     outputs = {"folder": str(folder.resolve()), "episodes": str(parquet.resolve())}
     artifacts = [parquet]
+    # What the review adds to the report is computed on a hit too (cheap): a hit's report equals
+    # the miss's; only the files (plots, replays, page) are skipped.
+    report = report.model_copy(update={"failure_clusters": cluster_failures(collected.table)})
     try:
         # A full cache hit was reviewed when it was computed; re-plotting it costs ~1.5 s per request.
         if collected.fresh.num_rows == 0 and not (request.record_trajectories or request.record_video):
@@ -488,6 +510,37 @@ def feed_back(
         final = final.model_copy(update={"outputs": {**final.outputs, "callback": outcome}})
         write_json(final.model_dump(mode="json"), report_path)
     return final
+
+
+def store_in_cache(request: EvalRequest, received: Received, collected: Collected | None) -> int:
+    """Store the episodes under the request's key (while its lock is held); returns rows stored.
+
+    Nothing is stored with the cache off, on a full hit, or when the determinism audit found
+    re-run episodes that differ (a non-reproducible table must never be reused). The audit is
+    kept in the entry's manifest, so that a later hit reports it as the miss did.
+    """
+    if collected is None or request.cache == "off":
+        return 0
+    if not (collected.fresh.num_rows or request.cache == "refresh"):
+        return 0
+    audit = determinism_audit(collected.table, collected.audit_rows) if request.audit else None
+    if audit and audit["mismatches"]:
+        return 0
+    return episode_cache(request).store(received.cache_key, collected.table,
+                                        received.cache_ingredients,
+                                        replace=request.cache == "refresh", audit=audit)
+
+
+def same_policy(request: EvalRequest, received: Received) -> bool:
+    """True when the baseline is the evaluated policy under the same key (same episodes)."""
+    ref = request.baseline
+    if ref is None:
+        return False
+    if ref.startswith("sha256:"):
+        return received.artifact.sha256.startswith(ref.removeprefix("sha256:").lower())
+    if (ref, request.baseline_factory) == (request.policy, request.policy_factory):
+        return True
+    return receive(baseline_request(request, request.episodes)).cache_key == received.cache_key
 
 
 def baseline_request(request: EvalRequest, episodes: int) -> EvalRequest:
@@ -551,5 +604,7 @@ __all__ = [
     "outcome_table",
     "plan",
     "receive",
+    "same_policy",
+    "store_in_cache",
     "summarize",
 ]

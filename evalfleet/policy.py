@@ -11,7 +11,11 @@ Three formats:
 A torch policy maps a float32 batch ``(B, *obs_shape)`` to logits ``(B, n)`` for ``Discrete``
 spaces (deterministic action = argmax, stochastic = a categorical sample) or to actions
 ``(B, *shape)`` for ``Box`` spaces. The policy hash is the sha256 of the policy's bytes (the file,
-or for a callable the source file of its module).
+or for a callable the source file of its module). Code that turns those bytes into actions is
+identified as well: a state_dict's factory by the sha256 of its reference, its module's source and
+the source of the module that defines the function (``factory_sha256``), and the factory's or
+callable's top-level package by its code version (``evalfleet.provenance``: a wheel's version, or
+the source of every file of an editable, path or uninstalled package).
 """
 
 from __future__ import annotations
@@ -31,11 +35,14 @@ import numpy.typing as npt
 from gymnasium import spaces
 
 from evalfleet.errors import PolicyError
+from evalfleet.provenance import code_version
 
 logger = logging.getLogger(__name__)
 
 FORMATS = ("torchscript", "state_dict", "callable")
 DUMMY_BATCH = 4
+#: The dtype observations are fed to the policy in (``_torch_fn``); part of the cache key.
+INFERENCE_DTYPE = "float32"
 
 
 def import_object(ref: str, what: str) -> Any:
@@ -71,6 +78,45 @@ def module_source(ref: str) -> bytes:
         ) from err
 
 
+def factory_source(ref: str) -> bytes:
+    """The bytes a state_dict's factory is identified by: its reference and the source it runs.
+
+    The module named by ``ref``, and the module that defines the function when it is imported
+    from elsewhere (``from my_pkg.nets import build``).
+    """
+    fn = import_object(ref, "policy factory")
+    modules = [ref.split(":")[0]]
+    defined_in = getattr(fn, "__module__", None)
+    if isinstance(defined_in, str) and defined_in not in modules:
+        modules.append(defined_in)
+    parts = [f"factory {ref}\n".encode()]
+    for name in modules:
+        try:
+            parts.append(inspect.getsource(importlib.import_module(name)).encode())
+        except (OSError, TypeError, ImportError) as err:
+            raise PolicyError(
+                f"policy factory {ref!r}: the source of module {name!r} cannot be read ({err}); "
+                "evalfleet identifies a factory by its source so that an edited factory never "
+                "reuses cached episodes."
+            ) from err
+    return b"\n".join(parts)
+
+
+def inference_device(device: str, fmt: str) -> str:
+    """The kind of device inference runs on, as it goes into the cache key: 'cpu' or 'cuda'.
+
+    A callable policy always runs on the CPU; 'auto' is resolved here, where the request is
+    received (a local cluster's workers see the same devices).
+    """
+    if fmt == "callable":
+        return "cpu"
+    if device == "auto":
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return "cuda" if device.startswith("cuda") else "cpu"
+
+
 @dataclass(frozen=True)
 class PolicyArtifact:
     """Stage-1 output: validated policy bytes and what they are."""
@@ -81,6 +127,8 @@ class PolicyArtifact:
     payload: bytes
     factory: str | None
     output_kind: str
+    factory_sha256: str | None = None
+    code: tuple[str, str] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -94,6 +142,8 @@ class PolicyArtifact:
             "format": self.format,
             "source": self.source,
             "factory": self.factory,
+            "factory_sha256": self.factory_sha256,
+            "code": list(self.code) if self.code else None,
             "nbytes": self.nbytes,
             "output_kind": self.output_kind,
         }
@@ -331,6 +381,7 @@ def receive_policy(
         fmt, payload, factory, policy, action_space, device="cpu", deterministic=deterministic
     )
     kind = check_outputs(loaded, observation_space, policy)
+    code_ref = {"callable": policy, "state_dict": factory}.get(fmt)
     return PolicyArtifact(
         sha256=sha256_bytes(payload),
         format=fmt,
@@ -338,4 +389,6 @@ def receive_policy(
         payload=payload,
         factory=factory,
         output_kind=kind,
+        factory_sha256=sha256_bytes(factory_source(factory)) if factory else None,
+        code=code_version(code_ref.split(":")[0]) if code_ref else None,
     )

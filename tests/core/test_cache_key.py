@@ -1,0 +1,350 @@
+"""Every ingredient of the cache key, planted and changed through the real stage 1 (``receive``).
+
+Each README cache-table row gets a planted change that must be a miss; the execution settings that
+must not change results (output folder, workers, concurrency, isolation...) must stay hits.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+import sys
+import textwrap
+import uuid
+from pathlib import Path
+from typing import Any
+
+import gymnasium
+import numpy
+import pytest
+import torch
+
+import evalfleet
+from evalfleet import cache as cache_mod
+from evalfleet.cache import cache_key
+from evalfleet.models import EvalRequest
+from evalfleet.pipeline import Received, receive
+from evalfleet.provenance import SOURCE_PREFIX, code_version
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _received(**fields: Any) -> Received:
+    return receive(EvalRequest.build(**fields))
+
+
+def _key(**fields: Any) -> str:
+    return _received(**fields).cache_key
+
+
+def _unique(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex[:8]}"
+
+
+def _write(root: Path, files: dict[str, str]) -> None:
+    for name, text in files.items():
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(textwrap.dedent(text))
+
+
+def _drop_modules(prefix: str) -> None:
+    for name in [m for m in sys.modules if m == prefix or m.startswith(prefix + ".")]:
+        del sys.modules[name]
+
+
+@pytest.fixture
+def base(example_policy, tmp_path):
+    return dict(policy=example_policy, episodes=10, output=tmp_path / "out")
+
+
+# --- the state_dict factory -------------------------------------------------------------------
+
+NETS = """
+    import torch.nn as nn
+
+
+    def build():
+        return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+"""
+
+
+@pytest.fixture
+def state_dict_policy(tmp_path, monkeypatch):
+    """A factory module on sys.path and weights saved from the module it builds."""
+    name = _unique("keynets")
+    _write(tmp_path, {f"{name}.py": NETS})
+    monkeypatch.syspath_prepend(str(tmp_path))
+    module = importlib.import_module(name)
+    path = tmp_path / "sd.pt"
+    torch.save(module.build().state_dict(), path)
+    yield name, str(path), tmp_path / f"{name}.py"
+    _drop_modules(name)
+
+
+def test_editing_the_factory_changes_the_key(state_dict_policy, tmp_path):
+    name, weights, source = state_dict_policy
+    fields = dict(policy=weights, policy_factory=f"{name}:build", output=tmp_path / "out")
+    before = _received(**fields)
+    source.write_text(source.read_text().replace("nn.Tanh()", "nn.ReLU()"))
+    importlib.reload(sys.modules[name])
+    after = _received(**fields)
+    assert after.artifact.sha256 == before.artifact.sha256  # same weights...
+    assert after.cache_key != before.cache_key  # ...another network: a miss
+    assert after.cache_ingredients["policy"]["factory_sha256"] != \
+        before.cache_ingredients["policy"]["factory_sha256"]
+
+
+def test_editing_a_helper_of_the_factory_package_changes_the_key(tmp_path, monkeypatch):
+    pkg = _unique("keynetpkg")
+    _write(tmp_path, {
+        f"{pkg}/__init__.py": "",
+        f"{pkg}/layers.py": "import torch.nn as nn\n\nACTIVATION = nn.Tanh\n",
+        f"{pkg}/nets.py": f"""
+            import torch.nn as nn
+
+            from {pkg}.layers import ACTIVATION
+
+
+            def build():
+                return nn.Sequential(nn.Linear(4, 8), ACTIVATION(), nn.Linear(8, 2))
+        """,
+    })
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        nets = importlib.import_module(f"{pkg}.nets")
+        torch.save(nets.build().state_dict(), tmp_path / "sd.pt")
+        fields = dict(policy=str(tmp_path / "sd.pt"), policy_factory=f"{pkg}.nets:build",
+                      output=tmp_path / "out")
+        key = _key(**fields)
+        layers = tmp_path / pkg / "layers.py"
+        layers.write_text(layers.read_text().replace("nn.Tanh", "nn.ReLU"))
+        assert _key(**fields) != key
+    finally:
+        _drop_modules(pkg)
+
+
+def test_factory_imported_from_another_module_is_keyed_by_that_module(tmp_path, monkeypatch):
+    impl, alias = _unique("keyimpl"), _unique("keyalias")
+    _write(tmp_path, {f"{impl}.py": NETS, f"{alias}.py": f"from {impl} import build  # noqa: F401\n"})
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        torch.save(importlib.import_module(impl).build().state_dict(), tmp_path / "sd.pt")
+        fields = dict(policy=str(tmp_path / "sd.pt"), policy_factory=f"{alias}:build",
+                      output=tmp_path / "out")
+        key = _key(**fields)
+        (tmp_path / f"{impl}.py").write_text(textwrap.dedent(NETS).replace("nn.Tanh()", "nn.ReLU()"))
+        assert _key(**fields) != key
+    finally:
+        _drop_modules(impl)
+        _drop_modules(alias)
+
+
+# --- the env's package ------------------------------------------------------------------------
+
+ENV_PACKAGE = {
+    "__init__.py": """
+        import gymnasium as gym
+
+        gym.register("{env_id}", entry_point="{pkg}.env:CorridorEnv", max_episode_steps=50)
+    """,
+    "dynamics.py": """
+        DRIFT = 0.25
+    """,
+    "env.py": """
+        import gymnasium as gym
+        import numpy as np
+        from gymnasium import spaces
+
+        from {pkg}.dynamics import DRIFT
+
+
+        class CorridorEnv(gym.Env):
+            def __init__(self):
+                self.observation_space = spaces.Box(-10.0, 10.0, shape=(4,), dtype=np.float32)
+                self.action_space = spaces.Discrete(2)
+                self._x = 0.0
+
+            def reset(self, *, seed=None, options=None):
+                super().reset(seed=seed)
+                self._x = float(self.np_random.uniform(-1, 1))
+                return np.full(4, self._x, dtype=np.float32), {{}}
+
+            def step(self, action):
+                self._x += (1.0 if action == 1 else -1.0) * DRIFT
+                return np.full(4, self._x, dtype=np.float32), 1.0, abs(self._x) > 5, False, {{}}
+    """,
+}
+
+
+def test_editing_a_helper_of_an_uninstalled_env_package_changes_the_key(base, tmp_path, monkeypatch):
+    pkg = _unique("keyenvpkg")
+    env_id = f"KeyCorridor{uuid.uuid4().hex[:6]}-v0"
+    _write(tmp_path / "src", {f"{pkg}/{name}": text.format(pkg=pkg, env_id=env_id)
+                              for name, text in ENV_PACKAGE.items()})
+    monkeypatch.syspath_prepend(str(tmp_path / "src"))
+    try:
+        fields = {**base, "env": f"{pkg}:{env_id}"}
+        before = _received(**fields)
+        assert before.cache_ingredients["env"]["package"] == pkg
+        assert before.cache_ingredients["env"]["package_version"].startswith(SOURCE_PREFIX)
+        helper = tmp_path / "src" / pkg / "dynamics.py"  # not the entry point's module
+        helper.write_text(helper.read_text().replace("0.25", "0.5"))
+        after = _received(**fields)
+        assert after.cache_key != before.cache_key
+        assert after.cache_ingredients["policy"] == before.cache_ingredients["policy"]
+    finally:
+        _drop_modules(pkg)
+
+
+def test_an_editable_install_is_keyed_by_source_a_wheel_by_version():
+    # This repository is installed with `pip install -e .`: its envs/ are keyed by their files.
+    name, version = code_version("envs.inventory")
+    assert name == "evalfleet"
+    assert version.startswith(f"{importlib.metadata.version('evalfleet')}+{SOURCE_PREFIX}")
+    assert code_version("gymnasium.envs.classic_control.cartpole") == ("gymnasium", gymnasium.__version__)
+
+
+def test_this_repositorys_envs_are_keyed_by_their_source(tmp_path, monkeypatch):
+    import envs
+
+    fields = dict(env="evalfleet/Inventory-v0", policy="envs.reference_policies:inventory_heuristic",
+                  output=tmp_path / "out")
+    key = _key(**fields)
+    # A copy of envs/ with one helper edited, imported in its place.
+    copy = tmp_path / "copy" / "envs"
+    for path in Path(envs.__file__).parent.glob("*.py"):
+        copy.parent.mkdir(exist_ok=True)
+        copy.mkdir(exist_ok=True)
+        (copy / path.name).write_text(path.read_text())
+    helper = next(p for p in sorted(copy.glob("*.py")) if p.name not in ("__init__.py", "inventory.py"))
+    helper.write_text(helper.read_text() + "\n# edited\n")
+    monkeypatch.setattr(envs, "__path__", [str(copy)])
+    monkeypatch.setattr(envs.__spec__, "submodule_search_locations", [str(copy)])
+    assert _key(**fields) != key
+
+
+# --- every README row, and the settings that must not matter --------------------------------
+
+def _readme_rows() -> list[str]:
+    text = (ROOT / "README.md").read_text()
+    section = text.split("## The episode cache", 1)[1].split("\n## ", 1)[0]
+    return [line.split("|")[1].strip() for line in section.splitlines()
+            if line.startswith("| ") and not line.startswith("| ingredient")]
+
+
+#: README row (start of its first cell) -> planted change of the request or the process.
+PLANTED: dict[str, list[str]] = {
+    "policy sha256": ["weights"],
+    "factory": ["factory_source", "factory_ref"],
+    "env id": ["env_id", "env_kwargs", "env_max_episode_steps"],
+    "code version of the package providing the env": ["env_source"],
+    "base seed": ["seed", "max_steps", "deterministic"],
+    "inference device": ["device", "auto_on_a_gpu_machine"],
+    "evalfleet": ["evalfleet_version", "gymnasium_version", "numpy_version", "torch_version"],
+    "episode table schema": ["schema"],
+}
+
+
+def test_every_readme_row_has_a_planted_change():
+    rows = _readme_rows()
+    assert rows, "the README's cache table was not found"
+    for row in rows:
+        assert any(row.startswith(k) for k in PLANTED), f"README row {row!r} has no planted change"
+
+
+@pytest.mark.parametrize("change", [c for cs in PLANTED.values() for c in cs])
+def test_each_planted_change_is_a_miss(change, base, tmp_path, monkeypatch):
+    key = _key(**base)
+    fields = dict(base)
+    if change == "weights":
+        net = torch.jit.load(base["policy"])
+        with torch.no_grad():
+            next(net.parameters()).add_(0.01)
+        torch.jit.save(net, str(tmp_path / "other.pt"))
+        fields["policy"] = str(tmp_path / "other.pt")
+    elif change in ("factory_source", "factory_ref"):
+        name = _unique("keyfactory")
+        (tmp_path / f"{name}.py").write_text(
+            textwrap.dedent(NETS) + "\n\ndef build_too():\n    return build()\n")
+        monkeypatch.syspath_prepend(str(tmp_path))
+        torch.save(importlib.import_module(name).build().state_dict(), tmp_path / "sd.pt")
+        fields.update(policy=str(tmp_path / "sd.pt"), policy_factory=f"{name}:build")
+        key = _key(**fields)
+        if change == "factory_ref":
+            fields["policy_factory"] = f"{name}:build_too"
+        else:
+            (tmp_path / f"{name}.py").write_text((tmp_path / f"{name}.py").read_text() + "# edit\n")
+    elif change == "env_id":
+        fields["env"] = "CartPole-v0"
+    elif change == "env_kwargs":
+        fields["env_kwargs"] = {"sutton_barto_reward": True}
+    elif change == "env_max_episode_steps":
+        spec = gymnasium.spec("CartPole-v1")
+        monkeypatch.setattr(spec, "max_episode_steps", 400)
+    elif change == "env_source":
+        monkeypatch.setattr("evalfleet.envspec.code_version", lambda m: ("gymnasium", "1.4.0+edited"))
+    elif change == "seed":
+        fields["seed"] = 1
+    elif change == "max_steps":
+        fields["max_steps"] = 200
+    elif change == "deterministic":
+        fields["deterministic"] = False
+    elif change == "device":
+        fields["device"] = "cuda"  # the key is fixed at stage 1, before any GPU is needed
+    elif change == "auto_on_a_gpu_machine":
+        fields["device"] = "auto"
+        flipped = not torch.cuda.is_available()
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: flipped)
+    elif change.endswith("_version"):
+        module = {"evalfleet": evalfleet, "gymnasium": gymnasium, "numpy": numpy, "torch": torch}[
+            change.removesuffix("_version")]
+        monkeypatch.setattr(module, "__version__", "99.0.0")
+    elif change == "schema":
+        monkeypatch.setattr(cache_mod, "SCHEMA_VERSION", "999")
+    else:  # pragma: no cover - a name in PLANTED without a branch
+        raise AssertionError(change)
+    assert _key(**fields) != key, change
+
+
+@pytest.mark.parametrize("change", [
+    {"output": "elsewhere"},
+    {"workers": 1},
+    {"workers": 7},
+    {"concurrency": 3},
+    {"isolation": "process"},
+    {"request_id": "other"},
+    {"training_run_id": "t", "step": 9},
+    {"episodes": 500},
+    {"cache_dir": "cache-elsewhere"},
+    {"record_trajectories": 2},
+])
+def test_execution_settings_are_hits(change, base, tmp_path):
+    change = {k: tmp_path / v if k in ("output", "cache_dir") else v for k, v in change.items()}
+    assert _key(**base) == _key(**{**base, **change})
+
+
+def test_device_auto_on_a_cpu_machine_is_cpu(base, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert _key(**{**base, "device": "auto"}) == _key(**{**base, "device": "cpu"})
+
+
+def test_every_ingredient_is_in_the_key(base):
+    """Whatever leaf of the ingredients changes, the key changes (nothing is dropped on the way)."""
+    ingredients = _received(**base).cache_ingredients
+    key = cache_key(ingredients)
+
+    def leaves(node: Any, path: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
+        if isinstance(node, dict) and node:
+            return [p for k, v in node.items() for p in leaves(v, (*path, k))]
+        return [path]
+
+    for path in leaves(ingredients):
+        copy = {**ingredients}
+        target = copy
+        for part in path[:-1]:
+            target[part] = dict(target[part])
+            target = target[part]
+        target[path[-1]] = ["changed", target[path[-1]]]
+        assert cache_key(copy) != key, path
+    assert re.fullmatch(r"[0-9a-f]{64}", key)
