@@ -81,12 +81,23 @@ def source_digest(top: str) -> str | None:
 
 
 def _installed_from_directory(dist: importlib.metadata.Distribution) -> bool:
-    """True for an editable or path install (PEP 610 ``dir_info``): its version names no code."""
-    try:
-        text = dist.read_text("direct_url.json")
-        return bool(text) and "dir_info" in json.loads(text or "{}")
-    except (OSError, ValueError):
-        return False
+    """True for an editable or path install (PEP 610 ``dir_info``): its version names no code.
+
+    Every distribution of that name on the path is asked: a source checkout's ``*.egg-info``
+    (found first when the checkout is the working directory) carries no ``direct_url.json``, and
+    is itself a sign of code that changes under a fixed version.
+    """
+    name = dist.metadata["Name"]
+    for candidate in importlib.metadata.distributions(name=name) if name else [dist]:
+        if str(getattr(candidate, "_path", "")).endswith(".egg-info"):
+            return True
+        try:
+            text = candidate.read_text("direct_url.json")
+            if text and "dir_info" in json.loads(text):
+                return True
+        except (OSError, ValueError):
+            continue
+    return False
 
 
 def _imported_from(dist: importlib.metadata.Distribution, top: str) -> bool:
