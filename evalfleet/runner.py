@@ -23,6 +23,7 @@ from gymnasium import spaces
 from evalfleet.models import EndReason
 from evalfleet.policy import LoadedPolicy
 from evalfleet.records import EpisodeRecord
+from evalfleet.redaction import redact_keys, redact_optional
 from evalfleet.sandbox.base import EnvSlots, SlotOutcome, error_text, is_finite
 
 logger = logging.getLogger(__name__)
@@ -212,14 +213,14 @@ def run_shard(
             episode_return=float(ret[slot]),
             length=int(length[slot]),
             end_reason=reason,
-            error=error,
+            error=redact_optional(error),  # secrets never leave the worker in a row
             success=success,
             wall_seconds=time.perf_counter() - ep_started[slot],
             worker=ctx.worker,
             sandbox=slots.sandbox_name(slot),
             isolation=slots.isolation,
             retried=retried,
-            metrics={k: v for k, v in info.items() if k not in SUCCESS_KEYS},
+            metrics=redact_keys({k: v for k, v in info.items() if k not in SUCCESS_KEYS}),
             nonfinal_reward_min=float(rmin[slot]) if nmin[slot] else None,
             nonfinal_reward_max=float(rmax[slot]) if nmax[slot] else None,
             nonfinal_steps_at_min=int(nmin[slot]),

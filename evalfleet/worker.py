@@ -87,6 +87,7 @@ def execute_shard(shard: Shard, handle: PolicyHandle, request: EvalRequest, isol
         env_spec=resolved.fingerprint.as_dict(),
         envs_per_sandbox=request.envs_per_sandbox,
         limits=sandbox_limits(request),
+        env_allow=request.sandbox_env_allow,
     )
     on_episode, flush = shard_publisher(request.request_id, shard.shard_id, _publish)
     try:

@@ -1,0 +1,135 @@
+"""Scrubbing secret values out of texts that leave a process (errors, metric names, reports).
+
+An env that raises ``RuntimeError(os.environ)`` must not carry a signing key into Parquet, MLflow,
+a Prefect artifact or a signed callback. Sandboxes see an allow-listed environment
+(:mod:`evalfleet.sandbox.environment`), but an ``inprocess`` env runs inside the worker and reads
+whatever it holds, so every text that becomes part of a result is scrubbed: on the worker when
+rows are built, and once more in the driver before anything is written.
+
+A *secret* is the value of an environment variable whose name looks like one
+(:data:`SECRET_NAME`), plus values registered with :func:`register_secret` (a service that
+removes its secrets from ``os.environ`` before starting workers keeps scrubbing them). Values
+shorter than :data:`MIN_SECRET_LENGTH` are left alone: replacing ``"1"`` or ``"true"`` would
+mangle every text without protecting anything.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import re
+import threading
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the fork server imports this module; it must not pay for pyarrow
+    import pyarrow as pa
+
+#: Names of environment variables whose values are treated as secrets (case-insensitive).
+SECRET_NAME = re.compile(r"SECRET|TOKEN|KEY|PASSWORD|PASSWD|CREDENTIAL|AUTH|PRIVATE|SIGNATURE",
+                         re.IGNORECASE)
+#: Values shorter than this are not scrubbed (too common to be secrets, too short to guess at).
+MIN_SECRET_LENGTH = 8
+
+_registered: dict[str, str] = {}
+_registered_lock = threading.Lock()
+
+
+def register_secret(name: str, value: str) -> None:
+    """Scrub ``value`` (labelled ``name``) in this process even once it leaves ``os.environ``."""
+    if value:
+        with _registered_lock:
+            _registered[name] = value
+
+
+def secret_values(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """``{value: name}`` of every secret known here: secret-like variables and registered ones."""
+    env = os.environ if environ is None else environ
+    found: dict[str, str] = {}
+    with _registered_lock:
+        registered = list(_registered.items())
+    for name, value in [*registered, *env.items()]:
+        if (len(value) >= MIN_SECRET_LENGTH and SECRET_NAME.search(name)
+                and value not in found):
+            found[value] = name
+    return found
+
+
+@functools.lru_cache(maxsize=8)
+def _pattern(secrets: tuple[tuple[str, str], ...]) -> tuple[re.Pattern[str], dict[str, str]] | None:
+    # Each value also as repr() and JSON write it (a dict's repr escapes quotes and backslashes).
+    spellings: dict[str, str] = {}
+    for value, name in secrets:
+        for form in (value, repr(value)[1:-1], json.dumps(value)[1:-1]):
+            if len(form) >= MIN_SECRET_LENGTH:
+                spellings.setdefault(form, name)
+    if not spellings:
+        return None
+    alternatives = sorted(spellings, key=len, reverse=True)  # longest first: no partial overlaps
+    return re.compile("|".join(re.escape(a) for a in alternatives)), spellings
+
+
+def _current() -> tuple[re.Pattern[str], dict[str, str]] | None:
+    return _pattern(tuple(sorted(secret_values().items())))
+
+
+def _sub(compiled: tuple[re.Pattern[str], dict[str, str]] | None, text: str) -> str:
+    if compiled is None or not text:
+        return text
+    pattern, names = compiled
+    return pattern.sub(lambda m: f"[redacted:{names[m.group(0)]}]", text)
+
+
+def redact(text: str) -> str:
+    """``text`` with every known secret value replaced by ``[redacted:NAME]``."""
+    return _sub(_current(), text)
+
+
+def redact_optional(text: str | None) -> str | None:
+    """:func:`redact`, passing ``None`` through."""
+    return None if text is None else redact(text)
+
+
+def redact_keys(values: Mapping[str, float]) -> dict[str, float]:
+    """A metrics mapping whose names are scrubbed (values are numbers and carry no text)."""
+    if not values:
+        return dict(values)
+    compiled = _current()
+    return {_sub(compiled, k): v for k, v in values.items()}
+
+
+def redact_json(obj: Any) -> Any:
+    """A JSON-like structure with every string (keys included) scrubbed."""
+    if _current() is None:
+        return obj
+    if isinstance(obj, str):
+        return redact(obj)
+    if isinstance(obj, dict):
+        return {redact(k) if isinstance(k, str) else k: redact_json(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return type(obj)(redact_json(v) for v in obj)
+    return obj
+
+
+def redact_table(table: pa.Table) -> pa.Table:
+    """An episode table whose ``error`` texts and ``metrics`` names are scrubbed."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    if _current() is None or table.num_rows == 0:
+        return table
+    names = table.column_names
+    if "error" in names:
+        errors = table.column("error")
+        if pc.any(pc.is_valid(errors)).as_py():
+            scrubbed = pa.array([redact_optional(e) for e in errors.to_pylist()], errors.type)
+            table = table.set_column(names.index("error"), table.schema.field("error"), scrubbed)
+    if "metrics" in names:
+        metrics = table.column("metrics")
+        rows = metrics.to_pylist()
+        if any(rows):
+            clean = [None if r is None else [(redact(k), v) for k, v in r] for r in rows]
+            table = table.set_column(names.index("metrics"), table.schema.field("metrics"),
+                                     pa.array(clean, metrics.type))
+    return table
