@@ -80,7 +80,10 @@ class EvalRequest(_Frozen):
     max_steps: int | None = Field(None, description="Episode step cap; None = env's registered one.")
     deterministic: bool = Field(True, description="argmax actions (True) or sampled (False).")
     device: str = Field("auto", description="'auto', 'cpu' or 'cuda[:N]' for policy inference.")
-    isolation: str = Field("inprocess", description="Sandbox level: inprocess, process, bwrap, auto.")
+    isolation: str = Field(
+        "auto", description="Sandbox level: inprocess, process, bwrap, or auto (envs shipped with "
+        "gymnasium or evalfleet inprocess, any other env in process sandboxes)."
+    )
     sandbox_env_allow: list[str] = Field(
         default_factory=list, description="Environment variables sandboxes see besides the "
         "allow-list of evalfleet.sandbox.environment (names; the values are the worker's)."
