@@ -50,10 +50,14 @@ def secret_values(environ: Mapping[str, str] | None = None) -> dict[str, str]:
     with _registered_lock:
         registered = list(_registered.items())
     for name, value in [*registered, *env.items()]:
-        if (len(value) >= MIN_SECRET_LENGTH and SECRET_NAME.search(name)
-                and value not in found):
+        if len(value) >= MIN_SECRET_LENGTH and _secret_name(name) and value not in found:
             found[value] = name
     return found
+
+
+@functools.lru_cache(maxsize=4096)
+def _secret_name(name: str) -> bool:
+    return SECRET_NAME.search(name) is not None
 
 
 @functools.lru_cache(maxsize=8)
@@ -71,19 +75,55 @@ def _pattern(secrets: tuple[tuple[str, str], ...]) -> tuple[re.Pattern[str], dic
 
 
 def _current() -> tuple[re.Pattern[str], dict[str, str]] | None:
-    return _pattern(tuple(sorted(secret_values().items())))
+    return _pattern(tuple(secret_values().items()))
 
 
-def _sub(compiled: tuple[re.Pattern[str], dict[str, str]] | None, text: str) -> str:
-    if compiled is None or not text:
-        return text
-    pattern, names = compiled
-    return pattern.sub(lambda m: f"[redacted:{names[m.group(0)]}]", text)
+class Redactor:
+    """The secrets known at construction, applied to many texts (reading os.environ is slow)."""
+
+    def __init__(self) -> None:
+        self._compiled = _current()
+
+    @property
+    def active(self) -> bool:
+        """True if there is any secret to scrub."""
+        return self._compiled is not None
+
+    def text(self, text: str) -> str:
+        """``text`` with every secret value replaced by ``[redacted:NAME]``."""
+        compiled = self._compiled
+        if compiled is None or not text:
+            return text
+        pattern, names = compiled
+        return pattern.sub(lambda m: f"[redacted:{names[m.group(0)]}]", text)
+
+    def optional(self, text: str | None) -> str | None:
+        """:meth:`text`, passing ``None`` through."""
+        return None if text is None else self.text(text)
+
+    def keys(self, values: Mapping[str, float]) -> dict[str, float]:
+        """A metrics mapping whose names are scrubbed (values are numbers and carry no text)."""
+        if self._compiled is None:
+            return dict(values)
+        return {self.text(k): v for k, v in values.items()}
+
+    def json(self, obj: Any) -> Any:
+        """A JSON-like structure with every string (keys included) scrubbed."""
+        if self._compiled is None:
+            return obj
+        if isinstance(obj, str):
+            return self.text(obj)
+        if isinstance(obj, dict):
+            return {self.text(k) if isinstance(k, str) else k: self.json(v)
+                    for k, v in obj.items()}
+        if isinstance(obj, list | tuple):
+            return type(obj)(self.json(v) for v in obj)
+        return obj
 
 
 def redact(text: str) -> str:
     """``text`` with every known secret value replaced by ``[redacted:NAME]``."""
-    return _sub(_current(), text)
+    return Redactor().text(text)
 
 
 def redact_optional(text: str | None) -> str | None:
@@ -93,23 +133,12 @@ def redact_optional(text: str | None) -> str | None:
 
 def redact_keys(values: Mapping[str, float]) -> dict[str, float]:
     """A metrics mapping whose names are scrubbed (values are numbers and carry no text)."""
-    if not values:
-        return dict(values)
-    compiled = _current()
-    return {_sub(compiled, k): v for k, v in values.items()}
+    return Redactor().keys(values)
 
 
 def redact_json(obj: Any) -> Any:
     """A JSON-like structure with every string (keys included) scrubbed."""
-    if _current() is None:
-        return obj
-    if isinstance(obj, str):
-        return redact(obj)
-    if isinstance(obj, dict):
-        return {redact(k) if isinstance(k, str) else k: redact_json(v) for k, v in obj.items()}
-    if isinstance(obj, list | tuple):
-        return type(obj)(redact_json(v) for v in obj)
-    return obj
+    return Redactor().json(obj)
 
 
 def redact_table(table: pa.Table) -> pa.Table:
@@ -117,19 +146,20 @@ def redact_table(table: pa.Table) -> pa.Table:
     import pyarrow as pa
     import pyarrow.compute as pc
 
-    if _current() is None or table.num_rows == 0:
+    scrub = Redactor()
+    if not scrub.active or table.num_rows == 0:
         return table
     names = table.column_names
     if "error" in names:
         errors = table.column("error")
         if pc.any(pc.is_valid(errors)).as_py():
-            scrubbed = pa.array([redact_optional(e) for e in errors.to_pylist()], errors.type)
+            scrubbed = pa.array([scrub.optional(e) for e in errors.to_pylist()], errors.type)
             table = table.set_column(names.index("error"), table.schema.field("error"), scrubbed)
     if "metrics" in names:
         metrics = table.column("metrics")
         rows = metrics.to_pylist()
         if any(rows):
-            clean = [None if r is None else [(redact(k), v) for k, v in r] for r in rows]
+            clean = [None if r is None else [(scrub.text(k), v) for k, v in r] for r in rows]
             table = table.set_column(names.index("metrics"), table.schema.field("metrics"),
                                      pa.array(clean, metrics.type))
     return table
