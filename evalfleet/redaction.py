@@ -141,6 +141,19 @@ def redact_json(obj: Any) -> Any:
     return Redactor().json(obj)
 
 
+def scrubbed_exception(err: BaseException) -> BaseException | None:
+    """A copy of ``err`` whose message is scrubbed, or None when its message holds no secret."""
+    text = str(err)
+    clean = Redactor().text(text)
+    if clean == text:
+        return None
+    try:
+        copy = type(err)(clean)
+    except Exception:  # a constructor that takes other arguments
+        copy = RuntimeError(f"{type(err).__name__}: {clean}")
+    return copy
+
+
 def redact_table(table: pa.Table) -> pa.Table:
     """An episode table whose ``error`` texts and ``metrics`` names are scrubbed."""
     import pyarrow as pa

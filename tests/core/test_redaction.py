@@ -15,6 +15,7 @@ from evalfleet.redaction import (
     redact_keys,
     redact_table,
     register_secret,
+    scrubbed_exception,
     secret_values,
 )
 from evalfleet.sandbox.base import error_text
@@ -84,3 +85,12 @@ def test_table_error_and_metrics_columns() -> None:
     assert dict(rows[0]["metrics"]) == {"AWS=[redacted:AWS_SECRET_ACCESS_KEY]": 1.0, "ok": 2.0}
     empty = redact_table(EPISODE_SCHEMA.empty_table())
     assert isinstance(empty, pa.Table) and empty.num_rows == 0
+
+
+def test_exceptions_leaving_a_worker_are_scrubbed() -> None:
+    from evalfleet.errors import EnvSpecError
+
+    clean = scrubbed_exception(EnvSpecError(f"cannot make env: {AWS}"))
+    assert isinstance(clean, EnvSpecError)
+    assert str(clean) == "cannot make env: [redacted:AWS_SECRET_ACCESS_KEY]"
+    assert scrubbed_exception(ValueError("nothing secret")) is None
