@@ -38,12 +38,14 @@ import httpx
 from deployments import (
     DASK_ADDRESS_ENV,
     DEPLOYMENT,
+    WEBHOOK_PREVIOUS_SECRET_ENV,
     WEBHOOK_SECRET_ENV,
     resolve_secret,
 )
 from deployments.webhook import add_egress_options
 from evalfleet.callback import CALLBACK_SECRET_ENV
 from evalfleet.egress import ALLOWED_HOSTS_ENV, PUBLIC_ENV
+from evalfleet.redaction import register_secret
 
 
 class StartupError(RuntimeError):
@@ -162,6 +164,23 @@ def deployment_polled_since(api_url: str, deployment: str, since: float) -> bool
     return datetime.fromisoformat(polled.replace("Z", "+00:00")).timestamp() >= since - 1
 
 
+def withhold_service_secrets() -> dict[str, str]:
+    """Move the service's secrets out of ``os.environ`` (children get them explicitly).
+
+    Dask workers started from this process inherit its environment, and an ``inprocess`` env
+    runs inside a worker: no signing secret may be there to read. The values stay registered
+    with :mod:`evalfleet.redaction`, so texts this process writes are still scrubbed of them.
+    Returns what was removed.
+    """
+    removed = {}
+    for name in (WEBHOOK_SECRET_ENV, WEBHOOK_PREVIOUS_SECRET_ENV, CALLBACK_SECRET_ENV):
+        value = os.environ.pop(name, None)
+        if value is not None:
+            register_secret(name, value)
+            removed[name] = value
+    return removed
+
+
 class Service:
     """The running service: children, cluster, and the URLs that reach them."""
 
@@ -211,13 +230,6 @@ class Service:
         else:
             wait_until(lambda: _status(f"{api}/health") == 200, f"Prefect API {api}", 30)
         os.environ["PREFECT_API_URL"] = api  # for a Secret block lookup below
-        # 2. Dask cluster
-        address = a.dask_address
-        if not address:
-            from evalfleet.cluster import fleet_cluster
-
-            address = self.stack.enter_context(fleet_cluster(None, a.workers))
-            self.say(f"Dask LocalCluster with {a.workers} workers: {address}")
         secret = resolve_secret(WEBHOOK_SECRET_ENV, a.secret_block)
         if not secret:
             raise StartupError(
@@ -226,6 +238,16 @@ class Service:
                 "pass --secret-block NAME of a Prefect Secret block."
             )
         callback_secret = resolve_secret(CALLBACK_SECRET_ENV, a.callback_secret_block) or secret
+        withheld = withhold_service_secrets()
+        register_secret(WEBHOOK_SECRET_ENV, secret)  # from a Secret block, say
+        register_secret(CALLBACK_SECRET_ENV, callback_secret)
+        # 2. Dask cluster (its workers start from this process's environment, now secret-free)
+        address = a.dask_address
+        if not address:
+            from evalfleet.cluster import fleet_cluster
+
+            address = self.stack.enter_context(fleet_cluster(None, a.workers))
+            self.say(f"Dask LocalCluster with {a.workers} workers: {address}")
         # One egress policy for the receiver (policy.uri, callback_url at POST time) and the
         # flow runs (callbacks at send time): both read it from the environment.
         egress: dict[str, str] = {}
@@ -233,14 +255,15 @@ class Service:
             egress[ALLOWED_HOSTS_ENV] = ",".join(a.allow_host)
         if a.no_public_egress:
             egress[PUBLIC_ENV] = "0"
-        env = self._env(PREFECT_API_URL=api, **{DASK_ADDRESS_ENV: address,
+        env = self._env(PREFECT_API_URL=api, **{**withheld, DASK_ADDRESS_ENV: address,
                                                   WEBHOOK_SECRET_ENV: secret,
-                                                  CALLBACK_SECRET_ENV: callback_secret},
-                        **egress)
-        # 3. Served deployment
+                                                  CALLBACK_SECRET_ENV: callback_secret}, **egress)
+        # 3. Served deployment: it signs callbacks, it never checks webhooks
+        serve_env = {k: v for k, v in env.items()
+                     if k not in (WEBHOOK_SECRET_ENV, WEBHOOK_PREVIOUS_SECRET_ENV)}
         since = time.time()
         child = self._spawn("serve", [py, "-m", "deployments.serve", "--dask-address", address,
-                                      "--limit", str(a.limit), "--poll", str(a.poll)], env)
+                                      "--limit", str(a.limit), "--poll", str(a.poll)], serve_env)
         took = wait_until(lambda: deployment_polled_since(api, DEPLOYMENT, since),
                           f"deployment {DEPLOYMENT}", timeout, child)
         self.say(f"deployment {DEPLOYMENT} served in {took:.1f} s")
@@ -341,7 +364,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--output", default="results", help="results folder (Parquet, reports, MLflow)")
     s.add_argument("--mlflow-uri", default=None, help="MLflow URI (default: under --output)")
     s.add_argument("--experiment", default="evalfleet", help="default MLflow experiment")
-    s.add_argument("--isolation", default="inprocess", help="sandbox level of every evaluation")
+    s.add_argument("--isolation", default="auto",
+                   help="sandbox level of every evaluation (auto: gymnasium's and evalfleet's "
+                   "envs inprocess, others in process sandboxes)")
     s.add_argument("--secret-block", default=None, help="Prefect Secret block: webhook secret")
     s.add_argument("--callback-secret-block", default=None,
                    help="Prefect Secret block: callback secret")

@@ -400,7 +400,7 @@ class ReceiverConfig:
     """MLflow tracking URI; default ``sqlite:///OUTPUT/mlflow.db``."""
     experiment: str = "evalfleet"
     """MLflow experiment unless the webhook names one."""
-    isolation: str = "inprocess"
+    isolation: str = "auto"
     """Sandbox level of every evaluation (a service setting, not the trainer's choice)."""
     tolerance_s: float = DEFAULT_TOLERANCE_S
     """Allowed clock difference of signed timestamps."""
@@ -742,7 +742,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output", default="results", help="results folder of the evaluations")
     p.add_argument("--mlflow-uri", default=None, help="MLflow URI (default under --output)")
     p.add_argument("--experiment", default="evalfleet", help="default MLflow experiment")
-    p.add_argument("--isolation", default="inprocess", help="inprocess | process | bwrap | auto")
+    p.add_argument("--isolation", default="auto", help="inprocess | process | bwrap | auto")
     p.add_argument("--secret-block", default=None, help="Prefect Secret block with the secret")
     add_egress_options(p)
     p.add_argument("--log-level", default="info")

@@ -35,6 +35,7 @@ import httpx
 
 from evalfleet.egress import EgressPolicy, EgressRefused
 from evalfleet.errors import EvalfleetError
+from evalfleet.redaction import redact_json
 
 logger = logging.getLogger(__name__)
 
@@ -306,8 +307,9 @@ def send_report_callback(
         logger.error("callback to %s not sent: %s is not set", url, secret_env)
         return f"not sent: {secret_env} is not set (the report is in report.json and MLflow)"
     try:
-        result = post_report(url, report_json, secret, attempts=attempts, backoff=backoff,
-                             event=event)
+        # Whatever the body holds (a report, a failed run's message), no secret value leaves.
+        result = post_report(url, redact_json(dict(report_json)), secret, attempts=attempts,
+                             backoff=backoff, event=event)
     except Exception as err:  # a failing callback must never fail the evaluation
         logger.exception("callback to %s failed", url)
         return f"failed: {type(err).__name__}: {err}"

@@ -53,7 +53,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "instead of argmax")
     p.add_argument("--device", default=d["device"].default, help="auto | cpu | cuda[:N]")
     p.add_argument("--isolation", default=d["isolation"].default,
-                   help="inprocess | process | bwrap | auto")
+                   help="inprocess | process | bwrap | auto (default: gymnasium's and evalfleet's "
+                   "envs inprocess, any other env in process sandboxes)")
+    p.add_argument("--sandbox-env", action="append", default=[], metavar="NAME",
+                   help="environment variable sandboxes may see besides the allow-list "
+                   "(repeat for several)")
     p.add_argument("--episode-timeout", type=float, default=d["episode_timeout_s"].default,
                    help="seconds one episode may spend in its env's reset/step calls (process/bwrap)")
     p.add_argument("--step-timeout", type=float, default=d["step_timeout_s"].default,
@@ -116,6 +120,7 @@ def request_from_args(args: argparse.Namespace) -> EvalRequest:
         deterministic=not args.stochastic,
         device=args.device,
         isolation=args.isolation,
+        sandbox_env_allow=args.sandbox_env,
         episode_timeout_s=args.episode_timeout,
         step_timeout_s=args.step_timeout,
         policy_timeout_s=args.policy_timeout,

@@ -283,7 +283,9 @@ def policy_on_worker(handle: PolicyHandle, source: str, action_space: Any) -> Lo
             blob = _installed.get(handle.sha256, b"")
         if not blob:
             raise PolicyIntegrityError(
-                f"policy {handle.sha256[:12]} was not distributed to worker {worker_name()}"
+                f"policy {handle.sha256[:12]} is not on worker {worker_name()}: it was released "
+                "(its evaluation ended, e.g. after another shard failed) or never distributed "
+                f"(plugin {handle.plugin_name!r}); run the evaluation again"
             )
     digest = sha256_bytes(blob)
     if digest != handle.sha256:

@@ -7,6 +7,7 @@ Dask task arguments, JSON reports) and must never be mutated on the way.
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from enum import StrEnum
 from pathlib import Path
@@ -17,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from evalfleet.errors import RequestError
 
 ISOLATION_LEVELS = ("inprocess", "process", "bwrap", "auto")
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 CACHE_MODES = ("use", "off", "refresh")
 
 
@@ -78,7 +80,14 @@ class EvalRequest(_Frozen):
     max_steps: int | None = Field(None, description="Episode step cap; None = env's registered one.")
     deterministic: bool = Field(True, description="argmax actions (True) or sampled (False).")
     device: str = Field("auto", description="'auto', 'cpu' or 'cuda[:N]' for policy inference.")
-    isolation: str = Field("inprocess", description="Sandbox level: inprocess, process, bwrap, auto.")
+    isolation: str = Field(
+        "auto", description="Sandbox level: inprocess, process, bwrap, or auto (envs shipped with "
+        "gymnasium or evalfleet inprocess, any other env in process sandboxes)."
+    )
+    sandbox_env_allow: list[str] = Field(
+        default_factory=list, description="Environment variables sandboxes see besides the "
+        "allow-list of evalfleet.sandbox.environment (names; the values are the worker's)."
+    )
     episode_timeout_s: float = Field(
         60.0, description="Seconds one episode may spend inside its env's reset/step calls "
         "(process/bwrap sandboxes; a single step is also cut off after step_timeout_s)."
@@ -146,6 +155,12 @@ class EvalRequest(_Frozen):
             raise RequestError(
                 f"Unknown isolation {self.isolation!r}. Choose one of {', '.join(ISOLATION_LEVELS)}."
             )
+        for name in self.sandbox_env_allow:
+            if not _ENV_NAME.fullmatch(name):
+                raise RequestError(
+                    f"'sandbox_env_allow' entries must be environment variable names such as "
+                    f"'MY_ENV_DATA_DIR' (got {name!r})."
+                )
         if self.cache not in CACHE_MODES:
             raise RequestError(f"Unknown cache mode {self.cache!r}. Choose one of {', '.join(CACHE_MODES)}.")
         if self.target_ci_halfwidth is not None:

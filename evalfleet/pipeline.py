@@ -38,6 +38,7 @@ from evalfleet.policy import (
 )
 from evalfleet.provenance import SOURCE_PREFIX, code_version
 from evalfleet.records import EPISODE_SCHEMA, OUTCOME_COLUMNS, concat_sorted, stamp_evaluation
+from evalfleet.redaction import redact_json, redact_table
 from evalfleet.replay import (
     ReplayResult,
     ReplaySandbox,
@@ -107,7 +108,7 @@ def receive(request: EvalRequest) -> Received:
     """Stage 1: validate env, isolation and policy before anything is spawned."""
     t0 = time.perf_counter()
     env = resolve_env(request.env, request.env_kwargs, request.max_steps)
-    isolation = resolve_isolation(request.isolation)
+    isolation = resolve_isolation(request.isolation, env.fingerprint.entry_point)
     artifact = receive_policy(
         request.policy, request.policy_factory, env.observation_space, env.action_space,
         deterministic=request.deterministic,
@@ -212,8 +213,9 @@ def collect(
         )
     parts = [planned.cached, fresh] + ([prior.table] if prior else [])
     return Collected(
-        table=concat_sorted(parts),
-        fresh=concat_sorted([fresh] + ([prior.fresh] if prior else [])),
+        # Once more here (rows are scrubbed on the workers too): nothing below writes a secret.
+        table=redact_table(concat_sorted(parts)),
+        fresh=redact_table(concat_sorted([fresh] + ([prior.fresh] if prior else []))),
         audit_rows=concat_sorted([audit_rows] + ([prior.audit_rows] if prior else [])),
         run_seconds=run_seconds,
         seconds=time.perf_counter() - t0 + (prior.seconds if prior else 0.0),
@@ -462,6 +464,7 @@ def feed_back(
 ) -> EvalReport:
     """Stage 7: Parquet first (it must survive any other sink failing), cache, JSON, then MLflow."""
     t0 = time.perf_counter()
+    report = scrubbed(report)
     folder = run_dir(request.output, request.request_id)
     stamped = stamp_evaluation(collected.table, request.training_run_id, request.step)
     parquet = write_episodes(stamped, folder / "episodes.parquet")
@@ -501,13 +504,13 @@ def feed_back(
         logger.error("MLflow logging failed (%s); results are in %s", err, folder)
         outputs["mlflow_error"] = f"{type(err).__name__}: {err}"
     timings = dict(report.timings, feed_back=time.perf_counter() - t0)
-    final = report.model_copy(update={"outputs": outputs, "timings": timings})
+    final = scrubbed(report.model_copy(update={"outputs": outputs, "timings": timings}))
     write_json(final.model_dump(mode="json"), report_path)
     if request.callback_url:  # last, so the trainer gets the MLflow run id; never raises
         from evalfleet.callback import send_report_callback
 
         outcome = send_report_callback(request.callback_url, final.model_dump(mode="json"))
-        final = final.model_copy(update={"outputs": {**final.outputs, "callback": outcome}})
+        final = scrubbed(final.model_copy(update={"outputs": {**final.outputs, "callback": outcome}}))
         write_json(final.model_dump(mode="json"), report_path)
     return final
 
@@ -541,6 +544,13 @@ def same_policy(request: EvalRequest, received: Received) -> bool:
     if (ref, request.baseline_factory) == (request.policy, request.policy_factory):
         return True
     return receive(baseline_request(request, request.episodes)).cache_key == received.cache_key
+
+
+def scrubbed(report: EvalReport) -> EvalReport:
+    """``report`` with every secret value known to this process replaced (see ``redaction``)."""
+    data = report.model_dump(mode="json")
+    clean = redact_json(data)
+    return report if clean == data else EvalReport.model_validate(clean)
 
 
 def baseline_request(request: EvalRequest, episodes: int) -> EvalRequest:

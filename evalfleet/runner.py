@@ -25,6 +25,7 @@ from gymnasium import spaces
 from evalfleet.models import EndReason
 from evalfleet.policy import LoadedPolicy
 from evalfleet.records import EpisodeRecord
+from evalfleet.redaction import Redactor
 from evalfleet.sandbox.base import EnvSlots, SlotOutcome, error_text, is_finite
 
 logger = logging.getLogger(__name__)
@@ -240,6 +241,7 @@ def run_shard(
     step_batch = slots.step_batch if isinstance(slots, BatchEnvSlots) else None
     pending: deque[tuple[int, int, bool]] = deque((i, s, False) for i, s in episodes)
     records: list[EpisodeRecord] = []
+    scrub = Redactor()  # the worker's secrets, read once per shard
     # The episode each slot runs (meaningful while live[slot]).
     live = np.zeros(n, dtype=bool)
     ep_index = [0] * n
@@ -298,14 +300,14 @@ def run_shard(
             episode_return=float(ret[slot]),
             length=int(length[slot]),
             end_reason=reason,
-            error=error,
+            error=scrub.optional(error),  # secrets never leave the worker in a row
             success=success,
             wall_seconds=time.perf_counter() - ep_started[slot],
             worker=ctx.worker,
             sandbox=slots.sandbox_name(slot),
             isolation=slots.isolation,
             retried=retried,
-            metrics={k: v for k, v in info.items() if k not in SUCCESS_KEYS},
+            metrics=scrub.keys({k: v for k, v in info.items() if k not in SUCCESS_KEYS}),
             nonfinal_reward_min=float(rmin[slot]) if nmin[slot] else None,
             nonfinal_reward_max=float(rmax[slot]) if nmax[slot] else None,
             nonfinal_steps_at_min=int(nmin[slot]),

@@ -16,6 +16,7 @@ from evalfleet.envspec import env_thunk, resolve_env
 from evalfleet.models import EvalRequest, PolicyHandle, Shard
 from evalfleet.progress import shard_publisher
 from evalfleet.records import records_to_table
+from evalfleet.redaction import scrubbed_exception
 from evalfleet.runner import EpisodeContext, run_shard
 from evalfleet.sandbox import open_slots
 from evalfleet.sandbox.limits import SandboxLimits
@@ -65,7 +66,22 @@ def tune_malloc() -> bool:
 
 def execute_shard(shard: Shard, handle: PolicyHandle, request: EvalRequest, isolation: str
                   ) -> pa.Table:
-    """Run one shard of ``request`` at ``isolation`` and return its rows as an Arrow table."""
+    """Run one shard of ``request`` at ``isolation`` and return its rows as an Arrow table.
+
+    An exception that escapes (an env that cannot even be made here, say) goes to the driver,
+    Prefect's database and logs: its text is scrubbed of the worker's secrets first.
+    """
+    try:
+        return _execute_shard(shard, handle, request, isolation)
+    except Exception as err:
+        clean = scrubbed_exception(err)
+        if clean is None:
+            raise
+        raise clean from None
+
+
+def _execute_shard(shard: Shard, handle: PolicyHandle, request: EvalRequest, isolation: str
+                   ) -> pa.Table:
     tune_malloc()
     key = (request.env, repr(sorted(request.env_kwargs.items())), request.max_steps)
     resolved = _resolved.get(key)
@@ -87,6 +103,7 @@ def execute_shard(shard: Shard, handle: PolicyHandle, request: EvalRequest, isol
         env_spec=resolved.fingerprint.as_dict(),
         envs_per_sandbox=request.envs_per_sandbox,
         limits=sandbox_limits(request),
+        env_allow=request.sandbox_env_allow,
     )
     on_episode, flush = shard_publisher(request.request_id, shard.shard_id, _publish)
     try:

@@ -7,6 +7,7 @@ from contextlib import nullcontext
 import dask
 import pyarrow as pa
 from prefect import flow, unmapped
+from prefect.futures import PrefectFutureList
 from prefect.task_runners import ThreadPoolTaskRunner
 from prefect_dask import DaskTaskRunner
 
@@ -49,7 +50,8 @@ def eval_flow(request: EvalRequest, address: str | None) -> EvalReport:
             while planned is not None:                                           # rounds (adaptive)
                 shards = run_episodes.map(planned.shards, unmapped(handle), unmapped(request),
                                           unmapped(received.isolation))          # 4 run episodes
-                collected = collect_rewards(shards.result(), handle, planned, collected)  # 5 collect
+                collected = collect_rewards(shard_tables(shards), handle, planned,
+                                            collected)                           # 5 collect
                 more = schedule.next_episodes(collected.table)
                 planned = spawn_sandboxes(request, received, address, more, collected) if more else None
         store_in_cache(request, received, collected)                             # before the lock goes
@@ -57,6 +59,22 @@ def eval_flow(request: EvalRequest, address: str | None) -> EvalReport:
     baseline = baseline_episodes(request, received, collected, address)
     report = aggregate(request, received, schedule, collected, baseline)         # 6 aggregate
     return feed_back(request, received, report, collected)                       # 7 feed back
+
+
+def shard_tables(shards: PrefectFutureList[pa.Table]) -> list[pa.Table]:
+    """The run stage's tables; when one shard fails, the others are cancelled.
+
+    They must not outlive the policy's release: a shard left queued would start on a worker that
+    joins later, after the policy is gone, and fail with ``PolicyIntegrityError``.
+    """
+    try:
+        return shards.result()
+    except BaseException:
+        for future in shards:
+            wrapped = getattr(future, "wrapped_future", None)
+            if wrapped is not None and hasattr(wrapped, "cancel"):
+                wrapped.cancel()
+        raise
 
 
 def gpu(received: Received) -> dict[str, int]:

@@ -14,6 +14,7 @@ import numpy as np
 import numpy.typing as npt
 
 from evalfleet.errors import IsolationUnavailable
+from evalfleet.redaction import redact
 from evalfleet.sandbox.limits import SandboxLimits
 
 
@@ -47,7 +48,8 @@ def error_text(err: BaseException) -> str:
     """``Type: message (at file:line)`` — short and groupable by signature."""
     tb = traceback.extract_tb(err.__traceback__)
     where = f" (at {tb[-1].filename.rsplit('/', 1)[-1]}:{tb[-1].lineno})" if tb else ""
-    return f"{type(err).__name__}: {err}{where}"[:500]
+    # Scrubbed before it is cut: a secret cut in half would no longer match.
+    return redact(f"{type(err).__name__}: {err}{where}")[:500]
 
 
 class EnvSlots(Protocol):
@@ -464,13 +466,15 @@ def open_slots(
     env_spec: dict[str, Any],
     envs_per_sandbox: int = 1,
     limits: SandboxLimits | None = None,
+    env_allow: Sequence[str] = (),
 ) -> EnvSlots:
     """Open ``n`` slots at ``isolation``; never silently less isolation than asked.
 
     ``inprocess``: env instances in this process (``envs_per_sandbox``, ``limits`` and the
     timeout do not apply). ``process`` / ``bwrap``: ``ceil(n / envs_per_sandbox)`` sandbox
     processes with ``limits`` (default :class:`SandboxLimits`), episodes killed after
-    ``episode_timeout_s`` of wall clock. A level this machine cannot provide raises
+    ``episode_timeout_s`` of wall clock, seeing the allow-listed environment plus ``env_allow``
+    (:mod:`evalfleet.sandbox.environment`). A level this machine cannot provide raises
     ``IsolationUnavailable`` naming what is missing.
     """
     if isolation == "inprocess":
@@ -481,7 +485,8 @@ def open_slots(
         from evalfleet.sandbox.process import ProcessSlots
 
         return ProcessSlots(make, n, level=isolation, episode_timeout_s=episode_timeout_s,
-                            env_spec=env_spec, envs_per_sandbox=envs_per_sandbox, limits=limits)
+                            env_spec=env_spec, envs_per_sandbox=envs_per_sandbox, limits=limits,
+                            env_allow=env_allow)
     raise IsolationUnavailable(
         f"Unknown isolation {isolation!r}. Choose 'inprocess', 'process' or 'bwrap' (a resolved "
         "level: 'auto' is resolved by resolve_isolation before slots are opened)."

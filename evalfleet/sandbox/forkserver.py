@@ -18,9 +18,10 @@ its own where permitted; both levels: the socket filter) and dies with its worke
 signal, and end of file on the control channel).
 
 A sandbox: its own process group, a fresh network namespace (where permitted), its own folder as
-cwd/HOME/TMPDIR, rlimits, at the ``process`` level under a root worker a uid of its own keeping
-only CAP_DAC_READ_SEARCH (it reads what the worker reads, writes only where anyone may), death
-with the server, and a seccomp filter (sockets: AF_UNIX only; signals and ptrace: only itself).
+cwd/HOME/TMPDIR, an allow-listed environment (the server itself starts with one too), rlimits, at
+the ``process`` level under a root worker a uid of its own keeping only CAP_DAC_READ_SEARCH (it
+reads what the worker reads, writes only where anyone may), death with the server, and a seccomp
+filter (sockets: AF_UNIX only; signals and ptrace: only itself).
 
 It serves reset/step requests for ``envs_per_sandbox`` env instances until its socket closes. An
 exception in the env is answered as ``env_error`` (MemoryError as ``oom``); the broken env is
@@ -62,14 +63,17 @@ class _Server:
         self.control = control
         self.level = level
         self.makers: dict[str, Callable[[], Any]] = {}
+        self.environments: dict[str, dict[str, str]] = {}
         self.children: dict[int, str] = {}
         self.serial = 0
         self.base = tempfile.mkdtemp(prefix="evalfleet-sandboxes-")
         os.chmod(self.base, 0o711)  # sandboxes under other uids reach their own folder, list none
+        os.environ["HOME"] = self.base  # the worker's home is none of env code's business
         self.root = os.geteuid() == 0
 
-    def prepare(self, token: str, maker_blob: bytes, sys_path: list[str], preload: list[str]
-                ) -> dict[str, Any]:
+    def prepare(self, token: str, maker_blob: bytes, sys_path: list[str], preload: list[str],
+                environment: dict[str, str]) -> dict[str, Any]:
+        self.environments[token] = dict(environment)
         for entry in sys_path:
             if entry not in sys.path:
                 sys.path.append(entry)
@@ -91,6 +95,7 @@ class _Server:
     def spawn(self, token: str, k: int, limits: lim.SandboxLimits, netns: bool, fd: int
               ) -> dict[str, Any]:
         maker = self.makers[token]
+        environment = self.environments[token]
         self.serial += 1
         folder = os.path.join(self.base, f"sbx-{self.serial}")
         os.mkdir(folder, 0o700)
@@ -104,7 +109,8 @@ class _Server:
             code = EXIT_SETUP
             try:
                 self.control.close()
-                code = _sandbox_main(fd, maker, k, limits, folder, uid, netns, server_pid)
+                code = _sandbox_main(fd, maker, k, limits, folder, uid, netns, server_pid,
+                                     environment)
             finally:
                 os._exit(code)
         os.close(fd)
@@ -155,6 +161,7 @@ class _Server:
                     answer = self.prepare(*request[1:])
                 elif op == "forget":
                     self.makers.pop(request[1], None)
+                    self.environments.pop(request[1], None)
                     answer = {"ok": True}
                 else:
                     answer = {"error": f"unknown request {op!r}"}
@@ -200,7 +207,8 @@ def _recv_frame(sock: socket.socket, buf: bytearray) -> bytes | None:
 
 
 def _sandbox_main(fd: int, maker: Callable[[], Any], k: int, limits: lim.SandboxLimits,
-                  folder: str, uid: int | None, netns: bool, server_pid: int) -> int:
+                  folder: str, uid: int | None, netns: bool, server_pid: int,
+                  environment: dict[str, str]) -> int:
     """Confine this freshly forked process, then serve env requests until the socket closes."""
     os.setpgid(0, 0)
     devnull = os.open(os.devnull, os.O_RDWR)
@@ -211,7 +219,9 @@ def _sandbox_main(fd: int, maker: Callable[[], Any], k: int, limits: lim.Sandbox
     if netns:
         lim.unshare_network()
     os.chdir(folder)
-    os.environ.update(HOME=folder, TMPDIR=folder)
+    # Exactly the allow-listed environment the worker prepared (evalfleet.sandbox.environment).
+    os.environ.clear()
+    os.environ.update(environment, HOME=folder, TMPDIR=folder)
     tempfile.tempdir = folder
     lim.apply_rlimits(limits, own_uid=uid is not None)
     if uid is not None:

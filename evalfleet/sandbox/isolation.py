@@ -37,10 +37,12 @@ it (at ``process`` level they keep its uid, limits and filter, and RLIMIT_NPROC 
 from __future__ import annotations
 
 import functools
+import importlib.util
 import json
 import logging
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 from evalfleet.errors import IsolationUnavailable, RequestError
@@ -173,22 +175,50 @@ def isolation_manifest() -> dict[str, Any]:
     return {"levels": available_levels(), "mechanisms": probe()}
 
 
-def resolve_isolation(requested: str) -> str:
-    """The level to use for ``requested``; 'auto' = strongest available. Never less than asked."""
+#: Entry-point packages whose envs ``auto`` trusts to run in the worker: gymnasium's own, and
+#: this project's ``envs`` (checked by file location, so a user's package named ``envs`` is not).
+_PROJECT_ENVS = Path(__file__).resolve().parents[2] / "envs"
+
+
+def shipped_env(entry_point: str) -> bool:
+    """True if ``entry_point`` (``module:attr``) is an env shipped with gymnasium or evalfleet."""
+    module = entry_point.split(":", 1)[0]
+    if module == "gymnasium" or module.startswith("gymnasium."):
+        return True
+    if module != "envs" and not module.startswith("envs."):
+        return False
+    spec = importlib.util.find_spec(module)
+    origin = getattr(spec, "origin", None) if spec is not None else None
+    return origin is not None and Path(origin).resolve().is_relative_to(_PROJECT_ENVS)
+
+
+def resolve_isolation(requested: str, entry_point: str | None = None) -> str:
+    """The level to use for ``requested`` and the env's ``entry_point``. Never less than asked.
+
+    ``auto`` runs envs shipped with gymnasium or evalfleet ``inprocess`` (trusted, fastest) and
+    any other env (or an unknown entry point) in ``process`` sandboxes, where a crash costs
+    rows, not the worker. Where ``process`` cannot be had, ``auto`` refuses an env it does not
+    trust instead of running it in the worker: ask for ``inprocess`` to take that risk knowingly.
+    """
     if requested != "auto" and requested not in LEVELS:
         raise RequestError(f"Unknown isolation {requested!r}. Choose one of {', '.join(LEVELS)}, auto.")
     if requested == "inprocess":
         return requested
+    if requested == "auto" and entry_point is not None and shipped_env(entry_point):
+        logger.info("isolation auto → inprocess (%s ships with gymnasium or evalfleet)", entry_point)
+        return "inprocess"
     levels = available_levels()
-    if requested == "auto":
-        chosen = next(level for level in reversed(LEVELS) if levels[level] is None)
-        logger.info("isolation auto → %s (strongest available; %s)", chosen,
-                    ", ".join(f"{k}: {'ok' if v is None else v}" for k, v in levels.items()))
-        return chosen
-    reason = levels[requested]
+    wanted = "process" if requested == "auto" else requested
+    reason = levels[wanted]
     if reason is not None:
+        why = (f"isolation 'auto' runs {entry_point or 'this env'} (not shipped with gymnasium or "
+               f"evalfleet) in 'process' sandboxes, which" if requested == "auto"
+               else f"isolation {requested!r}")
         raise IsolationUnavailable(
-            f"isolation {requested!r} cannot be had on this machine: {reason}. Choose a level "
+            f"{why} cannot be had on this machine: {reason}. Choose a level "
             f"that is available ({', '.join(k for k, v in levels.items() if v is None)}) or fix it."
         )
-    return requested
+    if requested == "auto":
+        logger.info("isolation auto → process (%s is not shipped with gymnasium or evalfleet)",
+                    entry_point)
+    return wanted

@@ -55,6 +55,7 @@ from evalfleet.models import EndReason
 from evalfleet.sandbox import wire
 from evalfleet.sandbox.base import SlotOutcome
 from evalfleet.sandbox.bwrap import jail_command
+from evalfleet.sandbox.environment import sandbox_environment
 from evalfleet.sandbox.limits import EXIT_OOM, SandboxLimits
 
 logger = logging.getLogger(__name__)
@@ -114,8 +115,9 @@ class ForkServer:
         inner = [sys.executable, "-m", "evalfleet.sandbox.forkserver", str(theirs.fileno()), level,
                  str(os.getpid())]
         command = jail_command(inner) if level == "bwrap" else inner
-        env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1",
-                   PYTHONDONTWRITEBYTECODE="1")
+        # Never the worker's whole environment: its credentials are none of env code's business.
+        env = dict(sandbox_environment(), OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1",
+                   MKL_NUM_THREADS="1", PYTHONDONTWRITEBYTECODE="1")
         t0 = time.perf_counter()
         try:
             self.proc: subprocess.Popen[bytes] = _launch(
@@ -296,6 +298,7 @@ class ProcessSlots:
         env_spec: dict[str, Any],
         envs_per_sandbox: int = 1,
         limits: SandboxLimits | None = None,
+        env_allow: Sequence[str] = (),
     ) -> None:
         if level not in _PREFIX:
             raise ValueError(f"Unknown sandbox level {level!r}. Choose 'process' or 'bwrap'.")
@@ -308,6 +311,9 @@ class ProcessSlots:
         self._episode_timeout_s = episode_timeout_s
         self._maker_blob = cloudpickle.dumps(make)
         self._preload = preload_modules(env_spec)
+        # Thread caps as the fork server has them; the request's extra names with this worker's values.
+        self._environment = dict(sandbox_environment(env_allow), OMP_NUM_THREADS="1",
+                                 OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
         self._token = uuid.uuid4().hex
         n_boxes = math.ceil(n / envs_per_sandbox)
         self._boxes: list[_Box | None] = [None] * n_boxes
@@ -379,7 +385,8 @@ class ProcessSlots:
         server = fork_server(self.isolation, self.limits.start_timeout_s)
         if self._token not in server.prepared:
             answer = server.call(
-                ("prepare", self._token, self._maker_blob, list(sys.path), self._preload),
+                ("prepare", self._token, self._maker_blob, list(sys.path), self._preload,
+                 self._environment),
                 self.limits.start_timeout_s,
             )
             if not answer.get("ok"):

@@ -41,14 +41,15 @@ def test_high_variance_policy_gets_more_episodes(prefect_server, tmp_path, examp
 
 
 def test_nondeterministic_env_is_flagged_and_not_cached(prefect_server, tmp_path):
+    # inprocess: one global RNG per worker (forked sandboxes would each start from the same state)
     report = evaluate(EvalRequest.build(
         env="tests.flows.user_envs:Flaky-v0", policy="tests.flows.user_envs:toward_goal",
-        episodes=100, concurrency=20, output=tmp_path / "out"))
+        episodes=100, concurrency=20, isolation="inprocess", output=tmp_path / "out"))
     assert report.audit["checked"] == 2
     assert any(a.startswith("non_deterministic_env") for a in report.alarms), report.alarms
     again = evaluate(EvalRequest.build(
         env="tests.flows.user_envs:Flaky-v0", policy="tests.flows.user_envs:toward_goal",
-        episodes=100, concurrency=20, output=tmp_path / "out"))
+        episodes=100, concurrency=20, isolation="inprocess", output=tmp_path / "out"))
     assert again.cache["status"] == "miss"  # a non-reproducible table was never stored
 
     steady = evaluate(EvalRequest.build(

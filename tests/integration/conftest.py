@@ -39,6 +39,8 @@ ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE_POLICY_PATH = str(ROOT / "evalfleet" / "data" / "cartpole_mlp.pt")
 SECRET = "integration-webhook-secret"
 CALLBACK_SECRET = "integration-callback-secret"
+#: A credential the service's process holds that no evaluation output may ever contain.
+CLOUD_SECRET = "integration-aws-secret-access-key"
 SERVICE_START_S = 180
 #: The fake trainers of these tests listen on 127.0.0.1: allowed explicitly, as an operator would.
 LOOPBACK = "127.0.0.1"
@@ -122,7 +124,7 @@ def service(prefect_server: str, tmp_path_factory: pytest.TempPathFactory) -> It
     env = dict(os.environ, EVALFLEET_WEBHOOK_SECRET=SECRET,
                EVALFLEET_CALLBACK_SECRET=CALLBACK_SECRET, EVALFLEET_CALLBACK_ATTEMPTS="3",
                EVALFLEET_CALLBACK_BACKOFF="0.1", PREFECT_API_URL=prefect_server,
-               PREFECT_SERVER_ANALYTICS_ENABLED="false")
+               PREFECT_SERVER_ANALYTICS_ENABLED="false", AWS_SECRET_ACCESS_KEY=CLOUD_SECRET)
     log_path = base / "serve.log"
     with log_path.open("w") as log:
         proc = subprocess.Popen(

@@ -163,8 +163,16 @@ class Introspect(CartPoleEnv):
         return obs, {**info, **facts}
 
 
+class SlowStep(CartPoleEnv):
+    """Healthy CartPole whose steps take 2 ms: shards last long enough to lose a worker mid-way."""
+
+    def step(self, action: Any) -> tuple[Any, Any, bool, bool, dict[str, Any]]:
+        time.sleep(0.002)
+        return super().step(action)
+
+
 FAULTY = ("RaiseOnStep", "Hang", "Segfault", "NaNReward", "MemoryHog", "Connect", "WriteOutside")
 
-for _name in (*FAULTY, "Introspect"):
+for _name in (*FAULTY, "Introspect", "SlowStep"):
     gym.register(id=f"evalfleet-test/{_name}-v0", entry_point=f"{__name__}:{_name}",
                  max_episode_steps=500)

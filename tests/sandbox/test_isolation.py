@@ -26,13 +26,36 @@ def test_probe_reports_every_mechanism() -> None:
     print("\nsandbox probe on this machine:", found)
 
 
-def test_auto_picks_the_strongest(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_auto_trusts_only_shipped_envs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """'auto': gymnasium's and evalfleet's envs inprocess, any other env in process sandboxes."""
     fake_probe(monkeypatch)
-    assert resolve_isolation("auto") == "bwrap"
+    cartpole = "gymnasium.envs.classic_control.cartpole:CartPoleEnv"
+    assert resolve_isolation("auto", cartpole) == "inprocess"
+    assert resolve_isolation("auto", "envs.inventory:InventoryEnv") == "inprocess"
+    assert resolve_isolation("auto", "tests.sandbox.faulty_envs:Segfault") == "process"
+    assert resolve_isolation("auto", "gymnasium_robotics.envs:Fetch") == "process"
+    assert resolve_isolation("auto") == "process"  # an unknown entry point is not trusted
     fake_probe(monkeypatch, bwrap="bwrap not found")
-    assert resolve_isolation("auto") == "process"
+    assert resolve_isolation("auto", "tests.sandbox.faulty_envs:Segfault") == "process"
     fake_probe(monkeypatch, seccomp="pyseccomp cannot load", bwrap="bwrap not found")
-    assert resolve_isolation("auto") == "inprocess"
+    assert resolve_isolation("auto", cartpole) == "inprocess"
+    with pytest.raises(IsolationUnavailable, match=r"auto.*faulty_envs:Segfault.*seccomp"):
+        resolve_isolation("auto", "tests.sandbox.faulty_envs:Segfault")
+
+
+def test_a_foreign_package_named_envs_is_not_trusted(tmp_path, monkeypatch: pytest.MonkeyPatch
+                                                      ) -> None:
+    fake_probe(monkeypatch)
+    (tmp_path / "envs").mkdir()
+    (tmp_path / "envs" / "__init__.py").write_text("")
+    (tmp_path / "envs" / "evil.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import sys
+
+    for name in [n for n in sys.modules if n == "envs" or n.startswith("envs.")]:
+        monkeypatch.delitem(sys.modules, name)
+    assert not isolation.shipped_env("envs.evil:Evil")
+    assert resolve_isolation("auto", "envs.evil:Evil") == "process"
 
 
 def test_missing_bwrap_is_named(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,0 +1,71 @@
+"""A planted env that tries to carry the worker's secrets out: in errors and in ``info``.
+
+``Leak`` is CartPole-v1 that, on faulty seeds (see ``faulty_envs.is_faulty``), raises at step
+``FAULT_STEP`` an exception whose text lists every environment variable it sees (secret-like
+names first, so the error's 500-character cut does not hide them), and that on every episode's
+last step puts one ``info`` entry per variable, named ``NAME=VALUE``. ``Names`` reports, in its
+reset ``info``, one ``var:NAME`` entry per variable it sees.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+from gymnasium.envs.classic_control.cartpole import CartPoleEnv
+
+from evalfleet.redaction import SECRET_NAME
+
+from .faulty_envs import FAULT_STEP, is_faulty
+
+
+def env_id(name: str) -> str:
+    """``module:evalfleet-test/Name-v0``: importable in any process."""
+    return f"{__name__}:evalfleet-test/{name}-v0"
+
+
+def environment_text() -> str:
+    """Every variable of this process as ``NAME=VALUE``, secret-like names first."""
+    items = sorted(os.environ.items(), key=lambda kv: (not SECRET_NAME.search(kv[0]), kv[0]))
+    return " ".join(f"{k}={v}" for k, v in items)
+
+
+class Leak(CartPoleEnv):
+    """CartPole that tries to leak ``os.environ`` through its errors and its ``info``."""
+
+    def __init__(self, render_mode: str | None = None) -> None:
+        super().__init__(render_mode=render_mode)
+        self._faulty = False
+        self._t = 0
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None
+              ) -> tuple[np.ndarray, dict[str, Any]]:
+        self._faulty = seed is not None and is_faulty(seed)
+        self._t = 0
+        return super().reset(seed=seed, options=options)
+
+    def step(self, action: Any) -> tuple[Any, Any, bool, bool, dict[str, Any]]:
+        obs, reward, terminated, truncated, info = super().step(action)
+        self._t += 1
+        if self._faulty and self._t == FAULT_STEP:
+            raise RuntimeError(f"leaking {environment_text()}")
+        if terminated or truncated or self._t >= 200:
+            info = {**info, **{f"{k}={v}": 1.0 for k, v in os.environ.items()}}
+        return obs, reward, terminated, truncated or self._t >= 200, info
+
+
+class Names(CartPoleEnv):
+    """Healthy CartPole whose reset ``info`` names every environment variable it sees."""
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None
+              ) -> tuple[np.ndarray, dict[str, Any]]:
+        obs, info = super().reset(seed=seed, options=options)
+        return obs, {**info, **{f"var:{k}": 1.0 for k in os.environ},
+                     "home_is_cwd": float(os.environ.get("HOME") == os.getcwd())}
+
+
+for _name in ("Leak", "Names"):
+    gym.register(id=f"evalfleet-test/{_name}-v0", entry_point=f"{__name__}:{_name}",
+                 max_episode_steps=500)

@@ -1,0 +1,84 @@
+"""Sandboxes see an allow-listed environment; the worker's secrets never reach env code.
+
+Runs ProcessSlots in this process (no Dask): the test process plays the worker, with planted
+credentials in its environment.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from evalfleet.envspec import env_thunk, resolve_env
+from evalfleet.records import records_to_table
+from evalfleet.sandbox import open_slots
+from evalfleet.sandbox.environment import ALLOWED, allowed, sandbox_environment
+from evalfleet.sandbox.isolation import available_levels
+
+from . import secret_envs as se
+from .test_process_slots import run_direct
+
+LEVELS = [lvl for lvl in ("process", "bwrap") if available_levels()[lvl] is None]
+PLANTED = {
+    "AWS_SECRET_ACCESS_KEY": "planted-aws-secret-0123456789",
+    "EVALFLEET_WEBHOOK_SECRET": "planted-webhook-secret-abcdef",
+    "PREFECT_API_KEY": "pnu_planted_prefect_key_42",
+    "MY_ENV_DATA_DIR": "/data/for/the/env",
+}
+
+
+def seen_names(level: str, extra: tuple[str, ...] = ()) -> tuple[set[str], bool]:
+    env = se.env_id("Names")
+    resolved = resolve_env(env, {}, None)
+    slots = open_slots(level, env_thunk(env, {}, None), 1, episode_timeout_s=30.0,
+                       env_spec=resolved.fingerprint.as_dict(), env_allow=extra)
+    try:
+        out = slots.reset(0, 1)
+    finally:
+        slots.close()
+    assert out.failure is None, out.error
+    names = {k.removeprefix("var:") for k in out.info if k.startswith("var:")}
+    return names, bool(out.info["home_is_cwd"])
+
+
+def test_allow_list_rules() -> None:
+    env = {"PATH": "/bin", "LC_ALL": "C", "HOME": "/root", "AWS_SECRET_ACCESS_KEY": "x" * 20,
+           "MY_ENV_DATA_DIR": "/d"}
+    assert sandbox_environment(environ=env) == {"PATH": "/bin", "LC_ALL": "C"}
+    assert sandbox_environment(["MY_ENV_DATA_DIR"], environ=env) == {
+        "PATH": "/bin", "LC_ALL": "C", "MY_ENV_DATA_DIR": "/d"}
+    assert not allowed("HOME") and not allowed("PREFECT_API_KEY") and allowed("LC_CTYPE")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("level", LEVELS)
+def test_sandbox_sees_only_allowed_names(level: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    for name, value in PLANTED.items():
+        monkeypatch.setenv(name, value)
+    from evalfleet.sandbox.process import shutdown_fork_servers
+
+    shutdown_fork_servers()  # a fork server started before the plant would prove nothing
+    names, home_is_cwd = seen_names(level)
+    assert names, "the env saw no variable at all"
+    assert names <= set(ALLOWED) | {"HOME", "TMPDIR"} | {n for n in names if n.startswith("LC_")}
+    assert not names & set(PLANTED)
+    assert "PATH" in names and home_is_cwd  # HOME is the sandbox's own folder
+
+    names, _ = seen_names(level, ("MY_ENV_DATA_DIR",))
+    assert "MY_ENV_DATA_DIR" in names and not names & (set(PLANTED) - {"MY_ENV_DATA_DIR"})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("level", LEVELS)
+def test_leaking_env_in_a_sandbox_carries_no_secret(level: str,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    for name, value in PLANTED.items():
+        monkeypatch.setenv(name, value)
+    from evalfleet.sandbox.process import shutdown_fork_servers
+
+    shutdown_fork_servers()
+    records, _ = run_direct(level, se.env_id("Leak"), 20, 4)
+    text = repr(records_to_table(records).to_pylist())
+    assert "env_error" in text and "leaking" in text and "PATH=" in text
+    for name, value in PLANTED.items():
+        if name != "MY_ENV_DATA_DIR":
+            assert value not in text and name not in text
