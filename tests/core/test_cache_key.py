@@ -20,6 +20,7 @@ import pytest
 import torch
 
 import evalfleet
+import evalfleet.cluster
 from evalfleet import cache as cache_mod
 from evalfleet.cache import cache_key
 from evalfleet.models import EvalRequest
@@ -291,11 +292,15 @@ def test_each_planted_change_is_a_miss(change, base, tmp_path, monkeypatch):
     elif change == "deterministic":
         fields["deterministic"] = False
     elif change == "device":
-        fields["device"] = "cuda"  # the key is fixed at stage 1, before any GPU is needed
+        # The key is fixed at stage 1, before any GPU is needed; stage 1 checks the (local)
+        # cluster has one, so this machine is made to look like a GPU machine.
+        fields["device"] = "cuda"
+        monkeypatch.setattr(evalfleet.cluster, "gpu_count", lambda: 1)
     elif change == "auto_on_a_gpu_machine":
         fields["device"] = "auto"
         flipped = not torch.cuda.is_available()
         monkeypatch.setattr(torch.cuda, "is_available", lambda: flipped)
+        monkeypatch.setattr(evalfleet.cluster, "gpu_count", lambda: int(flipped))
     elif change.endswith("_version"):
         module = {"evalfleet": evalfleet, "gymnasium": gymnasium, "numpy": numpy, "torch": torch}[
             change.removesuffix("_version")]
