@@ -107,13 +107,16 @@ class ForkServerError(Exception):
 class ForkServer:
     """A worker's fork server for one level, seen from the worker: start, requests, stop."""
 
-    def __init__(self, level: str, start_timeout_s: float) -> None:
+    def __init__(self, level: str, start_timeout_s: float, packages: tuple[str, ...] = ()
+                 ) -> None:
         self.level = level
+        self.packages = packages
         self._lock = threading.Lock()
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         inner = [sys.executable, "-m", "evalfleet.sandbox.forkserver", str(theirs.fileno()), level,
                  str(os.getpid())]
-        command = jail_command(inner) if level == "bwrap" else inner
+        # The jail shows only the package folders of evalfleet and of ``packages`` (the env's).
+        command = jail_command(inner, packages=packages) if level == "bwrap" else inner
         env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1",
                    PYTHONDONTWRITEBYTECODE="1")
         t0 = time.perf_counter()
@@ -215,19 +218,34 @@ class ForkServer:
             shutil.rmtree(folder, ignore_errors=True)
 
 
-_servers: dict[str, ForkServer] = {}
+_servers: dict[tuple[str, tuple[str, ...]], ForkServer] = {}
+_latest: dict[str, tuple[str, tuple[str, ...]]] = {}
 _servers_lock = threading.Lock()
 
 
-def fork_server(level: str, start_timeout_s: float) -> ForkServer:
-    """The fork server of ``level`` in this process, started on first use, reused across shards."""
+def _server_key(level: str, packages: Sequence[str]) -> tuple[str, tuple[str, ...]]:
+    # Only a bwrap jail's view depends on the env's packages; a process server sees everything.
+    if level != "bwrap":
+        return level, ()
+    return level, tuple(sorted({m.split(".", 1)[0] for m in packages if m}))
+
+
+def fork_server(level: str, start_timeout_s: float, packages: Sequence[str] | None = None
+                ) -> ForkServer:
+    """The fork server of ``level`` for envs from ``packages``, started on first use, reused.
+
+    ``packages=None``: the server of ``level`` used last (started with no env packages if none).
+    """
     with _servers_lock:
-        server = _servers.get(level)
+        key = (_latest.get(level, _server_key(level, ())) if packages is None
+               else _server_key(level, packages))
+        server = _servers.get(key)
         if server is not None and not server.alive:
             server.stop()
             server = None
         if server is None:
-            server = _servers[level] = ForkServer(level, start_timeout_s)
+            server = _servers[key] = ForkServer(level, start_timeout_s, key[1])
+        _latest[level] = key
         return server
 
 
@@ -236,6 +254,7 @@ def shutdown_fork_servers() -> None:
     with _servers_lock:
         servers = list(_servers.values())
         _servers.clear()
+        _latest.clear()
     for server in servers:
         server.stop()
 
@@ -376,7 +395,7 @@ class ProcessSlots:
     # -- internals ---------------------------------------------------------------------------------
 
     def _ensure_server(self) -> ForkServer:
-        server = fork_server(self.isolation, self.limits.start_timeout_s)
+        server = fork_server(self.isolation, self.limits.start_timeout_s, self._preload)
         if self._token not in server.prepared:
             answer = server.call(
                 ("prepare", self._token, self._maker_blob, list(sys.path), self._preload),
@@ -422,8 +441,8 @@ class ProcessSlots:
         server, self._server = self._server, None
         if server is not None:
             with _servers_lock:
-                if _servers.get(self.isolation) is server:
-                    del _servers[self.isolation]
+                for key in [k for k, v in _servers.items() if v is server]:
+                    del _servers[key]
             server.stop()
         for b in range(len(self._boxes)):
             self._forget(b)

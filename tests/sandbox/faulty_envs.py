@@ -133,6 +133,24 @@ class WriteOutside(_Faulty):
         return reward
 
 
+class ReadFiles(_Faulty):
+    """Reads each of ``targets`` and raises with what it found: the text, or the error's name."""
+
+    def __init__(self, targets: tuple[str, ...] = (), render_mode: str | None = None) -> None:
+        super().__init__(render_mode=render_mode)
+        self.targets = tuple(targets)
+
+    def fault(self, reward: float) -> float:
+        found = []
+        for target in self.targets:
+            try:
+                with open(target) as fh:
+                    found.append(f"{target} -> read {fh.read()!r}")
+            except OSError as err:
+                found.append(f"{target} -> {type(err).__name__}")
+        raise RuntimeError("; ".join(found))
+
+
 class Introspect(CartPoleEnv):
     """Healthy CartPole whose reset info describes the process it runs in (for tests)."""
 
@@ -163,7 +181,8 @@ class Introspect(CartPoleEnv):
         return obs, {**info, **facts}
 
 
-FAULTY = ("RaiseOnStep", "Hang", "Segfault", "NaNReward", "MemoryHog", "Connect", "WriteOutside")
+FAULTY = ("RaiseOnStep", "Hang", "Segfault", "NaNReward", "MemoryHog", "Connect", "WriteOutside",
+          "ReadFiles")
 
 for _name in (*FAULTY, "Introspect"):
     gym.register(id=f"evalfleet-test/{_name}-v0", entry_point=f"{__name__}:{_name}",
