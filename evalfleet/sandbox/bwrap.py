@@ -42,6 +42,9 @@ SYSTEM_PATHS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
 ETC_PATHS = ("/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/ld.so.conf.d", "/etc/localtime",
              "/etc/nsswitch.conf", "/etc/passwd", "/etc/group")
 
+#: The uid a root worker's jail runs as inside (see jail_command).
+JAIL_UID = 1000
+
 _SITE_DIRS = ("site-packages", "dist-packages")
 
 
@@ -152,6 +155,9 @@ def jail_command(inner: list[str], bwrap: str | None = None, packages: Iterable[
                                 "bubblewrap)")
     system = [p for p in SYSTEM_PATHS if os.path.lexists(p)]
     binds = jail_binds(packages)
-    return [exe, *JAIL_ARGS, *_bind_args([*system, *binds]),
+    # A root worker's jail runs as uid JAIL_UID inside (still uid 0 outside): mapping uid 0 of
+    # the jail into a sandbox's own user namespace would need CAP_SETFCAP, a non-zero uid not.
+    ids = ["--uid", str(JAIL_UID), "--gid", str(JAIL_UID)] if os.geteuid() == 0 else []
+    return [exe, *JAIL_ARGS, *ids, *_bind_args([*system, *binds]),
             "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp", *rebinds_under_tmp(binds),
             "--remount-ro", "/", "--chdir", "/", "--", *inner]

