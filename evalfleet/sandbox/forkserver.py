@@ -17,10 +17,16 @@ The server confines itself before it imports any env module (``process`` level: 
 its own where permitted; both levels: the socket filter) and dies with its worker (parent-death
 signal, and end of file on the control channel).
 
-A sandbox: its own process group, a fresh network namespace (where permitted), its own folder as
-cwd/HOME/TMPDIR, rlimits, at the ``process`` level under a root worker a uid of its own keeping
-only CAP_DAC_READ_SEARCH (it reads what the worker reads, writes only where anyone may), death
-with the server, and a seccomp filter (sockets: AF_UNIX only; signals and ptrace: only itself).
+A sandbox: a pid namespace of its own where the machine permits it (with a user namespace of its
+own unless the server is root at ``process`` level), as three processes: a host the server kills
+and reaps, the namespace's init, and the sandbox proper, whose end the host mirrors. The sandbox
+proper has its own process group, a fresh network namespace (where permitted), its own folder as
+cwd/HOME/TMPDIR, rlimits (RLIMIT_NPROC counted for it alone under a uid or user namespace of its
+own), at the ``process`` level under a root worker a uid of its own keeping only
+CAP_DAC_READ_SEARCH (it reads what the worker reads, writes only where anyone may), otherwise no
+capabilities, death with its parent, and a seccomp filter (sockets: AF_UNIX only; signals: its
+own pid namespace but never its init, or only itself without one; no ptrace). When an episode
+ends and no other is under way in it, it kills every other process of its namespace.
 
 It serves reset/step requests for ``envs_per_sandbox`` env instances until its socket closes. An
 exception in the env is answered as ``env_error`` (MemoryError as ``oom``); the broken env is

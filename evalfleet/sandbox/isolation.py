@@ -9,29 +9,40 @@ is cached and goes into the report's manifest.
 Requirements per level:
 
 - ``inprocess``: none.
-- ``process``: seccomp and rlimits. A network namespace and a uid of its own per sandbox are
-  added where the machine permits them (reported as ``netns`` and ``own_uid``); without a network
-  namespace the seccomp filter alone denies network sockets.
-- ``bwrap``: ``process``'s requirements, plus a working bubblewrap jail.
+- ``process``: seccomp and rlimits. Added where the machine permits them, and reported: a network
+  namespace (``netns``), a uid of its own per sandbox (``own_uid``, root workers), a pid
+  namespace per sandbox (``pidns``; with a user namespace of its own under a non-root worker),
+  and how each level caps a sandbox's processes (``process_cap``).
+- ``bwrap``: ``process``'s requirements, plus a working bubblewrap jail (``bwrap``; a pid
+  namespace per sandbox inside it: ``bwrap_pidns``).
 
-What each level guarantees when every mechanism holds (as on a root microVM):
+What each level guarantees when every mechanism holds (as on a root microVM; the README's
+"Security" section has the table, root and non-root worker side by side):
 
 - ``inprocess``: nothing. An env that crashes, hangs or leaks takes the worker with it; use it for
   trusted envs only.
-- ``process``: a crash, hang (wall-clock limit), runaway memory (RLIMIT_AS) or CPU use (RLIMIT_CPU)
-  costs only the episodes of its sandbox; no network (socket() other than AF_UNIX fails, and the
-  sandbox sits in an empty network namespace); it cannot signal or trace any other process. Under
-  a root worker it runs as a uid of its own: it reads every file but writes only where anyone may
-  (world-writable folders such as /tmp, /var/tmp, /dev/shm stay writable); under a non-root
-  worker it writes wherever the worker may. Not a jail for hostile code.
-- ``bwrap``: ``process`` inside bubblewrap: nothing outside its private /tmp is writable (the root
-  is bound read-only), all namespaces are new and all capabilities dropped. The sandboxes of one
-  worker share one jail (pid/ipc/net namespaces) and one uid; seccomp still keeps them from
-  signalling each other.
+- ``process``: a crash, hang (wall-clock limit), runaway memory (RLIMIT_AS) or CPU use (RLIMIT_CPU
+  per episode) costs only the episodes of its sandbox; no network (socket() other than AF_UNIX
+  fails, and the sandbox sits in an empty network namespace); signals reach only its own pid
+  namespace (never its init), ptrace is refused. Every descendant, double-forked daemons
+  included, dies when its episode ends (when no other episode of that sandbox is under way) and
+  with the sandbox (its pid namespace's init dies). Processes and threads are capped per sandbox
+  by RLIMIT_NPROC: under a uid of its own (root worker) or counted in a user namespace of its own
+  (non-root worker). Under a root worker it runs as a uid of its own keeping only
+  CAP_DAC_READ_SEARCH: it reads every file but writes only where anyone may (world-writable
+  folders such as /tmp, /var/tmp, /dev/shm); under a non-root worker it reads and writes
+  wherever the worker may. Not a jail for hostile code.
+- ``bwrap``: ``process`` inside bubblewrap: it sees only the jail's read-only binds (system
+  libraries, a few /etc files, the interpreter, site-packages, the package folders of evalfleet
+  and the env, see :mod:`evalfleet.sandbox.bwrap`) and a private /tmp, the only writable place;
+  all namespaces are new and all capabilities dropped. The sandboxes of one jail share its /tmp
+  and its uid (one can read another's work folder). Under a root worker the jail's processes are
+  uid 0 outside, which the kernel exempts from RLIMIT_NPROC: no process cap there (reported as
+  ``process_cap['bwrap'] = None``).
 
-Not covered at either level: AF_UNIX sockets are allowed (a filesystem socket the sandbox may
-write to is reachable); descendants that leave the sandbox's process group are not killed with
-it (at ``process`` level they keep its uid, limits and filter, and RLIMIT_NPROC caps them).
+Not covered at any level: the shared kernel (the microVM is that boundary), side channels, AF_UNIX
+sockets (a socket file the sandbox can reach is reachable), memory per sandbox (RLIMIT_AS is per
+process), disk use beyond one file's RLIMIT_FSIZE.
 """
 
 from __future__ import annotations
