@@ -67,9 +67,15 @@ def _send(sock: socket.socket, payload: dict[str, Any]) -> None:
 
 
 class _Server:
-    def __init__(self, control: socket.socket, level: str) -> None:
+    def __init__(self, control: socket.socket, level: str, cgroup_fd: int | None = None
+                 ) -> None:
         self.control = control
         self.level = level
+        # A pids cgroup folder (v1) the worker made for this server: one child cgroup per
+        # sandbox, pids.max its process cap. Where RLIMIT_NPROC does not bind (uid 0 outside).
+        self.cgroup_fd = cgroup_fd
+        self.cgroups: dict[int, str] = {}  # sandbox host pid -> its cgroup's name
+        self.stale_cgroups: list[str] = []  # cgroups not yet empty when their sandbox was reaped
         self.makers: dict[str, Callable[[], Any]] = {}
         self.children: dict[int, str] = {}
         self.serial = 0
@@ -91,7 +97,37 @@ class _Server:
             return f"RLIMIT_NPROC={limits.processes} under a uid of its own per sandbox"
         if self.nproc_counted:
             return f"RLIMIT_NPROC={limits.processes} counted in a user namespace per sandbox"
+        if self.cgroup_fd is not None:
+            return f"pids.max={limits.processes} in a pids cgroup per sandbox"
         return None
+
+    def _cgroup_for(self, name: str, limits: lim.SandboxLimits) -> int | None:
+        """A fresh pids cgroup ``name`` capped at ``limits.processes``: its cgroup.procs, open."""
+        if self.cgroup_fd is None or self.nproc_counted:
+            return None
+        os.mkdir(name, dir_fd=self.cgroup_fd)
+        cap = os.open(f"{name}/pids.max", os.O_WRONLY, dir_fd=self.cgroup_fd)
+        try:
+            os.write(cap, str(limits.processes).encode())
+        finally:
+            os.close(cap)
+        return os.open(f"{name}/cgroup.procs", os.O_WRONLY, dir_fd=self.cgroup_fd)
+
+    def _remove_cgroups(self, names: list[str]) -> None:
+        """Remove the cgroups in ``names`` that are empty; keep the others for a later try."""
+        if self.cgroup_fd is None:
+            return
+        for name in [*self.stale_cgroups, *names]:
+            try:
+                os.rmdir(name, dir_fd=self.cgroup_fd)
+            except FileNotFoundError:
+                pass
+            except OSError:  # EBUSY: its namespace is still being torn down
+                if name not in self.stale_cgroups:
+                    self.stale_cgroups.append(name)
+                continue
+            if name in self.stale_cgroups:
+                self.stale_cgroups.remove(name)
 
     def prepare(self, token: str, maker_blob: bytes, sys_path: list[str], preload: list[str]
                 ) -> dict[str, Any]:
@@ -125,10 +161,15 @@ class _Server:
             os.chown(folder, uid, uid)
         server_pid = os.getpid()
         pidns = self.pidns_error is None
+        cgroup = f"sbx-{self.serial}"
+        procs = self._cgroup_for(cgroup, limits)
         pid = os.fork()
         if pid == 0:
             code = EXIT_SETUP
             try:
+                if procs is not None:
+                    os.write(procs, b"0")  # join before anything else: every descendant too
+                    os.close(procs)
                 self.control.close()
                 if pidns:
                     code = _namespace_host(fd, maker, k, limits, folder, uid, netns, server_pid,
@@ -139,6 +180,9 @@ class _Server:
             finally:
                 os._exit(code)
         os.close(fd)
+        if procs is not None:
+            os.close(procs)
+            self.cgroups[pid] = cgroup
         self.children[pid] = folder
         return {"pid": pid, "uid": uid}
 
@@ -171,10 +215,16 @@ class _Server:
             status = ended[pid] if pid in ended else os.waitpid(pid, 0)[1]
             statuses.append(status)
             shutil.rmtree(folder, ignore_errors=True)
+        self._remove_cgroups([self.cgroups.pop(pid) for pid in pids if pid in self.cgroups])
         return {"statuses": statuses}
 
     def shutdown(self) -> None:
         self.kill(list(self.children))
+        for _ in range(100):  # namespaces end within milliseconds of their init
+            if not self.stale_cgroups:
+                break
+            time.sleep(0.01)
+            self._remove_cgroups([])
         shutil.rmtree(self.base, ignore_errors=True)
 
     def loop(self) -> None:
@@ -210,14 +260,14 @@ class _Server:
             _send(self.control, answer)
 
 
-def serve(fd: int, level: str, parent: int) -> None:
+def serve(fd: int, level: str, parent: int, cgroup_fd: int | None = None) -> None:
     """Fork-server main: confine itself, pre-import, say hello, then answer requests."""
     control = socket.socket(fileno=fd)
     lim.set_parent_death_signal(parent if level == "process" else os.getppid())
     netns_error = lim.unshare_network() if level == "process" else None
     lim.install_socket_filter()
     # numpy and gymnasium are imported (through .base) before any fork: shared copy-on-write.
-    server = _Server(control, level)
+    server = _Server(control, level, cgroup_fd)
     gc.collect()
     gc.freeze()
     _send(control, {"pid": os.getpid(), "level": level, "netns": netns_error is None,
@@ -462,9 +512,9 @@ class _Sandbox:
 
 
 def main(argv: list[str]) -> None:
-    """``python -m evalfleet.sandbox.forkserver FD LEVEL PARENT_PID``."""
+    """``python -m evalfleet.sandbox.forkserver FD LEVEL PARENT_PID [PIDS_CGROUP_DIR_FD]``."""
     fd, level, parent = int(argv[0]), argv[1], int(argv[2])
-    serve(fd, level, parent)
+    serve(fd, level, parent, int(argv[3]) if len(argv) > 3 else None)
 
 
 if __name__ == "__main__":

@@ -50,6 +50,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import os
 import subprocess
 import sys
 from typing import Any
@@ -151,6 +152,15 @@ def _run(command: list[str]) -> tuple[int, str]:
     return done.returncode, (done.stdout.strip() or done.stderr.strip())[-400:]
 
 
+def _pids_cgroup_writable() -> bool:
+    """True when this (root) worker can make the pids cgroups of its bwrap fork servers."""
+    from evalfleet.sandbox.process import PIDS_CGROUP_ROOT
+
+    parent = os.path.dirname(PIDS_CGROUP_ROOT)
+    return (os.geteuid() == 0 and os.access(parent, os.W_OK)
+            and os.path.isfile(os.path.join(parent, "cgroup.procs")))
+
+
 @functools.cache
 def probe() -> dict[str, Any]:
     """What this machine allows: each mechanism mapped to None (works) or why not, plus bwrap."""
@@ -181,7 +191,9 @@ def probe() -> dict[str, Any]:
     mechanisms["process_cap"] = {
         "process": ("a uid of its own per sandbox" if mechanisms.get("own_uid") is None
                     else "a user namespace per sandbox" if raw == "ok" else None),
-        "bwrap": "a user namespace per sandbox" if pidns == "ok" else None,
+        "bwrap": ("a user namespace per sandbox" if pidns == "ok" else
+                  "a pids cgroup per sandbox" if pidns == "nocap" and _pids_cgroup_writable()
+                  else None),
     }
     mechanisms["bwrap_path"] = bwrap
     logger.info("sandbox probe: %s", mechanisms)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import atexit
 import concurrent.futures
+import contextlib
 import json
 import logging
 import math
@@ -115,6 +116,14 @@ class ForkServer:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         inner = [sys.executable, "-m", "evalfleet.sandbox.forkserver", str(theirs.fileno()), level,
                  str(os.getpid())]
+        # A root worker's jail is uid 0 outside, exempt from RLIMIT_NPROC: the server gets a
+        # pids cgroup folder of its own (an open folder, since the jail cannot see /sys) and
+        # caps each sandbox with a child cgroup.
+        self.cgroup = pids_cgroup_folder() if level == "bwrap" and os.geteuid() == 0 else None
+        cgroup_fd = (os.open(self.cgroup, os.O_RDONLY | os.O_DIRECTORY)
+                     if self.cgroup is not None else None)
+        if cgroup_fd is not None:
+            inner.append(str(cgroup_fd))
         # The jail shows only the package folders of evalfleet and of ``packages`` (the env's).
         command = jail_command(inner, packages=packages) if level == "bwrap" else inner
         env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1",
@@ -122,8 +131,9 @@ class ForkServer:
         t0 = time.perf_counter()
         try:
             self.proc: subprocess.Popen[bytes] = _launch(
-                lambda: subprocess.Popen(command, pass_fds=[theirs.fileno()], env=env,
-                                         stdin=subprocess.DEVNULL, start_new_session=True)
+                lambda: subprocess.Popen(
+                    command, env=env, stdin=subprocess.DEVNULL, start_new_session=True,
+                    pass_fds=[theirs.fileno(), *([] if cgroup_fd is None else [cgroup_fd])])
             )
         except OSError as err:
             raise IsolationUnavailable(
@@ -131,6 +141,8 @@ class ForkServer:
             ) from err
         finally:
             theirs.close()
+            if cgroup_fd is not None:
+                os.close(cgroup_fd)
         self._sock = ours
         try:
             self.hello = self._recv(start_timeout_s)
@@ -209,6 +221,8 @@ class ForkServer:
         except subprocess.TimeoutExpired:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
+        if self.cgroup is not None:
+            _remove_cgroup_tree(self.cgroup)
         # A killed server leaves its sandbox folders behind (the hello predates any env import,
         # and the path is checked anyway before anything is removed as root).
         folder = getattr(self, "hello", {}).get("folder")
@@ -216,6 +230,41 @@ class ForkServer:
                 and os.path.dirname(folder) == tempfile.gettempdir()
                 and os.path.basename(folder).startswith("evalfleet-sandboxes-")):
             shutil.rmtree(folder, ignore_errors=True)
+
+
+#: Where root workers make the pids cgroups of their bwrap fork servers (cgroup v1).
+PIDS_CGROUP_ROOT = "/sys/fs/cgroup/pids/evalfleet"
+_cgroup_serial = 0
+
+
+def pids_cgroup_folder() -> str | None:
+    """A fresh pids cgroup folder for one fork server, or None where none can be made."""
+    global _cgroup_serial
+    _cgroup_serial += 1
+    path = os.path.join(PIDS_CGROUP_ROOT, f"worker-{os.getpid()}-{_cgroup_serial}")
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as err:
+        logger.info("no pids cgroup for the bwrap fork server (%s): %s", path, err)
+        return None
+    return path
+
+
+def _remove_cgroup_tree(path: str) -> None:
+    """Remove a fork server's cgroup and its leftover children (empty once their tasks died)."""
+    for _ in range(100):
+        try:
+            for name in os.listdir(path):
+                if os.path.isdir(os.path.join(path, name)):
+                    with contextlib.suppress(OSError):
+                        os.rmdir(os.path.join(path, name))
+            os.rmdir(path)
+            return
+        except FileNotFoundError:
+            return
+        except OSError:
+            time.sleep(0.01)
+    logger.warning("could not remove the pids cgroup %s (tasks still in it)", path)
 
 
 _servers: dict[tuple[str, tuple[str, ...]], ForkServer] = {}

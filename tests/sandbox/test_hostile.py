@@ -1,4 +1,4 @@
-"""Fork bombs, CPU burners and daemons, run by a NON-ROOT worker (issue 14, item 3).
+"""Fork bombs, CPU burners and daemons, run by a NON-ROOT worker, and a root one (issue 14, item 3).
 
 Each case runs ``tests.sandbox.hostile_run`` in a subprocess as an unprivileged user: the test
 user ``evalfleet-test`` (created with ``useradd`` when the tests run as root, as in CI), or the
@@ -96,7 +96,6 @@ def run_hostile(as_user: list[str], level: str, env: str) -> dict[str, Any]:
         shutil.rmtree(home, ignore_errors=True)
     assert done.returncode == 0, done.stderr[-3000:]
     out: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
-    assert out["hello"]["uid"] != 0 or level == "bwrap"
     assert out["hello"]["pidns"], out["hello"]
     return out
 
@@ -114,6 +113,19 @@ def split(rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dict[s
 def test_fork_bomb_is_capped(as_user: list[str], level: str) -> None:
     out = run_hostile(as_user, level, "ForkBomb")
     assert "user namespace per sandbox" in (out["hello"]["process_cap"] or ""), out["hello"]
+    _assert_bomb_stopped(out)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the root-worker case needs root")
+@pytest.mark.parametrize(("level", "cap"), [("process", "uid of its own"),
+                                            ("bwrap", "pids cgroup per sandbox")])
+def test_fork_bomb_is_capped_under_a_root_worker(level: str, cap: str) -> None:
+    out = run_hostile([], level, "ForkBomb")
+    assert cap in (out["hello"]["process_cap"] or ""), out["hello"]
+    _assert_bomb_stopped(out)
+
+
+def _assert_bomb_stopped(out: dict[str, Any]) -> None:
     faulty, _ = split(out["rows"])
     for r in faulty:
         assert r["end_reason"] == "env_error", r
@@ -135,9 +147,12 @@ def test_cpu_burner_times_out(as_user: list[str], level: str) -> None:
     assert out["wall_s"] < 60, out["wall_s"]
 
 
+@pytest.mark.parametrize("root", [False, True], ids=["nonroot", "root"])
 @pytest.mark.parametrize("level", ["process", "bwrap"])
-def test_daemon_does_not_outlive_its_sandbox(as_user: list[str], level: str) -> None:
-    out = run_hostile(as_user, level, "Daemon")
+def test_daemon_does_not_outlive_its_sandbox(as_user: list[str], level: str, root: bool) -> None:
+    if root and os.geteuid() != 0:
+        pytest.skip("the root-worker case needs root")
+    out = run_hostile([] if root else as_user, level, "Daemon")
     faulty, _ = split(out["rows"])
     for r in faulty:
         assert r["end_reason"] in ("terminated", "truncated"), r
