@@ -37,8 +37,8 @@ What each level guarantees when every mechanism holds (as on a root microVM; the
   and the env, see :mod:`evalfleet.sandbox.bwrap`) and a private /tmp, the only writable place;
   all namespaces are new and all capabilities dropped. The sandboxes of one jail share its /tmp
   and its uid (one can read another's work folder). Under a root worker the jail's processes are
-  uid 0 outside, which the kernel exempts from RLIMIT_NPROC: no process cap there (reported as
-  ``process_cap['bwrap'] = None``).
+  uid 0 outside, which the kernel exempts from RLIMIT_NPROC: each sandbox gets a pids cgroup
+  (v1) instead, where one can be made (``process_cap['bwrap']``; None where neither holds).
 
 Not covered at any level: the shared kernel (the microVM is that boundary), side channels, AF_UNIX
 sockets (a socket file the sandbox can reach is reachable), memory per sandbox (RLIMIT_AS is per

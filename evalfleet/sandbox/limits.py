@@ -55,8 +55,9 @@ class SandboxLimits:
     """RLIMIT_NPROC: processes and threads of one sandbox (its own helper processes included).
     It holds where the kernel counts them per sandbox: under a uid of its own (``process`` level,
     root worker), or in a user namespace of its own (a non-root worker, and ``bwrap`` under a
-    non-root worker). Uid 0 is exempt, so a root worker's ``bwrap`` sandboxes have no cap; the
-    fork server reports which held as ``process_cap``. A fork past it fails with EAGAIN."""
+    non-root worker). Uid 0 is exempt, so a root worker's ``bwrap`` sandboxes get ``pids.max``
+    in a pids cgroup each instead; the fork server reports which held as ``process_cap``. A fork
+    past it fails with EAGAIN."""
 
     step_timeout_s: float = 10.0
     """Wall clock a sandbox has to answer one step (capped by the episode's deadline)."""
