@@ -62,8 +62,9 @@ class Sampler(threading.Thread):
             self.counts.append((time.monotonic(), len(boxes)))
             if len(boxes) == CONCURRENCY and not self.uss:
                 for proc in boxes:
-                    try:
-                        self.uss.append(proc.memory_full_info().uss)
+                    try:  # a sandbox in a pid namespace is a host, its init and the sandbox
+                        tree = [proc, *proc.children(recursive=True)]
+                        self.uss.append(sum(p.memory_full_info().uss for p in tree))
                     except psutil.Error:
                         continue
                 for proc in fork_servers():
