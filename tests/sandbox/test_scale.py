@@ -35,7 +35,14 @@ def fork_servers() -> list[psutil.Process]:
                 procs[proc.pid] = proc
         except psutil.Error:
             continue
-    return [p for p in procs.values() if p.ppid() not in procs]
+    out = []
+    for proc in procs.values():
+        try:
+            if proc.ppid() not in procs:
+                out.append(proc)
+        except psutil.Error:  # exited while we looked (hosts, inits and sandboxes come and go)
+            continue
+    return out
 
 
 def live_sandboxes() -> list[psutil.Process]:
