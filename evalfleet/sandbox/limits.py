@@ -8,12 +8,14 @@ process for good (rlimits, seccomp, namespaces, uid).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import os
 import resource
 import signal
 import socket
+import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -24,6 +26,8 @@ GiB = 1024 * MiB
 
 _PR_SET_PDEATHSIG = 1
 _CLONE_NEWNET = 0x40000000
+_CLONE_NEWUSER = 0x10000000
+_CLONE_NEWPID = 0x20000000
 
 #: Exit status of a sandbox that ran out of memory and could not even report it.
 EXIT_OOM = 86
@@ -48,8 +52,12 @@ class SandboxLimits:
     """RLIMIT_FSIZE: largest file a sandbox may write (a bigger write fails with EFBIG)."""
 
     processes: int = 64
-    """RLIMIT_NPROC (processes and threads of the sandbox's uid); applied only where the sandbox
-    runs under a uid of its own (as root the kernel ignores it)."""
+    """RLIMIT_NPROC: processes and threads of one sandbox (its own helper processes included).
+    It holds where the kernel counts them per sandbox: under a uid of its own (``process`` level,
+    root worker), or in a user namespace of its own (a non-root worker, and ``bwrap`` under a
+    non-root worker). Uid 0 is exempt, so a root worker's ``bwrap`` sandboxes get ``pids.max``
+    in a pids cgroup each instead; the fork server reports which held as ``process_cap``. A fork
+    past it fails with EAGAIN."""
 
     step_timeout_s: float = 10.0
     """Wall clock a sandbox has to answer one step (capped by the episode's deadline)."""
@@ -99,6 +107,66 @@ def unshare_network() -> str | None:
     return None
 
 
+def enter_sandbox_namespaces(*, new_user: bool) -> str | None:
+    """A new pid namespace for this process's next child (and a user namespace, if ``new_user``).
+
+    The next child becomes the namespace's init: when it dies, the kernel kills every process
+    left in the namespace, daemons that left the process group and session included. A user
+    namespace (needed where the caller lacks CAP_SYS_ADMIN) maps only the caller's own uid and
+    gid, and makes the kernel count RLIMIT_NPROC for this sandbox alone. None, or why not.
+    """
+    uid, gid = os.geteuid(), os.getegid()
+    flags = _CLONE_NEWPID | (_CLONE_NEWUSER if new_user else 0)
+    if _libc().unshare(flags) != 0:
+        what = "CLONE_NEWUSER|CLONE_NEWPID" if new_user else "CLONE_NEWPID"
+        return f"unshare({what}) failed: {os.strerror(ctypes.get_errno())}"
+    if new_user:
+        try:
+            for name, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"),
+                               ("gid_map", f"{gid} {gid} 1")):
+                with open(f"/proc/self/{name}", "w") as fh:
+                    fh.write(text)
+        except OSError as err:
+            return f"cannot map the sandbox's uid in its user namespace: {err}"
+    return None
+
+
+def drop_all_capabilities() -> None:
+    """Clear every capability (the ones a new user namespace grants over its own namespaces)."""
+    header = _CapHeader(_CAP_VERSION_3, 0)
+    data = (_CapData * 2)()
+    if _libc().capset(ctypes.byref(header), data) != 0:
+        raise OSError(ctypes.get_errno(), f"capset: {os.strerror(ctypes.get_errno())}")
+
+
+def kill_namespace_others(timeout_s: float = 5.0) -> int:
+    """SIGKILL every process of this pid namespace but its init and the caller; reap them.
+
+    For the sandbox process of a pid namespace of its own: its descendants are exactly the other
+    processes there. Orphans are reaped by the namespace's init, the caller's children here.
+    Returns how many rounds of kill it took (0: there was nothing to kill).
+    """
+    rounds = 0
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            os.kill(-1, 0)
+        except ProcessLookupError:
+            return rounds
+        rounds += 1
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(-1, signal.SIGKILL)
+        while True:  # zombies answer kill(-1, 0) until reaped
+            try:
+                pid, _ = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if pid == 0:
+                break
+        time.sleep(0.001 * min(rounds, 20))
+    return rounds
+
+
 def set_parent_death_signal(expected_parent: int) -> None:
     """Be SIGKILLed when the parent dies; exit now if it already has (the race after fork)."""
     _libc().prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
@@ -107,7 +175,11 @@ def set_parent_death_signal(expected_parent: int) -> None:
 
 
 def apply_rlimits(limits: SandboxLimits, *, own_uid: bool) -> None:
-    """Set the sandbox's rlimits (soft = hard, so an unprivileged sandbox cannot raise them)."""
+    """Set the sandbox's rlimits (soft = hard, so an unprivileged sandbox cannot raise them).
+
+    ``own_uid``: the kernel counts RLIMIT_NPROC for this sandbox alone (a uid or a user namespace
+    of its own), so the process cap is set; otherwise it would count the worker's processes too.
+    """
     fixed = [
         (resource.RLIMIT_AS, limits.address_space_bytes),
         (resource.RLIMIT_NOFILE, limits.open_files),
@@ -178,11 +250,14 @@ def install_socket_filter() -> None:
     f.load()
 
 
-def install_sandbox_filter() -> None:
+def install_sandbox_filter(own_pidns: bool = False) -> None:
     """Seccomp for one sandbox: the socket rules, plus it may signal and trace only itself.
 
-    libseccomp allows one comparison per argument and rule, so "pid != me" is written as two
-    rules, pid < me and pid > me (unsigned, so kill(0) and negative process groups are refused).
+    In a pid namespace of its own (``own_pidns``) every pid it can name is its own or one of its
+    descendants', so signals are allowed except to the namespace's init (pid 1): the sandbox
+    kills its leftovers with kill(-1). Otherwise signals go to itself only; libseccomp allows one
+    comparison per argument and rule, so "pid != me" is written as two rules, pid < me and
+    pid > me (unsigned, so kill(0) and negative process groups are refused).
     """
     import pyseccomp as sc
 
@@ -192,6 +267,9 @@ def install_sandbox_filter() -> None:
     f.add_rule(eperm, "socket", sc.Arg(0, sc.NE, socket.AF_UNIX))
     f.add_rule(eperm, "io_uring_setup")
     for call in ("kill", "tgkill", "pidfd_open"):
+        if own_pidns:
+            f.add_rule(eperm, call, sc.Arg(0, sc.EQ, 1))
+            continue
         f.add_rule(eperm, call, sc.Arg(0, sc.LT, me))
         f.add_rule(eperm, call, sc.Arg(0, sc.GT, me))
     for call in ("tkill", "ptrace", "process_vm_writev", "process_vm_readv"):

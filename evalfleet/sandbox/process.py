@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import atexit
 import concurrent.futures
+import contextlib
 import json
 import logging
 import math
@@ -108,21 +109,33 @@ class ForkServerError(Exception):
 class ForkServer:
     """A worker's fork server for one level, seen from the worker: start, requests, stop."""
 
-    def __init__(self, level: str, start_timeout_s: float) -> None:
+    def __init__(self, level: str, start_timeout_s: float, packages: tuple[str, ...] = ()
+                 ) -> None:
         self.level = level
+        self.packages = packages
         self._lock = threading.Lock()
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         inner = [sys.executable, "-m", "evalfleet.sandbox.forkserver", str(theirs.fileno()), level,
                  str(os.getpid())]
-        command = jail_command(inner) if level == "bwrap" else inner
+        # A root worker's jail is uid 0 outside, exempt from RLIMIT_NPROC: the server gets a
+        # pids cgroup folder of its own (an open folder, since the jail cannot see /sys) and
+        # caps each sandbox with a child cgroup.
+        self.cgroup = pids_cgroup_folder() if level == "bwrap" and os.geteuid() == 0 else None
+        cgroup_fd = (os.open(self.cgroup, os.O_RDONLY | os.O_DIRECTORY)
+                     if self.cgroup is not None else None)
+        if cgroup_fd is not None:
+            inner.append(str(cgroup_fd))
+        # The jail shows only the package folders of evalfleet and of ``packages`` (the env's).
+        command = jail_command(inner, packages=packages) if level == "bwrap" else inner
         # Never the worker's whole environment: its credentials are none of env code's business.
         env = dict(sandbox_environment(), OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1",
                    MKL_NUM_THREADS="1", PYTHONDONTWRITEBYTECODE="1")
         t0 = time.perf_counter()
         try:
             self.proc: subprocess.Popen[bytes] = _launch(
-                lambda: subprocess.Popen(command, pass_fds=[theirs.fileno()], env=env,
-                                         stdin=subprocess.DEVNULL, start_new_session=True)
+                lambda: subprocess.Popen(
+                    command, env=env, stdin=subprocess.DEVNULL, start_new_session=True,
+                    pass_fds=[theirs.fileno(), *([] if cgroup_fd is None else [cgroup_fd])])
             )
         except OSError as err:
             raise IsolationUnavailable(
@@ -130,6 +143,8 @@ class ForkServer:
             ) from err
         finally:
             theirs.close()
+            if cgroup_fd is not None:
+                os.close(cgroup_fd)
         self._sock = ours
         try:
             self.hello = self._recv(start_timeout_s)
@@ -208,6 +223,8 @@ class ForkServer:
         except subprocess.TimeoutExpired:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
+        if self.cgroup is not None:
+            _remove_cgroup_tree(self.cgroup)
         # A killed server leaves its sandbox folders behind (the hello predates any env import,
         # and the path is checked anyway before anything is removed as root).
         folder = getattr(self, "hello", {}).get("folder")
@@ -217,19 +234,69 @@ class ForkServer:
             shutil.rmtree(folder, ignore_errors=True)
 
 
-_servers: dict[str, ForkServer] = {}
+#: Where root workers make the pids cgroups of their bwrap fork servers (cgroup v1).
+PIDS_CGROUP_ROOT = "/sys/fs/cgroup/pids/evalfleet"
+_cgroup_serial = 0
+
+
+def pids_cgroup_folder() -> str | None:
+    """A fresh pids cgroup folder for one fork server, or None where none can be made."""
+    global _cgroup_serial
+    _cgroup_serial += 1
+    path = os.path.join(PIDS_CGROUP_ROOT, f"worker-{os.getpid()}-{_cgroup_serial}")
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as err:
+        logger.info("no pids cgroup for the bwrap fork server (%s): %s", path, err)
+        return None
+    return path
+
+
+def _remove_cgroup_tree(path: str) -> None:
+    """Remove a fork server's cgroup and its leftover children (empty once their tasks died)."""
+    for _ in range(100):
+        try:
+            for name in os.listdir(path):
+                if os.path.isdir(os.path.join(path, name)):
+                    with contextlib.suppress(OSError):
+                        os.rmdir(os.path.join(path, name))
+            os.rmdir(path)
+            return
+        except FileNotFoundError:
+            return
+        except OSError:
+            time.sleep(0.01)
+    logger.warning("could not remove the pids cgroup %s (tasks still in it)", path)
+
+
+_servers: dict[tuple[str, tuple[str, ...]], ForkServer] = {}
+_latest: dict[str, tuple[str, tuple[str, ...]]] = {}
 _servers_lock = threading.Lock()
 
 
-def fork_server(level: str, start_timeout_s: float) -> ForkServer:
-    """The fork server of ``level`` in this process, started on first use, reused across shards."""
+def _server_key(level: str, packages: Sequence[str]) -> tuple[str, tuple[str, ...]]:
+    # Only a bwrap jail's view depends on the env's packages; a process server sees everything.
+    if level != "bwrap":
+        return level, ()
+    return level, tuple(sorted({m.split(".", 1)[0] for m in packages if m}))
+
+
+def fork_server(level: str, start_timeout_s: float, packages: Sequence[str] | None = None
+                ) -> ForkServer:
+    """The fork server of ``level`` for envs from ``packages``, started on first use, reused.
+
+    ``packages=None``: the server of ``level`` used last (started with no env packages if none).
+    """
     with _servers_lock:
-        server = _servers.get(level)
+        key = (_latest.get(level, _server_key(level, ())) if packages is None
+               else _server_key(level, packages))
+        server = _servers.get(key)
         if server is not None and not server.alive:
             server.stop()
             server = None
         if server is None:
-            server = _servers[level] = ForkServer(level, start_timeout_s)
+            server = _servers[key] = ForkServer(level, start_timeout_s, key[1])
+        _latest[level] = key
         return server
 
 
@@ -238,6 +305,7 @@ def shutdown_fork_servers() -> None:
     with _servers_lock:
         servers = list(_servers.values())
         _servers.clear()
+        _latest.clear()
     for server in servers:
         server.stop()
 
@@ -382,7 +450,7 @@ class ProcessSlots:
     # -- internals ---------------------------------------------------------------------------------
 
     def _ensure_server(self) -> ForkServer:
-        server = fork_server(self.isolation, self.limits.start_timeout_s)
+        server = fork_server(self.isolation, self.limits.start_timeout_s, self._preload)
         if self._token not in server.prepared:
             answer = server.call(
                 ("prepare", self._token, self._maker_blob, list(sys.path), self._preload,
@@ -429,8 +497,8 @@ class ProcessSlots:
         server, self._server = self._server, None
         if server is not None:
             with _servers_lock:
-                if _servers.get(self.isolation) is server:
-                    del _servers[self.isolation]
+                for key in [k for k, v in _servers.items() if v is server]:
+                    del _servers[key]
             server.stop()
         for b in range(len(self._boxes)):
             self._forget(b)
@@ -582,7 +650,11 @@ class ProcessSlots:
         server = self._server
         if server is not None and server.alive:
             try:
-                answer = server.call(("kill", [box.pid for _, box in live]),
+                # Boxes whose channel closed (known reason None) end on their own: their exit
+                # status says why, so the server waits for it before killing.
+                exiting = tuple(box.pid for b, box in live
+                                if known is not None and known.get(b) is None)
+                answer = server.call(("kill", [box.pid for _, box in live], exiting),
                                      self.limits.start_timeout_s)
                 statuses = list(answer["statuses"])
             except ForkServerError as err:

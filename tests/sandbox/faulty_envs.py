@@ -15,6 +15,7 @@ import os
 import resource
 import signal
 import socket
+import sys
 import time
 from typing import Any
 
@@ -24,6 +25,7 @@ from gymnasium.envs.classic_control.cartpole import CartPoleEnv
 
 FAULT_RESIDUE = 3
 FAULT_STEP = 5
+FORK_BOMB_MAX = 200  # a bound of its own, so an uncapped sandbox does not take the machine down
 W = np.array([0.0, -0.1, 1.0, 0.1], dtype=np.float32)
 
 
@@ -133,6 +135,85 @@ class WriteOutside(_Faulty):
         return reward
 
 
+class ReadFiles(_Faulty):
+    """Reads each of ``targets`` and raises with what it found: the text, or the error's name."""
+
+    def __init__(self, targets: tuple[str, ...] = (), render_mode: str | None = None) -> None:
+        super().__init__(render_mode=render_mode)
+        self.targets = tuple(targets)
+
+    def fault(self, reward: float) -> float:
+        found = []
+        for target in self.targets:
+            try:
+                with open(target) as fh:
+                    found.append(f"{target} -> read {fh.read()!r}")
+            except OSError as err:
+                found.append(f"{target} -> {type(err).__name__}")
+        raise RuntimeError("; ".join(found))
+
+
+class ForkBomb(_Faulty):
+    """Forks sleeping children until fork fails (at most ``FORK_BOMB_MAX``), then raises."""
+
+    def fault(self, reward: float) -> float:
+        n = 0
+        try:
+            while n < FORK_BOMB_MAX:
+                if os.fork() == 0:
+                    time.sleep(120)
+                    os._exit(0)
+                n += 1
+        except OSError as err:
+            raise RuntimeError(f"fork bomb stopped after {n} forks: {err}") from err
+        raise RuntimeError(f"fork bomb was not stopped: {n} forks")
+
+
+class CpuBurner(_Faulty):
+    """Spins in ``step`` forever."""
+
+    def fault(self, reward: float) -> float:
+        while True:
+            pass
+
+
+class Daemon(_Faulty):
+    """Double-forks a CPU-burning daemon (own session, ``marker`` in its argv), then goes on.
+
+    The episode itself ends normally; its info says ``daemon_started`` = 1 once the daemon had
+    exec'd (it reports through a pipe first).
+    """
+
+    def __init__(self, marker: str = "evalfleet-daemon", render_mode: str | None = None) -> None:
+        super().__init__(render_mode=render_mode)
+        self.marker = marker
+        self.started = 0.0
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None
+              ) -> tuple[np.ndarray, dict[str, Any]]:
+        self.started = 0.0
+        return super().reset(seed=seed, options=options)
+
+    def step(self, action: Any) -> tuple[Any, Any, bool, bool, dict[str, Any]]:
+        obs, reward, terminated, truncated, info = super().step(action)
+        return obs, reward, terminated, truncated, {**info, "daemon_started": self.started}
+
+    def fault(self, reward: float) -> float:
+        r, w = os.pipe()
+        first = os.fork()
+        if first == 0:
+            os.setsid()
+            if os.fork() == 0:
+                os.write(w, b"1")
+                os.execv(sys.executable, [sys.executable, "-c", "while True: pass", self.marker])
+            os._exit(0)
+        os.close(w)
+        os.waitpid(first, 0)
+        self.started = float(os.read(r, 1) == b"1")
+        os.close(r)
+        return reward
+
+
 class Introspect(CartPoleEnv):
     """Healthy CartPole whose reset info describes the process it runs in (for tests)."""
 
@@ -171,7 +252,8 @@ class SlowStep(CartPoleEnv):
         return super().step(action)
 
 
-FAULTY = ("RaiseOnStep", "Hang", "Segfault", "NaNReward", "MemoryHog", "Connect", "WriteOutside")
+FAULTY = ("RaiseOnStep", "Hang", "Segfault", "NaNReward", "MemoryHog", "Connect", "WriteOutside",
+          "ReadFiles", "ForkBomb", "CpuBurner", "Daemon")
 
 for _name in (*FAULTY, "Introspect", "SlowStep"):
     gym.register(id=f"evalfleet-test/{_name}-v0", entry_point=f"{__name__}:{_name}",

@@ -101,12 +101,17 @@ def test_paths_under_tmp_are_bound_back_into_the_jail(tmp_path, monkeypatch: pyt
         pytest.skip("needs bwrap and a pytest tmp_path under /tmp")
     if probe().get("bwrap") is not None:
         pytest.skip(f"bwrap cannot build a jail here: {probe()['bwrap']}")
-    # A project checked out under /tmp: inside the jail its files are still there, read-only.
-    (project / "probe.txt").write_text("visible")
-    monkeypatch.chdir(project)
-    script = ("import os; print(open('probe.txt').read());\n"
-              "try:\n    open('new.txt', 'w')\nexcept OSError as e:\n    print(type(e).__name__)")
-    done = subprocess.run(jail_command([sys.executable, "-c", script]), capture_output=True,
-                          text=True, timeout=60)
+    # A package of a project checked out under /tmp: inside the jail its files are there,
+    # read-only; the rest of the checkout is not.
+    (project / "pkg" / "__init__.py").write_text("")
+    (project / "pkg" / "probe.txt").write_text("visible")
+    (project / "secret.txt").write_text("hidden")
+    monkeypatch.syspath_prepend(str(project))
+    script = (f"import os; print(open('{project}/pkg/probe.txt').read());\n"
+              f"print(os.path.exists('{project}/secret.txt'))\n"
+              f"try:\n    open('{project}/pkg/new.txt', 'w')\nexcept OSError as e:\n"
+              "    print(type(e).__name__)")
+    done = subprocess.run(jail_command([sys.executable, "-c", script], packages=["pkg"]),
+                          capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.split() == ["visible", "OSError"]
+    assert done.stdout.split() == ["visible", "False", "OSError"]

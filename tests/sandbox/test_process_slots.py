@@ -59,13 +59,24 @@ def sandboxes_of(level: str) -> list[psutil.Process]:
     """Live sandbox processes of this process's fork server for ``level``."""
     server = psutil.Process(fork_server(level, 60).proc.pid)
     out = []
-    # Under bwrap the tree is bwrap → jail init → fork server → sandboxes.
-    for proc in [server, *server.children(recursive=True)]:
-        try:
-            if proc.cmdline()[:3] == SERVER_CMD:
-                out.extend(c for c in proc.children() if c.status() != psutil.STATUS_ZOMBIE)
-        except psutil.Error:  # exited while we looked
-            continue
+    # Under bwrap the tree is bwrap → jail init → fork server → sandboxes. A sandbox in a pid
+    # namespace of its own is three forks of the server (host → init → sandbox): the server is
+    # the topmost process running SERVER_CMD; count its children, the hosts.
+    level_now = [server]
+    while level_now:
+        for proc in level_now:
+            try:
+                if proc.cmdline()[:3] == SERVER_CMD:
+                    return [c for c in proc.children() if c.status() != psutil.STATUS_ZOMBIE]
+            except psutil.Error:  # exited while we looked
+                continue
+        nxt = []
+        for proc in level_now:
+            try:
+                nxt.extend(proc.children())
+            except psutil.Error:
+                continue
+        level_now = nxt
     return out
 
 

@@ -35,7 +35,14 @@ def fork_servers() -> list[psutil.Process]:
                 procs[proc.pid] = proc
         except psutil.Error:
             continue
-    return [p for p in procs.values() if p.ppid() not in procs]
+    out = []
+    for proc in procs.values():
+        try:
+            if proc.ppid() not in procs:
+                out.append(proc)
+        except psutil.Error:  # exited while we looked (hosts, inits and sandboxes come and go)
+            continue
+    return out
 
 
 def live_sandboxes() -> list[psutil.Process]:
@@ -62,8 +69,9 @@ class Sampler(threading.Thread):
             self.counts.append((time.monotonic(), len(boxes)))
             if len(boxes) == CONCURRENCY and not self.uss:
                 for proc in boxes:
-                    try:
-                        self.uss.append(proc.memory_full_info().uss)
+                    try:  # a sandbox in a pid namespace is a host, its init and the sandbox
+                        tree = [proc, *proc.children(recursive=True)]
+                        self.uss.append(sum(p.memory_full_info().uss for p in tree))
                     except psutil.Error:
                         continue
                 for proc in fork_servers():
