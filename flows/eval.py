@@ -7,7 +7,6 @@ from contextlib import nullcontext
 import dask
 import pyarrow as pa
 from prefect import flow, unmapped
-from prefect.futures import PrefectFutureList
 from prefect.task_runners import ThreadPoolTaskRunner
 from prefect_dask import DaskTaskRunner
 
@@ -33,7 +32,7 @@ from tasks.collect_rewards import collect_rewards
 from tasks.distribute_policy import distribute_policy
 from tasks.feed_back import feed_back
 from tasks.receive_weights import receive_weights
-from tasks.run_episodes import run_episodes
+from tasks.run_episodes import run_episodes, shard_tables
 from tasks.spawn_sandboxes import spawn_sandboxes
 
 
@@ -59,22 +58,6 @@ def eval_flow(request: EvalRequest, address: str | None) -> EvalReport:
     baseline = baseline_episodes(request, received, collected, address)
     report = aggregate(request, received, schedule, collected, baseline)         # 6 aggregate
     return feed_back(request, received, report, collected)                       # 7 feed back
-
-
-def shard_tables(shards: PrefectFutureList[pa.Table]) -> list[pa.Table]:
-    """The run stage's tables; when one shard fails, the others are cancelled.
-
-    They must not outlive the policy's release: a shard left queued would start on a worker that
-    joins later, after the policy is gone, and fail with ``PolicyIntegrityError``.
-    """
-    try:
-        return shards.result()
-    except BaseException:
-        for future in shards:
-            wrapped = getattr(future, "wrapped_future", None)
-            if wrapped is not None and hasattr(wrapped, "cancel"):
-                wrapped.cancel()
-        raise
 
 
 def gpu(received: Received) -> dict[str, int]:
