@@ -18,7 +18,7 @@ import functools
 import logging
 import math
 import os
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -447,19 +447,37 @@ def _slot_failure(ep: _Episode, out: SlotOutcome) -> bool:
     return True
 
 
-def _replay_one_sandboxed(
-    slots: EnvSlots, policy: LoadedPolicy, ep: _Episode, keep_rows: bool,
-    sink: _VideoSink | None, shape: tuple[int, ...] | None,
+#: What one replayed step of an env gives: next observation, reward, terminated, truncated, the
+#: ``info`` items to record, and a rendered frame (None when no video is recorded).
+_Step = tuple[Any, float, bool, bool, list[tuple[str, Any]], "npt.NDArray[np.uint8] | None"]
+
+
+def _replay_loop(
+    ep: _Episode, policy: LoadedPolicy, keep_rows: bool, sink: _VideoSink | None,
+    reset: Callable[[], tuple[Any, npt.NDArray[np.uint8] | None] | None],
+    step: Callable[[Any], _Step | None],
+    render: Callable[[], npt.NDArray[np.uint8]] | None = None,
 ) -> None:
-    """``_replay_one`` with the env in a sandbox: the same steps, ends and counts as the runner."""
+    """Run one episode the way ``run_shard`` does, recording steps and frames.
+
+    ``reset``/``step`` drive the env where it lives (in this process, or in a sandbox); they end
+    ``ep`` and return None on an env failure. A step's frame comes with it (a sandbox packs it) or,
+    with ``render``, is rendered once the step is counted. The policy sees the observation as the runner's
+    float32 buffer row holds it, and every failure ends the episode at the same step with the same
+    return and length as in the runner.
+    """
     space = policy.action_space
     rng = None if policy.deterministic else np.random.default_rng(ep.seed)
-    out = slots.reset(0, ep.seed)
-    if _slot_failure(ep, out):
+    first = reset()
+    if first is None:
         return
-    obs, frame = _framed(out, shape)
-    row = np.zeros(obs.shape, dtype=np.float32)
-    row[...] = obs
+    obs, frame = first
+    try:
+        row = np.zeros(np.asarray(obs, dtype=np.float32).shape, dtype=np.float32)
+        row[...] = obs
+    except Exception as err:
+        ep.reason, ep.error = EndReason.ENV_ERROR.value, error_text(err)
+        return
     if sink is not None and frame is not None:
         sink.add(frame)
     while True:
@@ -475,15 +493,14 @@ def _replay_one_sandboxed(
             ep.error = f"action {np.asarray(action[0]).tolist()!r} not in {space}"
             return
         env_action = _to_env_action(space, action[0])
-        out = slots.step_many([0], [env_action])[0]
-        if _slot_failure(ep, out):
+        stepped = step(env_action)
+        if stepped is None:
             return
-        next_obs, frame = _framed(out, shape)
-        reward, terminated, truncated = float(out.reward), out.terminated, out.truncated
+        next_obs, reward, terminated, truncated, info, frame = stepped
         if not (terminated or truncated):
             try:
                 row[...] = next_obs  # as the runner's buffer does: a misfit is an env_error
-            except ValueError as err:
+            except Exception as err:
                 ep.reason, ep.error = EndReason.ENV_ERROR.value, error_text(err)
                 return
         ep.length += 1
@@ -498,9 +515,10 @@ def _replay_one_sandboxed(
                 "reward": reward,
                 "terminated": terminated,
                 "truncated": truncated,
-                # A sandbox sends info only with an episode's last step.
-                "info": list(out.info.items()),
+                "info": info,
             })
+        if sink is not None and frame is None and render is not None:
+            frame = render()
         if sink is not None and frame is not None:
             sink.add(frame)
         if not math.isfinite(reward):
@@ -513,72 +531,53 @@ def _replay_one_sandboxed(
         obs = next_obs
 
 
+def _replay_one_sandboxed(
+    slots: EnvSlots, policy: LoadedPolicy, ep: _Episode, keep_rows: bool,
+    sink: _VideoSink | None, shape: tuple[int, ...] | None,
+) -> None:
+    """``_replay_loop`` with the env in a sandbox (frames come packed with the observation).
+
+    A sandbox sends ``info`` only with an episode's last step, so only that step's is recorded.
+    """
+    def reset() -> tuple[Any, npt.NDArray[np.uint8] | None] | None:
+        out = slots.reset(0, ep.seed)
+        return None if _slot_failure(ep, out) else _framed(out, shape)
+
+    def step(action: Any) -> _Step | None:
+        out = slots.step_many([0], [action])[0]
+        if _slot_failure(ep, out):
+            return None
+        next_obs, frame = _framed(out, shape)
+        return (next_obs, float(out.reward), out.terminated, out.truncated,
+                list(out.info.items()), frame)
+
+    _replay_loop(ep, policy, keep_rows, sink, reset, step)
+
+
 def _replay_one(
     env: gym.Env[Any, Any], policy: LoadedPolicy, ep: _Episode, keep_rows: bool,
     sink: _VideoSink | None,
 ) -> None:
-    """Run one episode the way ``run_shard`` does, recording steps and frames.
-
-    The policy sees the observation as the runner's float32 buffer row holds it, and every
-    failure ends the episode at the same step with the same return and length as in the runner.
-    """
-    space = policy.action_space
-    rng = None if policy.deterministic else np.random.default_rng(ep.seed)
-    try:
-        obs, _ = env.reset(seed=ep.seed)
-        row = np.zeros(np.asarray(obs, dtype=np.float32).shape, dtype=np.float32)
-        row[...] = obs
-    except Exception as err:
-        ep.reason, ep.error = EndReason.ENV_ERROR.value, error_text(err)
-        return
-    if sink is not None:
-        sink.add(_render_frame(env))
-    while True:
+    """``_replay_loop`` with the env in this process."""
+    def reset() -> tuple[Any, npt.NDArray[np.uint8] | None] | None:
         try:
-            action = policy.act(row[None].copy(), None if rng is None else [rng])
-            if len(action) != 1:
-                raise ValueError(f"policy returned {len(action)} actions for 1 rows")
-        except Exception as err:
-            ep.reason, ep.error = EndReason.POLICY_ERROR.value, error_text(err)
-            return
-        if _invalid_actions(space, action)[0]:
-            ep.reason = EndReason.INVALID_ACTION.value
-            ep.error = f"action {np.asarray(action[0]).tolist()!r} not in {space}"
-            return
-        env_action = _to_env_action(space, action[0])
-        try:
-            next_obs, raw_reward, raw_terminated, raw_truncated, info = env.step(env_action)
-            reward = float(raw_reward)
-            terminated, truncated = bool(raw_terminated), bool(raw_truncated)
-            if not (terminated or truncated):
-                row[...] = next_obs  # as the runner's buffer does: a misfit is an env_error
+            obs, _ = env.reset(seed=ep.seed)
         except Exception as err:
             ep.reason, ep.error = EndReason.ENV_ERROR.value, error_text(err)
-            return
-        ep.length += 1
-        ep.actions.append(env_action)
-        if keep_rows:
-            ep.rows.append({
-                "episode_index": ep.index,
-                "seed": ep.seed,
-                "step": ep.length - 1,
-                "obs": _flat(obs),
-                "action": int(env_action) if isinstance(space, spaces.Discrete) else _flat(env_action),
-                "reward": reward,
-                "terminated": terminated,
-                "truncated": truncated,
-                "info": list(scalar_info(info).items()) if isinstance(info, dict) else [],
-            })
-        if sink is not None:
-            sink.add(_render_frame(env))
-        if not math.isfinite(reward):
-            ep.reason, ep.error = EndReason.INVALID_REWARD.value, f"reward {reward!r} at step {ep.length}"
-            return
-        ep.ret += reward
-        if terminated or truncated:
-            ep.reason = (EndReason.TERMINATED if terminated else EndReason.TRUNCATED).value
-            return
-        obs = next_obs
+            return None
+        return obs, (_render_frame(env) if sink is not None else None)
+
+    def step(action: Any) -> _Step | None:
+        try:
+            next_obs, raw_reward, raw_terminated, raw_truncated, info = env.step(action)
+            reward = float(raw_reward)
+        except Exception as err:
+            ep.reason, ep.error = EndReason.ENV_ERROR.value, error_text(err)
+            return None
+        items = list(scalar_info(info).items()) if isinstance(info, dict) else []
+        return next_obs, reward, bool(raw_terminated), bool(raw_truncated), items, None
+
+    _replay_loop(ep, policy, keep_rows, sink, reset, step, lambda: _render_frame(env))
 
 
 def _compare(
