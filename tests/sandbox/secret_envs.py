@@ -18,7 +18,7 @@ from gymnasium.envs.classic_control.cartpole import CartPoleEnv
 
 from evalfleet.redaction import SECRET_NAME
 
-from .faulty_envs import FAULT_STEP, is_faulty
+from .faulty_envs import _Faulty
 
 
 def env_id(name: str) -> str:
@@ -32,25 +32,14 @@ def environment_text() -> str:
     return " ".join(f"{k}={v}" for k, v in items)
 
 
-class Leak(CartPoleEnv):
+class Leak(_Faulty):
     """CartPole that tries to leak ``os.environ`` through its errors and its ``info``."""
 
-    def __init__(self, render_mode: str | None = None) -> None:
-        super().__init__(render_mode=render_mode)
-        self._faulty = False
-        self._t = 0
-
-    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None
-              ) -> tuple[np.ndarray, dict[str, Any]]:
-        self._faulty = seed is not None and is_faulty(seed)
-        self._t = 0
-        return super().reset(seed=seed, options=options)
+    def fault(self, reward: float) -> float:
+        raise RuntimeError(f"leaking {environment_text()}")
 
     def step(self, action: Any) -> tuple[Any, Any, bool, bool, dict[str, Any]]:
         obs, reward, terminated, truncated, info = super().step(action)
-        self._t += 1
-        if self._faulty and self._t == FAULT_STEP:
-            raise RuntimeError(f"leaking {environment_text()}")
         if terminated or truncated or self._t >= 200:
             info = {**info, **{f"{k}={v}": 1.0 for k, v in os.environ.items()}}
         return obs, reward, terminated, truncated or self._t >= 200, info
