@@ -32,6 +32,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
+from tenacity import (
+    RetryCallState,
+    Retrying,
+    retry_if_result,
+    stop_after_attempt,
+    wait_exponential,
+)
 
 from evalfleet.egress import EgressPolicy, EgressRefused
 from evalfleet.errors import EvalfleetError
@@ -188,6 +195,24 @@ class CallbackResult:
         return f"failed after {tries} ({self.seconds:.2f} s): {self.error}"
 
 
+@dataclass(frozen=True)
+class _Attempt:
+    """One POST of a report: its status (None without a response) and whether to retry."""
+
+    status_code: int | None
+    error: str | None
+    retry: bool
+    retry_after: float | None = None
+
+
+def _outcome(state: RetryCallState) -> _Attempt:
+    # Attempts never raise (failures are values), so every finished attempt has a result.
+    if state.outcome is None:
+        raise RuntimeError("no attempt has finished yet")
+    result: _Attempt = state.outcome.result()
+    return result
+
+
 def _retryable(status: int) -> bool:
     # 408/429 and 5xx are the receiver saying "later"; other 4xx will not change on retry.
     return status in (408, 425, 429) or status >= 500
@@ -233,42 +258,47 @@ def post_report(
     body = canonical_json(report_json)
     delivery = delivery_id or str(report_json.get("request_id") or uuid.uuid4().hex)
     t0 = time.monotonic()
-    status: int | None = None
-    error: str | None = None
-    made = 0
     try:
         target = (egress or EgressPolicy.from_env()).check(url)
     except EgressRefused as err:
         logger.error("callback to %s refused: %s", url, err)
         return CallbackResult(url, False, 0, None, f"refused: {err}", time.monotonic() - t0,
                               delivery)
+    exponential = wait_exponential(multiplier=backoff, max=max_backoff)
+
+    def wait(state: RetryCallState) -> float:
+        # The receiver's Retry-After wins over our own back-off, within the same cap.
+        hint = _outcome(state).retry_after
+        return exponential(state) if hint is None else min(max_backoff, max(0.0, hint))
+
+    def log_retry(state: RetryCallState) -> None:
+        wait_s = state.next_action.sleep if state.next_action else 0.0
+        logger.warning("callback to %s failed (%s); retry %d/%d in %.1f s", url,
+                       _outcome(state).error, state.attempt_number, attempts - 1, wait_s)
+
     with httpx.Client(timeout=timeout, transport=transport, follow_redirects=False,
                       trust_env=False) as client:
-        for attempt in range(attempts):
-            made = attempt + 1
-            wait = min(max_backoff, backoff * 2**attempt)
+
+        def attempt() -> _Attempt:
             try:
                 headers = signed_headers(body, secret, delivery_id=delivery, event=event)
                 response = client.send(target.request(client, "POST", content=body,
                                                       headers=headers))
             except httpx.HTTPError as err:
-                status, error = None, f"{type(err).__name__}: {err}"
-            else:
-                status = response.status_code
-                if 200 <= status < 300:
-                    return CallbackResult(url, True, made, status, None,
-                                          time.monotonic() - t0, delivery)
-                error = f"HTTP {status}: {response.text[:200]}"
-                if not _retryable(status):
-                    break
-                hint = _retry_after(response)
-                if hint is not None:
-                    wait = min(max_backoff, max(0.0, hint))
-            if attempt + 1 < attempts:
-                logger.warning("callback to %s failed (%s); retry %d/%d in %.1f s",
-                               url, error, attempt + 1, attempts - 1, wait)
-                sleep(wait)
-    return CallbackResult(url, False, made, status, error, time.monotonic() - t0, delivery)
+                return _Attempt(None, f"{type(err).__name__}: {err}", retry=True)
+            status = response.status_code
+            if 200 <= status < 300:
+                return _Attempt(status, None, retry=False)
+            return _Attempt(status, f"HTTP {status}: {response.text[:200]}",
+                            retry=_retryable(status), retry_after=_retry_after(response))
+
+        retrying = Retrying(stop=stop_after_attempt(attempts), wait=wait,
+                            retry=retry_if_result(lambda a: a.retry), sleep=sleep,
+                            before_sleep=log_retry, retry_error_callback=_outcome)
+        last: _Attempt = retrying(attempt)
+    made = int(retrying.statistics["attempt_number"])
+    return CallbackResult(url, last.error is None, made, last.status_code, last.error,
+                          time.monotonic() - t0, delivery)
 
 
 def _env_number(name: str, default: float) -> float:
