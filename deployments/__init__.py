@@ -1,7 +1,7 @@
 """The evaluation service: the served deployment, the webhook receiver and ``evalfleet serve``.
 
 Incoming webhooks are a Prefect Cloud feature, so evalfleet runs its own receiver
-(``deployments/webhook.py``) in front of an open-source Prefect server: it checks signatures,
+(``deployments/webhook/``) in front of an open-source Prefect server: it checks signatures,
 validates, de-duplicates, and creates flow runs of the deployment served by
 ``deployments/serve.py``. ``deployments/cli.py`` starts all of it with one command.
 

@@ -15,7 +15,7 @@ A receiver recomputes the HMAC over the raw body bytes (never over re-serialised
 in constant time, and rejects timestamps further than ``tolerance_s`` from its clock. Several
 secrets may be accepted at once so a secret can be rotated without downtime.
 
-Prefect-free on purpose: the receiver (``deployments/webhook.py``), stage 7 and trainers share it.
+Prefect-free on purpose: the receiver (``deployments/webhook/``), stage 7 and trainers share it.
 """
 
 from __future__ import annotations

@@ -1,0 +1,5 @@
+"""Entry point of ``python -m deployments.webhook``."""
+
+from deployments.webhook.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,273 @@
+"""The receiver's logic, independent of the HTTP framework.
+
+It authenticates, validates and de-duplicates deliveries, creates the flow runs, and answers
+status reads.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import httpx
+
+from deployments import DEPLOYMENT, WEBHOOK_SECRET_ENV
+from deployments.webhook.flow_runs import FINAL_STATES, RETRYABLE_STATES, PrefectAPI
+from deployments.webhook.policy_copy import fetch_policy
+from deployments.webhook.schema import EvaluationCreate, Rejected, idempotency_key, parse_body
+from deployments.webhook.store import Evaluation, EvaluationStore
+from evalfleet.callback import (
+    DEFAULT_TOLERANCE_S,
+    DELIVERY_HEADER,
+    SIGNATURE_HEADER,
+    TIMESTAMP_HEADER,
+    SignatureError,
+    read_message,
+    verify,
+)
+from evalfleet.egress import DEFAULT_MAX_DOWNLOAD_BYTES, EgressPolicy, EgressRefused
+from evalfleet.errors import RequestError
+from evalfleet.models import EvalRequest
+from evalfleet.storage import run_dir
+
+if TYPE_CHECKING:
+    from prefect.client.schemas.objects import FlowRun
+
+logger = logging.getLogger("evalfleet.webhook")
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class ReceiverConfig:
+    """Everything the receiver needs; secrets come from the environment or a Secret block."""
+
+    secrets: tuple[str, ...]
+    """Accepted webhook secrets (the current one first; more during a rotation)."""
+    prefect_api_url: str
+    """The Prefect server's API, e.g. http://127.0.0.1:4200/api."""
+    state_dir: Path
+    """Holds webhook.sqlite and the content-addressed policies/ folder."""
+    output: Path
+    """Results folder of every evaluation (Parquet, report.json, MLflow default)."""
+    deployment: str = DEPLOYMENT
+    """``flow-name/deployment-name`` to trigger."""
+    mlflow_uri: str | None = None
+    """MLflow tracking URI; default ``sqlite:///OUTPUT/mlflow.db``."""
+    experiment: str = "evalfleet"
+    """MLflow experiment unless the webhook names one."""
+    isolation: str = "auto"
+    """Sandbox level of every evaluation (a service setting, not the trainer's choice)."""
+    tolerance_s: float = DEFAULT_TOLERANCE_S
+    """Allowed clock difference of signed timestamps."""
+    max_body_bytes: int = 64 * 1024
+    """Larger bodies get 413 (policies travel by URI, not in the body)."""
+    max_policy_bytes: int = DEFAULT_MAX_DOWNLOAD_BYTES
+    """Larger policy files are refused (downloads stop at this many bytes)."""
+    egress: EgressPolicy = field(default_factory=EgressPolicy)
+    """Which ``policy.uri`` and ``callback_url`` hosts requests may make the service reach."""
+    policy_roots: tuple[Path, ...] = ()
+    """Folders ``file://`` policy URIs must lie under (symlinks resolved); empty: any path."""
+    request_overrides: dict[str, Any] = field(default_factory=dict)
+    """Extra ``EvalRequest`` fields for every evaluation (e.g. concurrency)."""
+
+
+def _tag(kind: str, value: str) -> str:
+    # Tags are how any receiver finds a run in Prefect; delivery ids are hashed (any text).
+    return f"evalfleet-{kind}:{value}"
+
+
+class Receiver:
+    """The receiver's logic, independent of the HTTP framework (``create_app`` wires it).
+
+    Prefect decides what is a new run, so several receivers behind one load balancer (each
+    with its own store) still start one flow run per delivery and per live cache key: the
+    flow run is created with idempotency key ``evalfleet-<cache key>-<generation>``, where the
+    generation counts this deployment's runs of that cache key that ended FAILED, CRASHED or
+    CANCELLED. Concurrent deliveries of one evaluation compute the same key and get the same
+    run back from the server; once a run failed, the next delivery gets a new generation and
+    a new run; a COMPLETED run keeps answering for its cache key. Every run carries tags with
+    its evaluation id, cache key and first delivery id, so any receiver can answer a status
+    request or a redelivery for a run another one created.
+    """
+
+    def __init__(self, config: ReceiverConfig, prefect: PrefectAPI | None = None) -> None:
+        if not config.secrets or not all(config.secrets):
+            raise RuntimeError(
+                f"no webhook secret: set {WEBHOOK_SECRET_ENV} (or pass --secret-block NAME of a "
+                "Prefect Secret block); the receiver refuses to run unauthenticated."
+            )
+        self.config = config
+        self.store = EvaluationStore(config.state_dir / "webhook.sqlite")
+        self.prefect = prefect or PrefectAPI(config.prefect_api_url, config.deployment)
+
+    def authenticate(self, message: bytes, headers: dict[str, str]) -> None:
+        """Check the HMAC headers over ``message``; raises a 401 ``Rejected``."""
+        try:
+            verify(message, headers.get(SIGNATURE_HEADER.lower()),
+                   headers.get(TIMESTAMP_HEADER.lower()), self.config.secrets,
+                   tolerance_s=self.config.tolerance_s)
+        except SignatureError as err:
+            raise Rejected(401, "unauthorized", str(err), extra={"code": err.reason}) from None
+
+    def create(self, raw: bytes, headers: dict[str, str], base_url: str
+               ) -> tuple[int, dict[str, Any]]:
+        """Handle one delivery; returns (status, JSON body) or raises ``Rejected``."""
+        self.authenticate(raw, headers)
+        delivery_id = (headers.get(DELIVERY_HEADER.lower()) or "").strip()
+        if not delivery_id or len(delivery_id) > 200:
+            raise Rejected(400, "invalid_request", "a unique delivery id (≤ 200 characters) is "
+                           "required; retries must reuse it", field_name=DELIVERY_HEADER)
+        body = parse_body(raw)
+        if body.callback_url is not None:
+            try:
+                self.config.egress.check(str(body.callback_url))
+            except EgressRefused as err:
+                raise Rejected(400, "invalid_request", f"callback_url refused: {err}",
+                               field_name="callback_url") from None
+        body_sha = hashlib.sha256(raw).hexdigest()
+        if (known := self._known_delivery(delivery_id, body_sha, base_url)) is not None:
+            return 200, known
+        policy_path = fetch_policy(body.policy, self.config.state_dir / "policies",
+                                   self.config.max_policy_bytes, self.config.egress,
+                                   self.config.policy_roots)
+        delivery_tag = _tag("delivery", hashlib.sha256(delivery_id.encode()).hexdigest()[:32])
+        earlier = self._prefect(lambda: self.prefect.find_flow_run([delivery_tag]))
+        if earlier is not None:  # delivered before, to another receiver
+            evaluation = self._from_run(earlier)
+            self.store.record(delivery_id, body_sha, evaluation, evaluation.id)
+            return 200, self._accepted(evaluation, base_url, duplicate="delivery")
+        key = idempotency_key(body)
+        generation = self._prefect(lambda: self.prefect.count_flow_runs(
+            [_tag("key", key)], RETRYABLE_STATES))
+        proposed = uuid.uuid4().hex[:16]
+        parameters = {"request": self._request(body, policy_path, proposed)}
+        tags = ["evalfleet", "webhook", _tag("key", key), _tag("eval", proposed), delivery_tag]
+        tags += [f"train:{body.training_run_id}"] if body.training_run_id else []
+        run = self._prefect(lambda: self.prefect.create_flow_run(
+            parameters, f"evalfleet-{key}-{generation}", tags))
+        evaluation = self._from_run(run)
+        self.store.record(delivery_id, body_sha, evaluation, evaluation.id)
+        if evaluation.id == proposed:
+            logger.info("delivery %s: evaluation %s, flow run %s", delivery_id, evaluation.id,
+                        evaluation.flow_run_id)
+            return 202, self._accepted(evaluation, base_url, duplicate=None)
+        duplicate = "delivery" if delivery_tag in run.tags else "cache_key"
+        logger.info("delivery %s: same %s as evaluation %s", delivery_id, duplicate,
+                    evaluation.id)
+        return 200, self._accepted(evaluation, base_url, duplicate=duplicate)
+
+    def status(self, evaluation_id: str, headers: dict[str, str], base_url: str
+               ) -> dict[str, Any]:
+        """State of an evaluation and, once completed, its report (signed reads only)."""
+        self.authenticate(read_message("GET", f"/v1/evaluations/{evaluation_id}"), headers)
+        evaluation = self.store.get(evaluation_id)
+        if evaluation is None and len(evaluation_id) <= 64:  # made by another receiver?
+            run = self._prefect(lambda: self.prefect.find_flow_run([_tag("eval", evaluation_id)]))
+            evaluation = self._from_run(run) if run is not None else None
+        if evaluation is None:
+            raise Rejected(404, "not_found", f"no evaluation {evaluation_id!r}")
+        out = self._accepted(evaluation, base_url, duplicate=None)
+        out.pop("duplicate")
+        run = self._prefect(lambda: self.prefect.flow_run(evaluation.flow_run_id))
+        state_type = run.state.type.value if run.state is not None else None
+        out.update(state=state_type, state_name=run.state.name if run.state else None,
+                   message=run.state.message if run.state else None,
+                   final=state_type in FINAL_STATES, report=None)
+        if state_type == "COMPLETED":
+            path = run_dir(Path(evaluation.request["output"]), evaluation.id) / "report.json"
+            try:
+                out["report"] = json.loads(path.read_text())
+            except (OSError, json.JSONDecodeError) as err:
+                out["message"] = f"completed, but the report cannot be read from {path}: {err}"
+        return out
+
+    def healthy(self) -> dict[str, bool]:
+        """Whether the store and Prefect answer."""
+        return {"store": self.store.ping(), "prefect": self.prefect.healthy()}
+
+    def close(self) -> None:
+        """Release the store and the HTTP client."""
+        self.store.close()
+        self.prefect.close()
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _known_delivery(self, delivery_id: str, body_sha: str, base_url: str
+                        ) -> dict[str, Any] | None:
+        known = self.store.delivery(delivery_id)
+        if known is None:
+            return None
+        evaluation_id, known_sha = known
+        if known_sha != body_sha:
+            raise Rejected(409, "conflict", f"delivery id {delivery_id!r} was already used for a "
+                           "different body; use a new delivery id for a new request")
+        evaluation = self.store.get(evaluation_id)
+        if evaluation is None:  # the store was edited by hand
+            raise Rejected(500, "internal", f"delivery {delivery_id!r} points to a missing "
+                           f"evaluation {evaluation_id!r}")
+        return self._accepted(evaluation, base_url, duplicate="delivery")
+
+    @staticmethod
+    def _prefect(call: Callable[[], T]) -> T:
+        """Run one Prefect API call; its failures become 503 (nothing was recorded)."""
+        from prefect.exceptions import ObjectNotFound
+
+        try:
+            return call()
+        except (httpx.HTTPStatusError, ObjectNotFound) as err:
+            # Prefect's client turns a 404 into ObjectNotFound, keeping the HTTP error.
+            http = err if isinstance(err, httpx.HTTPStatusError) else err.http_exc
+            response = http.response if isinstance(http, httpx.HTTPStatusError) else None
+            status, text = ((response.status_code, response.text[:300]) if response is not None
+                            else (404, ""))
+            raise Rejected(503, "unavailable", f"Prefect refused: {status} {text}") from None
+        except httpx.HTTPError as err:
+            raise Rejected(503, "unavailable", f"Prefect API unreachable: {err}") from None
+
+    @staticmethod
+    def _from_run(run: FlowRun) -> Evaluation:
+        request: dict[str, Any] = (run.parameters or {}).get("request") or {}
+        key = next((t.split(":", 1)[1] for t in run.tags if t.startswith(_tag("key", ""))), "")
+        if not request.get("request_id"):
+            raise Rejected(500, "internal", f"flow run {run.id} has no evaluation request")
+        return Evaluation(str(request["request_id"]), key, str(run.id), request, time.time())
+
+    def _request(self, body: EvaluationCreate, policy_path: Path, evaluation_id: str
+                 ) -> dict[str, Any]:
+        cfg = self.config
+        fields: dict[str, Any] = dict(
+            env=body.env.id, env_kwargs=body.env.kwargs, policy=str(policy_path),
+            policy_factory=body.policy.factory, episodes=body.protocol.episodes,
+            seed=body.protocol.seed, max_steps=body.protocol.max_steps,
+            deterministic=body.protocol.deterministic, isolation=cfg.isolation,
+            output=cfg.output.resolve(), mlflow_uri=cfg.mlflow_uri,
+            experiment=body.experiment or cfg.experiment, training_run_id=body.training_run_id,
+            step=body.step, callback_url=str(body.callback_url) if body.callback_url else None,
+            request_id=evaluation_id,
+        )
+        fields.update(cfg.request_overrides)
+        try:
+            request = EvalRequest.build(**fields)
+        except RequestError as err:
+            raise Rejected(400, "invalid_request", str(err), field_name="body") from None
+        return dict(request.model_dump(mode="json"))
+
+    def _accepted(self, evaluation: Evaluation, base_url: str, duplicate: str | None
+                  ) -> dict[str, Any]:
+        return {
+            "id": evaluation.id,
+            "flow_run_id": evaluation.flow_run_id,
+            "status_url": f"{base_url.rstrip('/')}/v1/evaluations/{evaluation.id}",
+            "prefect_url": self.prefect.ui_url(evaluation.flow_run_id),
+            "cache_key": evaluation.cache_key,
+            "training_run_id": evaluation.request.get("training_run_id"),
+            "step": evaluation.request.get("step"),
+            "duplicate": duplicate,
+        }

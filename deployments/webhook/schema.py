@@ -1,0 +1,112 @@
+"""The receiver's HTTP contract: the body of ``POST /v1/evaluations`` and the error answer.
+
+``EvaluationCreate`` is what a trainer sends; ``parse_body`` turns raw bytes into it or into a
+400 naming the field; ``Rejected`` is every non-2xx answer, raised anywhere in the receiver and
+rendered as JSON by the app; ``idempotency_key`` says which deliveries are one evaluation.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+from pydantic import AnyHttpUrl, BaseModel, ConfigDict, Field, ValidationError
+
+from evalfleet.callback import canonical_json
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class PolicyRef(_Strict):
+    """Where the policy bytes are and what they hash to."""
+
+    uri: str = Field(min_length=1, description="file:///abs/path, an absolute path, or http(s)://.")
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$", description="Lower-case hex sha256 of the bytes.")
+    factory: str | None = Field(
+        None, pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$",
+        description="'module:function' building the nn.Module when the bytes are a state_dict.",
+    )
+
+
+class EnvRef(_Strict):
+    """The evaluation environment."""
+
+    id: str = Field(min_length=1, description="Gymnasium id ('module:EnvId-v0' imports module).")
+    kwargs: dict[str, Any] = Field(default_factory=dict, description="Kwargs for gym.make.")
+
+
+class EvalProtocol(_Strict):
+    """What makes two evaluations comparable: same protocol, same numbers."""
+
+    episodes: int = Field(100, gt=0, le=100_000, description="Episodes (indices 0..episodes-1).")
+    seed: int = Field(0, ge=0, description="Base seed of the seed ledger.")
+    max_steps: int | None = Field(None, gt=0, description="Step cap; None = the env's own.")
+    deterministic: bool = Field(True, description="argmax actions (True) or sampled (False).")
+
+
+class EvaluationCreate(_Strict):
+    """Body of ``POST /v1/evaluations``."""
+
+    policy: PolicyRef
+    env: EnvRef
+    protocol: EvalProtocol = Field(default_factory=lambda: EvalProtocol.model_validate({}))
+    training_run_id: str | None = Field(None, max_length=256, description="Trainer's run id.")
+    step: int | None = Field(None, ge=0, description="Training step of these weights.")
+    callback_url: AnyHttpUrl | None = Field(None, description="Where the signed report is POSTed.")
+    experiment: str | None = Field(None, max_length=256, description="MLflow experiment override.")
+
+
+def idempotency_key(body: EvaluationCreate) -> str:
+    """sha256 over what the trainer said fixes an evaluation's numbers (episodes included).
+
+    Two deliveries with the same key are the same evaluation. It is computed from the body
+    alone, so the receiver needs neither torch nor the env's package. ``evalfleet.cache``'s key
+    is finer (env spec and package versions, policy output kind) but needs stage 1 to load the
+    env and policy; the flow applies it anyway, so a run that slips past this key still reuses
+    cached episodes instead of recomputing them.
+    """
+    doc = {
+        "policy_sha256": body.policy.sha256,
+        "policy_factory": body.policy.factory,
+        "env": body.env.id,
+        "env_kwargs": body.env.kwargs,
+        "seed": body.protocol.seed,
+        "episodes": body.protocol.episodes,
+        "max_steps": body.protocol.max_steps,
+        "deterministic": body.protocol.deterministic,
+    }
+    return hashlib.sha256(canonical_json(doc)).hexdigest()
+
+
+class Rejected(Exception):
+    """An HTTP error answer, raised inside the handler and rendered as JSON."""
+
+    def __init__(self, status: int, error: str, reason: str, *, field_name: str | None = None,
+                 extra: dict[str, Any] | None = None) -> None:
+        super().__init__(reason)
+        self.status = status
+        self.body: dict[str, Any] = {"error": error, "reason": reason}
+        if field_name is not None:
+            self.body["field"] = field_name
+        self.body.update(extra or {})
+
+
+def parse_body(raw: bytes) -> EvaluationCreate:
+    """JSON → ``EvaluationCreate``; every problem becomes a 400 naming the field and the reason."""
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise Rejected(400, "invalid_request", f"body is not JSON: {err}", field_name="body") from None
+    try:
+        return EvaluationCreate.model_validate(data)
+    except ValidationError as err:
+        problems = [
+            {"field": ".".join(str(p) for p in e["loc"]) or "body", "reason": e["msg"]}
+            for e in err.errors()
+        ]
+        first = problems[0]
+        raise Rejected(400, "invalid_request", first["reason"], field_name=first["field"],
+                       extra={"problems": problems}) from None
