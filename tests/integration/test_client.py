@@ -17,8 +17,8 @@ import pytest
 import torch
 from mlflow.tracking import MlflowClient
 
+from deployments.runner import DeploymentRunner
 from evalfleet.client import (
-    DeploymentRunner,
     EvaluationFailed,
     Evaluator,
     EvaluatorBusy,
