@@ -8,7 +8,9 @@ trigger never starts a second run) and waited for by it, bounded by ``timeout_s`
 from __future__ import annotations
 
 import os
+from typing import cast
 
+from prefect.client.schemas.objects import FlowRun
 from prefect.deployments import run_deployment
 from prefect.settings import PREFECT_API_URL, temporary_settings
 
@@ -53,7 +55,8 @@ class DeploymentRunner:
     def __call__(self, request: EvalRequest) -> EvalReport:
         """Trigger the deployment and block (bounded by ``timeout_s``) until its report exists."""
         with temporary_settings(updates={PREFECT_API_URL: self.api_url}):
-            flow_run = run_deployment(
+            # Called from synchronous code, run_deployment returns the FlowRun, not a coroutine.
+            flow_run = cast(FlowRun, run_deployment(
                 self.deployment,
                 parameters={"request": request.model_dump(mode="json")},
                 idempotency_key=f"evalfleet-{request.request_id}",
@@ -61,7 +64,7 @@ class DeploymentRunner:
                 timeout=self.timeout_s,
                 poll_interval=self.poll_s,
                 as_subflow=False,  # a flow run of its own, even when triggered from inside a flow
-            )
+            ))
         state = flow_run.state
         name = state.name if state is not None else None
         if state is None or not state.is_final():
