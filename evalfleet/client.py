@@ -12,53 +12,44 @@ The API has the shape of TorchRL's ``Evaluator``::
         evaluator.wait(timeout=600)
 
 Every evaluation goes through the same seven-stage flow and Dask cluster as the CLI and the
-webhook: by default ``flows.eval.evaluate`` on one local cluster and one Prefect API kept open for
-the evaluator's lifetime (``LocalFlowRunner``), or a deployment on a Prefect server
-(``DeploymentRunner``), or any ``runner(request) -> EvalReport`` you pass.
+webhook, run by a ``Runner`` (``evalfleet.runners``): by default the flow on one local cluster and
+one Prefect API kept open for the evaluator's lifetime (the ``local`` entry point of the
+``evalfleet.runners`` group, ``flows.local_runner.LocalFlowRunner``), or a deployment on a Prefect
+server (``deployments.runner.DeploymentRunner``), or any ``runner(request) -> EvalReport`` you pass.
 
-Weights cross into the evaluation as a file: a state_dict plus ``policy_factory`` when one is
-given, else the module compiled to TorchScript. ``trigger_eval`` only copies the weights off the
-training device (a non-blocking copy on CUDA); serialising, hashing and evaluating happen on one
-background thread, where ``on_result`` runs too.
+Weights cross into the evaluation as a file (``evalfleet.snapshots``): a state_dict plus
+``policy_factory`` when one is given, else the module compiled to TorchScript. ``trigger_eval``
+only copies the weights off the training device (a non-blocking copy on CUDA); serialising,
+hashing and evaluating happen on one background thread, where ``on_result`` runs too.
 
-This module never imports Prefect: the flow is imported lazily by ``LocalFlowRunner``.
+This module imports neither Prefect nor the flow layer: the default runner is found by entry
+point and imported on that background thread.
 """
 
 from __future__ import annotations
 
 import contextvars
-import copy
-import hashlib
-import importlib
-import io
 import logging
-import os
 import queue
-import sys
-import tempfile
 import threading
-import time
 import uuid
-import warnings
 from collections import deque
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-import httpx
-
 from evalfleet.errors import EvalfleetError, PolicyError
 from evalfleet.models import EvalReport, EvalRequest
-from evalfleet.storage import read_episodes, run_dir
+from evalfleet.runners import EvaluationFailed, Runner, find_runner, load_runner
+from evalfleet.snapshots import PolicyWriter, WeightSnapshot, factory_ref, snapshot_weights
+from evalfleet.storage import read_episodes
 
 if TYPE_CHECKING:
     import pyarrow as pa
-    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +58,6 @@ BUSY_POLICIES = ("error", "queue", "skip")
 _OWN_FIELDS = ("policy", "policy_factory", "episodes", "env", "device", "step",
                "training_run_id", "request_id")
 
-Runner = Callable[[EvalRequest], EvalReport]
 Result = dict[str, Any]
 
 
@@ -75,294 +65,8 @@ class EvaluatorBusy(EvalfleetError):
     """``trigger_eval`` with ``busy_policy='error'`` while an evaluation is still pending."""
 
 
-class EvaluationFailed(EvalfleetError):
-    """An evaluation did not produce a report; the cause is chained (``__cause__``)."""
-
-
 class EvaluatorClosed(EvalfleetError):
     """The evaluator was shut down; create a new one."""
-
-
-# ----------------------------------------------------------------------------------- runners
-
-
-class LocalFlowRunner:
-    """Runs ``flows.eval.evaluate`` on one Prefect API and one Dask cluster kept open.
-
-    The API (``PREFECT_API_URL``, or a local server started once) and the cluster (``dask_address``,
-    or a ``LocalCluster`` of ``workers`` processes started once) live until ``close()``: starting
-    them per evaluation would cost seconds each time. Call it from one thread only (the
-    ``Evaluator``'s worker thread does), since Prefect's settings context is per thread.
-    """
-
-    def __init__(self, workers: int = 2, dask_address: str | None = None) -> None:
-        self.workers = workers
-        self.dask_address = dask_address
-        self._stack: ExitStack | None = None
-        self._address: str | None = None
-
-    def _open(self) -> str:
-        from evalfleet.cluster import fleet_cluster
-
-        # Imported by name: the core depends on the flow layer only at run time, never at import.
-        runtime = importlib.import_module("flows.runtime")
-        stack = ExitStack()
-        try:
-            stack.enter_context(runtime.prefect_api())
-            address = stack.enter_context(fleet_cluster(self.dask_address, self.workers))
-        except BaseException:
-            stack.close()
-            raise
-        self._stack, self._address = stack, address
-        return address
-
-    def __call__(self, request: EvalRequest) -> EvalReport:
-        """Evaluate ``request`` on the kept cluster."""
-        evaluate: Runner = importlib.import_module("flows.eval").evaluate
-        address = self._address or self._open()
-        return evaluate(request.model_copy(update={"dask_address": address}))
-
-    def close(self) -> None:
-        """Stop the local cluster and API server this runner started (if any)."""
-        stack, self._stack, self._address = self._stack, None, None
-        if stack is not None:
-            stack.close()
-
-
-class DeploymentRunner:
-    """Runs each evaluation as a flow run of a served deployment, over Prefect's REST API.
-
-    The report is read from ``report.json`` under the request's ``output`` folder, so that folder
-    must be shared between this process and the deployment's (same host, or a shared volume);
-    the ``Evaluator`` makes it absolute before sending.
-    """
-
-    FINAL = ("COMPLETED", "FAILED", "CRASHED", "CANCELLED")
-
-    def __init__(
-        self,
-        api_url: str | None = None,
-        deployment: str = "evalfleet-service/evaluate",
-        *,
-        timeout_s: float = 1800.0,
-        poll_s: float = 0.5,
-    ) -> None:
-        url = api_url or os.environ.get("PREFECT_API_URL", "")
-        if not url:
-            raise EvalfleetError(
-                "DeploymentRunner needs a Prefect API: pass api_url='http://HOST:4200/api' or set "
-                "PREFECT_API_URL (start one with 'evalfleet serve')."
-            )
-        if deployment.count("/") != 1:
-            raise EvalfleetError(
-                f"'deployment' must look like 'flow-name/deployment-name' (got {deployment!r})."
-            )
-        self.api_url = url.rstrip("/")
-        self.deployment = deployment
-        self.timeout_s = timeout_s
-        self.poll_s = poll_s
-        self._deployment_id: str | None = None
-
-    def _get(self, client: httpx.Client, path: str) -> Any:
-        response = client.get(f"{self.api_url}{path}")
-        response.raise_for_status()
-        return response.json()
-
-    def trigger(self, client: httpx.Client, request: EvalRequest) -> str:
-        """Create the flow run; returns its id. Idempotent per ``request.request_id``."""
-        if self._deployment_id is None:
-            flow_name, name = self.deployment.split("/")
-            self._deployment_id = str(self._get(client, f"/deployments/name/{flow_name}/{name}")["id"])
-        response = client.post(
-            f"{self.api_url}/deployments/{self._deployment_id}/create_flow_run",
-            json={"parameters": {"request": request.model_dump(mode="json")},
-                  "idempotency_key": f"evalfleet-{request.request_id}",
-                  "tags": ["evalfleet", "client"]},
-        )
-        response.raise_for_status()
-        return str(response.json()["id"])
-
-    def __call__(self, request: EvalRequest) -> EvalReport:
-        """Trigger the deployment and block (bounded by ``timeout_s``) until its report exists."""
-        with httpx.Client(timeout=30) as client:
-            flow_run_id = self.trigger(client, request)
-            deadline = time.monotonic() + self.timeout_s
-            while True:
-                state = self._get(client, f"/flow_runs/{flow_run_id}").get("state") or {}
-                if state.get("type") in self.FINAL:
-                    break
-                if time.monotonic() > deadline:
-                    raise EvaluationFailed(
-                        f"flow run {flow_run_id} not finished after {self.timeout_s:.0f} s (state "
-                        f"{state.get('name')!r}); is 'evalfleet serve' running for {self.deployment!r}?"
-                    )
-                time.sleep(self.poll_s)
-        if state.get("type") != "COMPLETED":
-            raise EvaluationFailed(
-                f"flow run {flow_run_id} ended {state.get('name')!r}: {state.get('message')}"
-            )
-        path = run_dir(request.output, request.request_id) / "report.json"
-        try:
-            return EvalReport.model_validate_json(path.read_text())
-        except OSError as err:
-            raise EvaluationFailed(
-                f"flow run {flow_run_id} completed but {path} cannot be read ({err}); the output "
-                "folder must be shared between this process and the deployment."
-            ) from err
-
-    def close(self) -> None:
-        """Nothing to release: every call opens and closes its own HTTP client."""
-
-
-# ------------------------------------------------------------------------ weights → policy file
-
-
-def factory_ref(factory: str | Callable[..., Any]) -> str:
-    """``'module:function'`` for a policy factory given as a string or a module-level function.
-
-    A function defined in the script being run (module ``__main__``) is referred to by the
-    script's importable name, so that workers can import it (the script must guard its
-    training code with ``if __name__ == "__main__":``).
-    """
-    if isinstance(factory, str):
-        if factory.count(":") != 1:
-            raise PolicyError(f"'policy_factory' must look like 'module:function' (got {factory!r}).")
-        return factory
-    module = getattr(factory, "__module__", None)
-    qualname = getattr(factory, "__qualname__", "")
-    if not module or not qualname or "<" in qualname or "." in qualname:
-        raise PolicyError(
-            f"'policy_factory' {factory!r} must be a module-level function (workers import it by "
-            "name); lambdas, closures and methods cannot be imported."
-        )
-    if module == "__main__":
-        main = sys.modules["__main__"]
-        spec = getattr(main, "__spec__", None)
-        if spec is not None and spec.name and spec.name != "__main__":
-            module = spec.name  # python -m pkg.script
-        else:
-            script = Path(getattr(main, "__file__", "") or "")
-            if not script.name or str(script.resolve().parent) not in {
-                str(Path(p or ".").resolve()) for p in sys.path
-            }:
-                raise PolicyError(
-                    f"'policy_factory' {qualname!r} lives in __main__ and its script's folder is "
-                    "not importable; move it into a module or pass 'module:function'."
-                )
-            module = script.stem
-    return f"{module}:{qualname}"
-
-
-@dataclass
-class _Snapshot:
-    """Weights copied off the training device at trigger time (maybe still in flight on CUDA)."""
-
-    state: dict[str, torch.Tensor]
-    module: torch.nn.Module | None
-    events: list[Any]
-
-    def ready(self) -> dict[str, torch.Tensor]:
-        """The CPU tensors, after any pending device→host copy has landed."""
-        for event in self.events:
-            event.synchronize()
-        self.events = []
-        return self.state
-
-
-def snapshot_weights(weights: Any) -> _Snapshot:
-    """Copy an ``nn.Module``'s or a state_dict's tensors to CPU without waiting on the device.
-
-    CUDA tensors are copied with ``non_blocking=True`` behind a recorded event (the worker thread
-    waits on the event, the training thread does not); the copy is ordered before any later
-    optimizer step on the same stream, so it sees exactly the weights of this step.
-    """
-    import torch
-
-    module = weights if isinstance(weights, torch.nn.Module) else None
-    source = weights.state_dict() if module is not None else weights
-    if not isinstance(source, Mapping) or not all(
-        isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in source.items()
-    ):
-        raise PolicyError(
-            f"weights must be an nn.Module or a state_dict (str -> Tensor); got "
-            f"{type(weights).__name__}."
-        )
-    state: dict[str, torch.Tensor] = {}
-    devices: set[torch.device] = set()
-    for name, tensor in source.items():
-        t = tensor.detach()
-        if t.is_cuda:
-            devices.add(t.device)
-            state[name] = t.to("cpu", non_blocking=True)
-        else:
-            state[name] = t.clone()
-    events = []
-    for device in devices:
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(device))
-        events.append(event)
-    return _Snapshot(state, module, events)
-
-
-class PolicyWriter:
-    """Turns weight snapshots into content-addressed policy files under ``folder``.
-
-    With a factory the file is the state_dict (``torch.save``); without one, the module is
-    compiled to TorchScript once and each snapshot is loaded into the compiled copy.
-    """
-
-    def __init__(self, folder: Path, factory: str | None) -> None:
-        self.folder = Path(folder)
-        self.factory = factory
-        self._scripted: Any = None
-        self._scripted_for: int | None = None
-
-    def write(self, snapshot: _Snapshot) -> Path:
-        """Write the snapshot; returns the file path (named by its sha256)."""
-        import torch
-
-        state = snapshot.ready()
-        buffer = io.BytesIO()
-        if self.factory is not None:
-            torch.save(state, buffer)
-        else:
-            if snapshot.module is None:
-                raise PolicyError(
-                    "a state_dict needs 'policy_factory' ('module:function' building the "
-                    "nn.Module); or pass the nn.Module itself."
-                )
-            with warnings.catch_warnings():
-                # torch 2.13 deprecates TorchScript; it is still evalfleet's self-contained format.
-                warnings.simplefilter("ignore", DeprecationWarning)
-                torch.jit.save(self._script(snapshot.module, state), buffer)
-        blob = buffer.getvalue()
-        digest = hashlib.sha256(blob).hexdigest()
-        path = self.folder / f"{digest}.pt"
-        if not path.exists():
-            self.folder.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=self.folder, suffix=".tmp")
-            with os.fdopen(fd, "wb") as fh:
-                fh.write(blob)
-            os.replace(tmp, path)
-        return path
-
-    def _script(self, module: torch.nn.Module, state: dict[str, torch.Tensor]) -> Any:
-        import torch
-
-        if self._scripted is None or self._scripted_for != id(module):
-            # The structure is copied once; the values come from each snapshot below.
-            template = copy.deepcopy(module).to("cpu").eval()
-            try:
-                self._scripted = torch.jit.script(template)
-            except Exception as err:
-                raise PolicyError(
-                    f"cannot compile {type(module).__name__} to TorchScript ({type(err).__name__}: "
-                    f"{str(err).splitlines()[0] if str(err) else ''}); pass policy_factory="
-                    "'module:function' so the weights travel as a state_dict instead."
-                ) from err
-            self._scripted_for = id(module)
-        self._scripted.load_state_dict(state)
-        return self._scripted
 
 
 # ---------------------------------------------------------------------------------- evaluator
@@ -388,7 +92,7 @@ def result_from_report(report: EvalReport, step: int | None) -> Result:
 @dataclass
 class _Job:
     request: EvalRequest
-    snapshot: _Snapshot
+    snapshot: WeightSnapshot
     future: Future[Result]
 
 
@@ -409,7 +113,8 @@ class Evaluator:
             schema); merged into the result dict.
         device: Where workers run the policy: ``'cpu'``, ``'cuda[:N]'`` or ``'auto'``.
         training_run_id: The trainer's run id (an MLflow run id nests the evaluation runs under it).
-        runner: ``runner(request) -> EvalReport``; default ``LocalFlowRunner``.
+        runner: ``runner(request) -> EvalReport``; default: the ``local`` runner registered in
+            the ``evalfleet.runners`` entry point group (the flow on a local cluster).
         **request_fields: Any other ``EvalRequest`` field (``seed``, ``env_kwargs``, ``workers``,
             ``dask_address``, ``output``, ``mlflow_uri``, ``experiment``, ``max_steps``, ...).
     """
@@ -457,6 +162,8 @@ class Evaluator:
         self.metrics_fn = metrics_fn
         self.skipped = 0
         self._runner: Runner | None = runner
+        # Found now (metadata only, nothing imported) so a missing runner fails before any thread.
+        self._default_runner = find_runner() if runner is None else None
         self._writer = PolicyWriter(self._template.output / "policies", self.factory)
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._triggered: deque[_Job] = deque()
@@ -613,7 +320,8 @@ class Evaluator:
         path = self._writer.write(job.snapshot)
         request = job.request.model_copy(update={"policy": str(path)})
         if self._runner is None:
-            self._runner = LocalFlowRunner(request.workers, request.dask_address)
+            entry = self._default_runner or find_runner()
+            self._runner = load_runner(entry, request.workers, request.dask_address)
         report = self._runner(request)
         result = result_from_report(report, request.step)
         if self.metrics_fn is not None:
@@ -656,13 +364,12 @@ class Evaluator:
 
 __all__ = [
     "BUSY_POLICIES",
-    "DeploymentRunner",
     "EvaluationFailed",
     "Evaluator",
     "EvaluatorBusy",
     "EvaluatorClosed",
-    "LocalFlowRunner",
     "PolicyWriter",
+    "Result",
     "Runner",
     "factory_ref",
     "result_from_report",

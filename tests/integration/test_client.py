@@ -16,9 +16,12 @@ import pyarrow as pa
 import pytest
 import torch
 from mlflow.tracking import MlflowClient
+from prefect import flow
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
 
+from deployments.runner import DeploymentRunner
 from evalfleet.client import (
-    DeploymentRunner,
     EvaluationFailed,
     Evaluator,
     EvaluatorBusy,
@@ -28,6 +31,7 @@ from evalfleet.client import (
     snapshot_weights,
 )
 from evalfleet.errors import EvalfleetError, PolicyError, RequestError
+from evalfleet.models import EvalRequest
 
 from .conftest import CALLBACK_SECRET, Service, TrainerEndpoint
 from .policies import mlp
@@ -204,3 +208,31 @@ def test_evaluator_through_the_deployment(service: Service) -> None:
     assert result["eval/step"] == 9 and result["report"].episodes == 8
     assert result["report"].manifest["policy"]["format"] == "torchscript"
     assert Path(result["report"].outputs["report"]).is_relative_to(service.output)
+
+
+@flow(name="evalfleet-unserved")
+def unserved(request: dict[str, Any]) -> None:
+    """A deployment target no process serves: its flow runs stay scheduled."""
+
+
+@pytest.mark.slow
+def test_deployment_runner_is_bounded_and_idempotent(prefect_server: str, tmp_path: Path) -> None:
+    """Nobody serves the deployment: the runner gives up after timeout_s, naming the flow run's
+    state and what to check, and a repeated request gets the same flow run, not a second one."""
+    deployment_id = unserved.to_deployment(name="nobody").apply()
+    runner = DeploymentRunner(prefect_server, "evalfleet-unserved/nobody", timeout_s=1, poll_s=0.2)
+    request = EvalRequest.build(policy="x.pt", output=tmp_path)
+    ids = []
+    for _ in range(2):
+        t0 = time.monotonic()
+        with pytest.raises(EvaluationFailed, match=r"not finished after 1 s \(state 'Scheduled'\); "
+                           r"is 'evalfleet serve' running for 'evalfleet-unserved/nobody'\?") as err:
+            runner(request)
+        assert 1.0 <= time.monotonic() - t0 < 30
+        ids.append(str(err.value).split()[2])
+    with get_client(sync_client=True) as client:
+        mine = client.read_flow_runs(
+            deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[deployment_id])))
+    assert ids[0] == ids[1] == str(mine[0].id) and len(mine) == 1
+    assert set(mine[0].tags) >= {"evalfleet", "client"}
+    assert mine[0].parameters["request"]["request_id"] == request.request_id

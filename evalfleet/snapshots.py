@@ -1,0 +1,178 @@
+"""Training weights on their way to an evaluation: copied off the device, written as a policy file.
+
+``snapshot_weights`` runs on the training thread and only copies tensors to the host (a
+non-blocking copy on CUDA, behind a recorded event), so training goes on at once. ``PolicyWriter``
+runs later, on the evaluator's thread: it waits for that copy and writes a content-addressed file,
+a state_dict when a policy factory (``factory_ref``) rebuilds the module on the workers, else the
+module compiled to TorchScript.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import io
+import os
+import sys
+import tempfile
+import warnings
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from evalfleet.errors import PolicyError
+
+if TYPE_CHECKING:
+    import torch
+
+
+def factory_ref(factory: str | Callable[..., Any]) -> str:
+    """``'module:function'`` for a policy factory given as a string or a module-level function.
+
+    A function defined in the script being run (module ``__main__``) is referred to by the
+    script's importable name, so that workers can import it (the script must guard its
+    training code with ``if __name__ == "__main__":``).
+    """
+    if isinstance(factory, str):
+        if factory.count(":") != 1:
+            raise PolicyError(f"'policy_factory' must look like 'module:function' (got {factory!r}).")
+        return factory
+    module = getattr(factory, "__module__", None)
+    qualname = getattr(factory, "__qualname__", "")
+    if not module or not qualname or "<" in qualname or "." in qualname:
+        raise PolicyError(
+            f"'policy_factory' {factory!r} must be a module-level function (workers import it by "
+            "name); lambdas, closures and methods cannot be imported."
+        )
+    if module == "__main__":
+        main = sys.modules["__main__"]
+        spec = getattr(main, "__spec__", None)
+        if spec is not None and spec.name and spec.name != "__main__":
+            module = spec.name  # python -m pkg.script
+        else:
+            script = Path(getattr(main, "__file__", "") or "")
+            if not script.name or str(script.resolve().parent) not in {
+                str(Path(p or ".").resolve()) for p in sys.path
+            }:
+                raise PolicyError(
+                    f"'policy_factory' {qualname!r} lives in __main__ and its script's folder is "
+                    "not importable; move it into a module or pass 'module:function'."
+                )
+            module = script.stem
+    return f"{module}:{qualname}"
+
+
+@dataclass
+class WeightSnapshot:
+    """Weights copied off the training device at trigger time (maybe still in flight on CUDA)."""
+
+    state: dict[str, torch.Tensor]
+    module: torch.nn.Module | None
+    events: list[Any]
+
+    def ready(self) -> dict[str, torch.Tensor]:
+        """The CPU tensors, after any pending device→host copy has landed."""
+        for event in self.events:
+            event.synchronize()
+        self.events = []
+        return self.state
+
+
+def snapshot_weights(weights: Any) -> WeightSnapshot:
+    """Copy an ``nn.Module``'s or a state_dict's tensors to CPU without waiting on the device.
+
+    CUDA tensors are copied with ``non_blocking=True`` behind a recorded event (the worker thread
+    waits on the event, the training thread does not); the copy is ordered before any later
+    optimizer step on the same stream, so it sees exactly the weights of this step.
+    """
+    import torch
+
+    module = weights if isinstance(weights, torch.nn.Module) else None
+    source = weights.state_dict() if module is not None else weights
+    if not isinstance(source, Mapping) or not all(
+        isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in source.items()
+    ):
+        raise PolicyError(
+            f"weights must be an nn.Module or a state_dict (str -> Tensor); got "
+            f"{type(weights).__name__}."
+        )
+    state: dict[str, torch.Tensor] = {}
+    devices: set[torch.device] = set()
+    for name, tensor in source.items():
+        t = tensor.detach()
+        if t.is_cuda:
+            devices.add(t.device)
+            state[name] = t.to("cpu", non_blocking=True)
+        else:
+            state[name] = t.clone()
+    events = []
+    for device in devices:
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(device))
+        events.append(event)
+    return WeightSnapshot(state, module, events)
+
+
+class PolicyWriter:
+    """Turns weight snapshots into content-addressed policy files under ``folder``.
+
+    With a factory the file is the state_dict (``torch.save``); without one, the module is
+    compiled to TorchScript once and each snapshot is loaded into the compiled copy.
+    """
+
+    def __init__(self, folder: Path, factory: str | None) -> None:
+        self.folder = Path(folder)
+        self.factory = factory
+        self._scripted: Any = None
+        self._scripted_for: int | None = None
+
+    def write(self, snapshot: WeightSnapshot) -> Path:
+        """Write the snapshot; returns the file path (named by its sha256)."""
+        import torch
+
+        state = snapshot.ready()
+        buffer = io.BytesIO()
+        if self.factory is not None:
+            torch.save(state, buffer)
+        else:
+            if snapshot.module is None:
+                raise PolicyError(
+                    "a state_dict needs 'policy_factory' ('module:function' building the "
+                    "nn.Module); or pass the nn.Module itself."
+                )
+            with warnings.catch_warnings():
+                # torch 2.13 deprecates TorchScript; it is still evalfleet's self-contained format.
+                warnings.simplefilter("ignore", DeprecationWarning)
+                torch.jit.save(self._script(snapshot.module, state), buffer)
+        blob = buffer.getvalue()
+        digest = hashlib.sha256(blob).hexdigest()
+        path = self.folder / f"{digest}.pt"
+        if not path.exists():
+            self.folder.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=self.folder, suffix=".tmp")
+            with os.fdopen(fd, "wb") as fh:
+                fh.write(blob)
+            os.replace(tmp, path)
+        return path
+
+    def _script(self, module: torch.nn.Module, state: dict[str, torch.Tensor]) -> Any:
+        import torch
+
+        if self._scripted is None or self._scripted_for != id(module):
+            # The structure is copied once; the values come from each snapshot below.
+            template = copy.deepcopy(module).to("cpu").eval()
+            try:
+                self._scripted = torch.jit.script(template)
+            except Exception as err:
+                raise PolicyError(
+                    f"cannot compile {type(module).__name__} to TorchScript ({type(err).__name__}: "
+                    f"{str(err).splitlines()[0] if str(err) else ''}); pass policy_factory="
+                    "'module:function' so the weights travel as a state_dict instead."
+                ) from err
+            self._scripted_for = id(module)
+        self._scripted.load_state_dict(state)
+        return self._scripted
+
+
+__all__ = ["PolicyWriter", "WeightSnapshot", "factory_ref", "snapshot_weights"]
