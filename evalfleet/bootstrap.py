@@ -25,9 +25,10 @@ from scipy import stats as scipy_stats
 __all__ = ["MAX_INDICES_PER_CHUNK", "bootstrap_distribution"]
 
 FloatArray = NDArray[np.float64]
+IndexArray = NDArray[np.integer]
 
-#: Upper bound on resample indices drawn at once (int64: 32 MB, plus the gathered and sorted
-#: floats of one batch).
+#: Upper bound on resample indices drawn at once (32 MB of int64 indices, their int32 copy and
+#: the gathered floats of one batch).
 MAX_INDICES_PER_CHUNK: Final = 4_000_000
 
 
@@ -47,16 +48,22 @@ def bootstrap_distribution(
         return ones, ones
     cut = n // 4
 
-    def mean(sample: FloatArray, axis: int = -1) -> FloatArray:
-        means: FloatArray = sample.mean(axis=axis)
+    # scipy resamples the episode indices, not the returns: because x is sorted, sorting the
+    # (int32) indices of a resample sorts its values: a quarter less time than sorting the
+    # gathered floats at 20k episodes x 2000 resamples.
+    def mean(idx: IndexArray, axis: int = -1) -> FloatArray:
+        means: FloatArray = x[idx].mean(axis=axis)
         return means
 
-    def mean_and_iqm(sample: FloatArray, axis: int = -1) -> FloatArray:
-        middle = np.sort(sample, axis=axis)[..., cut : n - cut] if cut else sample
-        return np.stack([sample.mean(axis=axis), middle.mean(axis=axis)])
+    def mean_and_iqm(idx: IndexArray, axis: int = -1) -> FloatArray:
+        means = mean(idx, axis)
+        if not cut:
+            return np.stack([means, means])
+        middle = np.sort(idx, axis=axis)[..., cut : n - cut]
+        return np.stack([means, x[middle].mean(axis=axis)])
 
     result = scipy_stats.bootstrap(
-        (x,),
+        (np.arange(n, dtype=np.int32 if n < 2**31 else np.int64),),
         mean_and_iqm if with_iqm else mean,
         n_resamples=n_boot,
         batch=max(1, MAX_INDICES_PER_CHUNK // n),
