@@ -15,7 +15,7 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from evalfleet import stats
+from evalfleet import bootstrap, intervals, stats
 from evalfleet.errors import EvalfleetError
 from evalfleet.stats import (
     Interval,
@@ -154,14 +154,7 @@ def test_t_interval_matches_known_quantiles() -> None:
 )
 def test_normal_quantile_reference_values(p: float, expected: float) -> None:
     # References from mpmath at 40 digits.
-    assert stats._norm_ppf(p) == pytest.approx(expected, rel=1e-14, abs=1e-15)
-
-
-def test_normal_quantile_inverts_the_cdf_far_into_the_tails() -> None:
-    for p in [1e-300, 1e-100, 1e-20, 1e-5, 0.02425, 0.1, 0.3, 0.49, 0.5]:
-        assert stats._norm_cdf(stats._norm_ppf(p)) == pytest.approx(p, rel=1e-13)
-    for p in [2.0**-40, 2.0**-6, 0.125, 0.375]:  # 1 - p is exact
-        assert stats._norm_ppf(1 - p) == -stats._norm_ppf(p)
+    assert intervals.normal_quantile(p) == pytest.approx(expected, rel=1e-14, abs=1e-15)
 
 
 @pytest.mark.parametrize(
@@ -174,14 +167,14 @@ def test_normal_quantile_inverts_the_cdf_far_into_the_tails() -> None:
         (1e-8, 4, 131.59473694062355),
         (0.4, 50, 0.25469934298858811),
         (0.025, 1000, 1.9623390808264085),
-        (0.025, 9999, 1.9602012636213577),  # last df solved numerically
-        (0.025, 10000, 1.9602012398906262),  # first df from the Cornish-Fisher expansion
+        (0.025, 9999, 1.9602012636213577),
+        (0.025, 10000, 1.9602012398906262),
         (0.025, 10**6, 1.959966356814107),
     ],
 )
 def test_t_quantile_reference_values(q: float, df: int, expected: float) -> None:
     # References from mpmath (regularized incomplete beta) at 40 digits.
-    assert stats._t_isf(q, df) == pytest.approx(expected, rel=1e-11)
+    assert intervals._t_upper_quantile(q, df) == pytest.approx(expected, rel=1e-13)
 
 
 def test_needed_episodes_normal_approximation() -> None:
@@ -190,7 +183,7 @@ def test_needed_episodes_normal_approximation() -> None:
     assert needed_episodes(1.0, 0.1, level=0.99) == 664  # (2.5758 / 0.1)^2 = 663.49
     assert needed_episodes(0.0, 0.1) == 2
     # Exactly (z * std / h)^2 = 4: rounding must not bump it to 5.
-    assert needed_episodes(1.0, stats._norm_ppf(0.975) / 2) == 4
+    assert needed_episodes(1.0, intervals.normal_quantile(0.975) / 2) == 4
 
 
 # ---------------------------------------------------------------------------------------------
@@ -384,8 +377,60 @@ def test_chunk_size_does_not_change_results(monkeypatch: pytest.MonkeyPatch) -> 
     x = np.random.default_rng(7).normal(size=1001)
     reference = summarize(x, seed=5, n_boot=1000, method="bca")
     # 7007 indices per chunk: 7 rows each, last chunk shorter, odd index counts.
-    monkeypatch.setattr(stats, "_MAX_INDICES_PER_CHUNK", 7007)
+    monkeypatch.setattr(bootstrap, "MAX_INDICES_PER_CHUNK", 7007)
     assert summarize(x, seed=5, n_boot=1000, method="bca") == reference
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 7, 1001])
+def test_bootstrap_draws_plain_index_resamples_of_the_sorted_sample(n: int) -> None:
+    # The contract, written out without scipy: row r of the resamples is
+    # sorted_x[rng.integers(0, n, (n_boot, n))[r]]; the IQM cuts n // 4 from each end, and is the
+    # mean itself below 4 values.
+    x = np.sort(np.random.default_rng(n).normal(size=n))
+    idx = np.random.default_rng(17).integers(0, n, size=(300, n))
+    cut = n // 4
+    means = x[idx].mean(axis=1)
+    iqms = np.sort(x[idx], axis=1)[:, cut : n - cut].mean(axis=1) if cut else means
+    got_means, got_iqms = bootstrap.bootstrap_distribution(
+        x, np.random.default_rng(17), 300, with_iqm=True
+    )
+    assert np.array_equal(got_means, means) and np.array_equal(got_iqms, iqms)
+    only_means, _ = bootstrap.bootstrap_distribution(
+        x, np.random.default_rng(17), 300, with_iqm=False
+    )
+    assert np.array_equal(only_means, means)
+
+
+@pytest.mark.parametrize("method", ["percentile", "bca"])
+def test_bootstrap_intervals_agree_with_scipy_stats_bootstrap(method: str) -> None:
+    # Same seed, same resamples: scipy's own interval (its BCa with a generic jackknife) matches.
+    from scipy import stats as scipy_stats
+
+    x = np.random.default_rng(11).exponential(1.0, size=50)
+    ours = mean_ci(x, seed=4, method=method)
+    theirs = scipy_stats.bootstrap(
+        (np.sort(x),), np.mean, n_resamples=2000, method=method, rng=np.random.default_rng(4)
+    ).confidence_interval
+    assert (ours.low, ours.high) == pytest.approx((theirs.low, theirs.high), rel=1e-12)
+
+
+@pytest.mark.parametrize(("k", "n"), [(1, 16), (15, 16), (3, 50), (1, 20_000), (19_999, 20_000)])
+def test_clopper_pearson_agrees_with_scipy_binomtest(k: int, n: int) -> None:
+    from scipy import stats as scipy_stats
+
+    low, high = intervals.clopper_pearson(k, n, 0.95)
+    exact = scipy_stats.binomtest(k, n).proportion_ci(0.95, method="exact")
+    assert (low, high) == pytest.approx((exact.low, exact.high), rel=1e-9)
+
+
+def test_stats_reexports_the_interval_names() -> None:
+    # audit.py, report.py and the tests import these from evalfleet.stats.
+    for name in stats.__all__:
+        assert hasattr(stats, name), name
+    assert stats.Interval is intervals.Interval
+    assert stats.StatsInputError is intervals.StatsInputError
+    assert stats.wilson_interval is intervals.wilson_interval
+    assert stats.METHOD_SKEW_T == intervals.METHOD_SKEW_T == "skew-corrected t (Hall)"
 
 
 def test_to_dict_is_json_ready() -> None:

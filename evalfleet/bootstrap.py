@@ -1,0 +1,77 @@
+"""Bootstrap distributions of the mean and the IQM, drawn by :func:`scipy.stats.bootstrap`.
+
+The contract every resampling statistic of evalfleet relies on:
+
+* The sample is sorted before resampling, so the result depends on the multiset of returns and
+  the seed, never on the order in which episodes finished.
+* Randomness comes only from the ``numpy.random.Generator`` passed in (no global RNG); one seed
+  gives one result.
+* Resamples are drawn in batches of at most ``MAX_INDICES_PER_CHUNK`` indices, which bounds
+  memory whatever the number of episodes. Batching does not change the draws: the same seed gives
+  the same resamples to every caller, so the mean and IQM intervals of one summary agree with
+  those computed on their own.
+
+Intervals are built from these distributions in :mod:`evalfleet.intervals`.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+import numpy as np
+from numpy.typing import NDArray
+from scipy import stats as scipy_stats
+
+__all__ = ["MAX_INDICES_PER_CHUNK", "bootstrap_distribution"]
+
+FloatArray = NDArray[np.float64]
+IndexArray = NDArray[np.integer]
+
+#: Upper bound on resample indices drawn at once (32 MB of int64 indices, their int32 copy and
+#: the gathered floats of one batch).
+MAX_INDICES_PER_CHUNK: Final = 4_000_000
+
+
+def bootstrap_distribution(
+    x: FloatArray, rng: np.random.Generator, n_boot: int, *, with_iqm: bool
+) -> tuple[FloatArray, FloatArray]:
+    """Return the bootstrap means and, if ``with_iqm``, IQMs (else the means again) of sorted x.
+
+    The IQM is the mean of the middle 50%, ``n // 4`` values cut from each end of a sorted
+    resample (``scipy.stats.trim_mean(resample, 0.25)``). A resample's mean is taken over the
+    resample as drawn, so it is bit-identical whether or not the IQMs are wanted.
+    """
+    n = x.size
+    if n == 1:
+        # scipy refuses a one-value sample; every resample of it is that value.
+        ones = np.full(n_boot, x[0], dtype=np.float64)
+        return ones, ones
+    cut = n // 4
+
+    # scipy resamples the episode indices, not the returns: because x is sorted, sorting the
+    # (int32) indices of a resample sorts its values: a quarter less time than sorting the
+    # gathered floats at 20k episodes x 2000 resamples.
+    def mean(idx: IndexArray, axis: int = -1) -> FloatArray:
+        means: FloatArray = x[idx].mean(axis=axis)
+        return means
+
+    def mean_and_iqm(idx: IndexArray, axis: int = -1) -> FloatArray:
+        means = mean(idx, axis)
+        if not cut:
+            return np.stack([means, means])
+        middle = np.sort(idx, axis=axis)[..., cut : n - cut]
+        return np.stack([means, x[middle].mean(axis=axis)])
+
+    result = scipy_stats.bootstrap(
+        (np.arange(n, dtype=np.int32 if n < 2**31 else np.int64),),
+        mean_and_iqm if with_iqm else mean,
+        n_resamples=n_boot,
+        batch=max(1, MAX_INDICES_PER_CHUNK // n),
+        vectorized=True,
+        method="percentile",
+        rng=rng,
+    )
+    boot = np.asarray(result.bootstrap_distribution, dtype=np.float64)
+    if with_iqm:
+        return boot[0], boot[1]
+    return boot, boot
