@@ -16,7 +16,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -26,7 +26,7 @@ from evalfleet.models import EndReason
 from evalfleet.policy import LoadedPolicy
 from evalfleet.records import EpisodeRecord
 from evalfleet.redaction import Redactor
-from evalfleet.sandbox.base import EnvSlots, SlotOutcome, error_text, is_finite
+from evalfleet.sandbox.slots import BatchEnvSlots, EnvSlots, SlotOutcome, error_text, is_finite
 
 logger = logging.getLogger(__name__)
 
@@ -104,27 +104,6 @@ def _to_env_action(space: spaces.Space[Any], action: Any) -> Any:
     if isinstance(space, spaces.Box):
         return np.asarray(action, dtype=space.dtype)
     return action
-
-
-@runtime_checkable
-class BatchEnvSlots(EnvSlots, Protocol):
-    """``EnvSlots`` that also step many slots with arrays in and out: the runner's fast path.
-
-    ``step_batch(slots, actions, obs_out)`` steps each slot of ``slots`` (ascending slot numbers)
-    with its row of ``actions`` — int64 action indices for a ``Discrete`` space (each env gets
-    ``int(a)``), rows of the space's dtype for a ``Box`` space (each env gets the row array) —
-    exactly as ``step_many`` would. It writes the observation of every row whose episode goes on
-    into ``obs_out[slot]`` and returns the float64 rewards (one per row) and, keyed by row
-    position, a ``SlotOutcome`` for every row that terminated, truncated or failed.
-    """
-
-    def step_batch(
-        self,
-        slots: npt.NDArray[np.intp],
-        actions: npt.NDArray[Any],
-        obs_out: npt.NDArray[np.float32],
-    ) -> tuple[npt.NDArray[np.float64], dict[int, SlotOutcome]]:
-        """Step ``slots`` with ``actions``; observations into ``obs_out``, rewards and ends out."""
 
 
 def _batch_actions(space: spaces.Space[Any], actions: npt.NDArray[Any]) -> npt.NDArray[Any]:
@@ -234,35 +213,337 @@ def run_shard(
     ended are handled one by one. Backends with ``step_batch`` (``BatchEnvSlots``) are stepped
     through it; any other ``EnvSlots`` through ``step_many``.
     """
-    space = policy.action_space
-    deterministic = policy.deterministic
-    act = policy.act
-    n = slots.n
-    step_batch = slots.step_batch if isinstance(slots, BatchEnvSlots) else None
-    pending: deque[tuple[int, int, bool]] = deque((i, s, False) for i, s in episodes)
-    records: list[EpisodeRecord] = []
-    scrub = Redactor()  # the worker's secrets, read once per shard
-    # The episode each slot runs (meaningful while live[slot]).
-    live = np.zeros(n, dtype=bool)
-    ep_index = [0] * n
-    ep_seed = [0] * n
-    ep_started = [0.0] * n
-    ep_retried = [False] * n
-    ep_rng: list[np.random.Generator | None] = [None] * n
-    ret = np.zeros(n, dtype=np.float64)
-    length = np.zeros(n, dtype=np.int64)
-    # Extremes of the rewards of non-final steps and how many steps sat exactly on them (the
-    # clip-boundary audit; a final step's reward is often a terminal bonus of its own kind).
-    rmin = np.full(n, np.inf)
-    rmax = np.full(n, -np.inf)
-    nmin = np.zeros(n, dtype=np.int64)
-    nmax = np.zeros(n, dtype=np.int64)
-    watch = _ForwardWatch()
-    bounds = (None if policy_timeout_s is None
-              else [policy_timeout_s * FIRST_FORWARD_FACTOR, policy_timeout_s])
+    return ShardRun(episodes, slots, policy, ctx, retry_infrastructure=retry_infrastructure,
+                    on_episode=on_episode, policy_timeout_s=policy_timeout_s).run()
 
-    def track(idx: npt.NDArray[np.intp] | None, rewards: npt.NDArray[np.float64]) -> None:
-        # Finite rewards of the slots ``idx`` (None: every slot, whole-array operations).
+
+class ShardRun:
+    """One shard in progress: the episodes left, what each slot runs, and the rows so far.
+
+    ``run_shard`` builds one and calls ``run``. The per-slot state is array-shaped (a row per
+    slot, meaningful while ``live[slot]``); ``reset`` starts episodes on free slots, ``forward``
+    is one policy call under the watch, ``act`` gets actions for the live rows (splitting a
+    failing batch), ``step`` applies them and accounts rewards, ``finish`` ends one episode.
+    """
+
+    def __init__(
+        self,
+        episodes: list[tuple[int, int]],
+        slots: EnvSlots,
+        policy: LoadedPolicy,
+        ctx: EpisodeContext,
+        *,
+        retry_infrastructure: bool,
+        on_episode: Callable[[EpisodeRecord], None] | None,
+        policy_timeout_s: float | None,
+    ) -> None:
+        self.slots = slots
+        self.ctx = ctx
+        self.space = policy.action_space
+        self.deterministic = policy.deterministic
+        self._act = policy.act
+        self.retry_infrastructure = retry_infrastructure
+        self.on_episode = on_episode
+        self.policy_timeout_s = policy_timeout_s
+        n = self.n = slots.n
+        self._step_batch = slots.step_batch if isinstance(slots, BatchEnvSlots) else None
+        self.pending: deque[tuple[int, int, bool]] = deque((i, s, False) for i, s in episodes)
+        self.records: list[EpisodeRecord] = []
+        self._scrub = Redactor()  # the worker's secrets, read once per shard
+        # The episode each slot runs (meaningful while live[slot]).
+        self.live = np.zeros(n, dtype=bool)
+        self.ep_index = [0] * n
+        self.ep_seed = [0] * n
+        self.ep_started = [0.0] * n
+        self.ep_retried = [False] * n
+        self.ep_rng: list[np.random.Generator | None] = [None] * n
+        self.ret = np.zeros(n, dtype=np.float64)
+        self.length = np.zeros(n, dtype=np.int64)
+        # Extremes of the rewards of non-final steps and how many steps sat exactly on them (the
+        # clip-boundary audit; a final step's reward is often a terminal bonus of its own kind).
+        self.rmin = np.full(n, np.inf)
+        self.rmax = np.full(n, -np.inf)
+        self.nmin = np.zeros(n, dtype=np.int64)
+        self.nmax = np.zeros(n, dtype=np.int64)
+        self.obs: npt.NDArray[np.float32] | None = None  # (n, *obs_shape), once the shape is known
+        self.watch = _ForwardWatch()
+        # The bound of the next forward (the first one's is larger), and of every later one.
+        self._bound: float | None = (None if policy_timeout_s is None
+                                     else policy_timeout_s * FIRST_FORWARD_FACTOR)
+        self._later_bound = policy_timeout_s
+
+    # -- the shard as a whole ------------------------------------------------------------------
+
+    def run(self) -> list[EpisodeRecord]:
+        """Run every episode; with a policy bound, in a thread watched from this one."""
+        if self.policy_timeout_s is None:
+            self.run_episodes()
+            return self.records
+        watch, timeout_s = self.watch, self.policy_timeout_s
+        outcome: list[BaseException] = []
+        done = threading.Event()
+
+        def shard_thread() -> None:
+            try:
+                self.run_episodes()
+            except _Abandoned:
+                return
+            except BaseException as err:  # handed to the calling thread
+                outcome.append(err)
+            done.set()
+
+        # The context travels along: Dask's get_worker() (progress events) reads a context variable.
+        thread = threading.Thread(target=contextvars.copy_context().run, args=(shard_thread,),
+                                  name=f"evalfleet-shard-{self.ctx.worker}", daemon=True)
+        thread.start()
+        wait_s = timeout_s
+        try:
+            while not done.wait(wait_s):
+                with watch.lock:
+                    now, deadline = time.monotonic(), watch.deadline
+                    if deadline is not None and now >= deadline:
+                        watch.abandoned = True
+                        break
+                wait_s = timeout_s if deadline is None else deadline - now
+        except BaseException:  # Ctrl-C or SIGTERM while waiting: the thread stops at its next forward
+            with watch.lock:
+                watch.abandoned = True
+            thread.join(timeout=1.0)
+            raise
+        if watch.abandoned:
+            self.give_up()
+            return self.records
+        thread.join()
+        if outcome:
+            raise outcome[0]
+        return self.records
+
+    def run_episodes(self) -> None:
+        """Step every live slot until no episode is left: forward, step, refill freed slots."""
+        live = self.live
+        self.reset(list(range(min(self.n, len(self.pending))))[::-1])
+        everyone = np.arange(self.n)
+        while live.any():
+            all_live = bool(live.all())
+            order = everyone if all_live else np.flatnonzero(live)  # ascending: the row order
+            buf = self.obs
+            if buf is None:  # every live slot stored an observation, so this never happens
+                raise RuntimeError("live slots without an observation buffer")
+            freed: list[int] = []
+            got = self.act(order, buf if all_live else buf[order], freed)
+            if got is not None:
+                self.step(*got, buf, freed)
+            if freed:
+                self.reset(freed)
+
+    def give_up(self) -> None:
+        """The watcher's end of a hung forward: the shard thread is inside the policy for good."""
+        ctx, bound, rows = self.ctx, self.watch.bound, self.watch.rows
+        for slot in np.flatnonzero(self.live).tolist():
+            self.finish(slot, EndReason.POLICY_TIMEOUT.value,
+                        f"policy forward did not return within {bound:g} s (a batch of {rows} "
+                        f"rows, at step {int(self.length[slot])} of this episode); the shard's "
+                        "other episodes were ended without another call into the policy", {})
+        for index, seed, retried in self.pending:
+            self._emit(EpisodeRecord(
+                request_id=ctx.request_id, policy_sha256=ctx.policy_sha256, env_id=ctx.env_id,
+                env_spec_hash=ctx.env_spec_hash, episode_index=index, seed=seed,
+                episode_return=0.0, length=0, end_reason=EndReason.POLICY_TIMEOUT.value,
+                error=f"not run: a policy forward in this shard did not return within {bound:g} s",
+                success=None, wall_seconds=0.0, worker=ctx.worker, sandbox="not-started",
+                isolation=self.slots.isolation, retried=retried, metrics={},
+                nonfinal_reward_min=None, nonfinal_reward_max=None,
+                nonfinal_steps_at_min=0, nonfinal_steps_at_max=0))
+        self.pending.clear()
+        logger.warning("policy forward hung for %g s on a batch of %d rows; shard of %s ended "
+                       "as policy_timeout", bound, rows, ctx.worker)
+
+    # -- one episode's start and end -------------------------------------------------------------
+
+    def reset(self, free: list[int]) -> None:
+        """Reset free slots with the next indices until each holds a live episode or work runs out."""
+        pending = self.pending
+        while free and pending:
+            batch = []
+            while free and pending:
+                index, seed, retried = pending.popleft()
+                slot = free.pop()
+                self.ep_index[slot], self.ep_seed[slot], self.ep_retried[slot] = index, seed, retried
+                self.ep_rng[slot] = None if self.deterministic else np.random.default_rng(seed)
+                self.ep_started[slot] = time.perf_counter()
+                self.ret[slot] = 0.0
+                self.length[slot] = 0
+                self.rmin[slot], self.rmax[slot], self.nmin[slot], self.nmax[slot] = (
+                    np.inf, -np.inf, 0, 0)
+                self.live[slot] = True
+                batch.append((slot, seed))
+            for (slot, _), out in zip(batch, self.slots.reset_many(batch), strict=True):
+                error = out.error if out.failure is not None else self._store_obs(slot, out.obs)
+                if error is not None or out.failure is not None:
+                    self.finish(slot, out.failure or EndReason.ENV_ERROR.value, error, {})
+                    free.append(slot)
+
+    def finish(self, slot: int, reason: str, error: str | None, info: dict[str, float]) -> None:
+        """End ``slot``'s episode: requeue it (an infrastructure failure, once) or emit its row."""
+        self.live[slot] = False
+        retried = self.ep_retried[slot]
+        if self.retry_infrastructure and not retried and EndReason(reason).is_infrastructural:
+            self.pending.appendleft((self.ep_index[slot], self.ep_seed[slot], True))
+            return
+        ctx, scrub = self.ctx, self._scrub
+        nmin, nmax = self.nmin[slot], self.nmax[slot]
+        success = next((bool(info[k]) for k in SUCCESS_KEYS if k in info), None)
+        self._emit(EpisodeRecord(
+            request_id=ctx.request_id,
+            policy_sha256=ctx.policy_sha256,
+            env_id=ctx.env_id,
+            env_spec_hash=ctx.env_spec_hash,
+            episode_index=self.ep_index[slot],
+            seed=self.ep_seed[slot],
+            episode_return=float(self.ret[slot]),
+            length=int(self.length[slot]),
+            end_reason=reason,
+            error=scrub.optional(error),  # secrets never leave the worker in a row
+            success=success,
+            wall_seconds=time.perf_counter() - self.ep_started[slot],
+            worker=ctx.worker,
+            sandbox=self.slots.sandbox_name(slot),
+            isolation=self.slots.isolation,
+            retried=retried,
+            metrics=scrub.keys({k: v for k, v in info.items() if k not in SUCCESS_KEYS}),
+            nonfinal_reward_min=float(self.rmin[slot]) if nmin else None,
+            nonfinal_reward_max=float(self.rmax[slot]) if nmax else None,
+            nonfinal_steps_at_min=int(nmin),
+            nonfinal_steps_at_max=int(nmax),
+        ))
+
+    def _emit(self, record: EpisodeRecord) -> None:
+        self.records.append(record)
+        if self.on_episode is not None:
+            self.on_episode(record)
+
+    def _store_obs(self, slot: int, obs: Any) -> str | None:
+        if self.obs is None:
+            first = np.asarray(obs, dtype=np.float32)
+            self.obs = np.zeros((self.n, *first.shape), dtype=np.float32)
+        try:
+            self.obs[slot] = obs
+        except Exception as err:
+            return _obs_error(obs, self.obs, err)
+        return None
+
+    # -- one step of every live slot -------------------------------------------------------------
+
+    def forward(self, rows: npt.NDArray[np.intp], obs: npt.NDArray[np.float32]) -> npt.NDArray[Any]:
+        """One policy call under the watch: the watcher may give the shard up while it runs."""
+        rngs = None if self.deterministic else [self.ep_rng[s] for s in rows.tolist()]
+        bound, watch = self._bound, self.watch
+        if bound is not None:
+            watch.bound = bound
+            watch.rows = len(rows)
+            watch.deadline = time.monotonic() + bound
+        try:
+            actions = self._act(obs, rngs)
+        finally:
+            if bound is not None:
+                with watch.lock:
+                    if watch.abandoned:
+                        raise _Abandoned
+                    watch.deadline = None
+                self._bound = self._later_bound
+        if len(actions) != len(rows):
+            raise ValueError(f"policy returned {len(actions)} actions for {len(rows)} rows")
+        return actions
+
+    def act(self, order: npt.NDArray[np.intp], batch_obs: npt.NDArray[np.float32],
+            freed: list[int]) -> tuple[npt.NDArray[np.intp], npt.NDArray[Any]] | None:
+        """Actions of the rows ``order``: one forward, or on its failure the bisection.
+
+        Rows whose single-row forward raises end as ``policy_error`` (their slots go to
+        ``freed``); returned are the rows that got an action and their actions, None if none did.
+        """
+        try:
+            actions = self.forward(order, batch_obs)
+        except _Abandoned:
+            raise
+        except Exception:
+            # Find the rows that make it raise; the others keep their sub-batch's actions.
+            ok, split_actions, errors = _split_forward(self.forward, order, batch_obs)
+            for pos, text in sorted(errors.items()):
+                self.finish(int(order[pos]), EndReason.POLICY_ERROR.value, text, {})
+                freed.append(int(order[pos]))
+            if split_actions is None:
+                return None
+            actions, order = split_actions, order[ok]
+        if batch_obs is self.obs and np.may_share_memory(actions, batch_obs):
+            actions = np.array(actions)  # the buffer is rewritten while the actions are applied
+        return order, actions
+
+    def step(self, order: npt.NDArray[np.intp], actions: npt.NDArray[Any],
+             buf: npt.NDArray[np.float32], freed: list[int]) -> None:
+        """Apply ``actions`` to the slots ``order``: invalid ones end, the rest step the envs.
+
+        Observations land in ``buf``; returns, lengths and the reward audit are updated, and
+        every episode that ended (terminated, truncated, failed, non-finite reward) is finished.
+        """
+        space, length, ret = self.space, self.length, self.ret
+        bad = _invalid_actions(space, actions)
+        step_idx = order
+        if bad.any():
+            for k in np.flatnonzero(bad).tolist():
+                text = f"action {np.asarray(actions[k]).tolist()!r} not in {space}"
+                self.finish(int(order[k]), EndReason.INVALID_ACTION.value, text, {})
+                freed.append(int(order[k]))
+            step_idx, actions = order[~bad], actions[~bad]
+        if not len(step_idx):
+            return
+        if self._step_batch is not None:
+            rewards, ended = self._step_batch(step_idx, _batch_actions(space, actions), buf)
+        else:
+            rewards, ended = _step_via_many(self.slots, step_idx, actions, space, buf)
+        finite = np.isfinite(rewards)
+        if not ended and finite.all():
+            if len(step_idx) == self.n:  # every slot stepped: whole-array updates
+                np.add(length, 1, out=length)  # the shard's arrays, updated in place
+                np.add(ret, rewards, out=ret)
+                self._track(None, rewards)
+            else:
+                length[step_idx] += 1
+                ret[step_idx] += rewards
+                self._track(step_idx, rewards)
+            return
+        counted = finite.copy()  # finite rewards of steps the episode goes on after
+        counted[list(ended)] = False
+        self._track(step_idx[counted], rewards[counted])
+        nonfinite = np.flatnonzero(~finite)
+        special = sorted(set(ended).union(nonfinite.tolist()))
+        regular = np.ones(len(step_idx), dtype=bool)
+        regular[special] = False
+        length[step_idx[regular]] += 1
+        ret[step_idx[regular]] += rewards[regular]
+        for pos in special:
+            s = int(step_idx[pos])
+            out = ended.get(pos)
+            if out is not None and out.failure is not None:
+                self.finish(s, out.failure, out.error, {})
+                freed.append(s)
+                continue
+            length[s] += 1
+            reward = float(rewards[pos])
+            if not is_finite(reward):
+                self.finish(s, EndReason.INVALID_REWARD.value,
+                            f"reward {reward!r} at step {int(length[s])}", {})
+                freed.append(s)
+                continue
+            ret[s] += reward
+            if out is not None:
+                reason = EndReason.TERMINATED if out.terminated else EndReason.TRUNCATED
+                self.finish(s, reason.value, None, out.info)
+                freed.append(s)
+
+    def _track(self, idx: npt.NDArray[np.intp] | None, rewards: npt.NDArray[np.float64]) -> None:
+        """Fold finite rewards of the slots ``idx`` into the audit (None: every slot, whole arrays)."""
+        rmin, rmax, nmin, nmax = self.rmin, self.rmax, self.nmin, self.nmax
         if idx is None:
             below, above = rewards < rmin, rewards > rmax
             if below.any():
@@ -276,235 +557,3 @@ def run_shard(
         nmin[idx] = np.where(lo < rmin[idx], 0, nmin[idx]) + (rewards == lo)
         nmax[idx] = np.where(hi > rmax[idx], 0, nmax[idx]) + (rewards == hi)
         rmin[idx], rmax[idx] = lo, hi
-    obs_rows: list[npt.NDArray[np.float32]] = []  # the (n, *obs_shape) buffer, once known
-
-    def emit(record: EpisodeRecord) -> None:
-        records.append(record)
-        if on_episode is not None:
-            on_episode(record)
-
-    def finish(slot: int, reason: str, error: str | None, info: dict[str, float]) -> None:
-        live[slot] = False
-        retried = ep_retried[slot]
-        if retry_infrastructure and not retried and EndReason(reason).is_infrastructural:
-            pending.appendleft((ep_index[slot], ep_seed[slot], True))
-            return
-        success = next((bool(info[k]) for k in SUCCESS_KEYS if k in info), None)
-        emit(EpisodeRecord(
-            request_id=ctx.request_id,
-            policy_sha256=ctx.policy_sha256,
-            env_id=ctx.env_id,
-            env_spec_hash=ctx.env_spec_hash,
-            episode_index=ep_index[slot],
-            seed=ep_seed[slot],
-            episode_return=float(ret[slot]),
-            length=int(length[slot]),
-            end_reason=reason,
-            error=scrub.optional(error),  # secrets never leave the worker in a row
-            success=success,
-            wall_seconds=time.perf_counter() - ep_started[slot],
-            worker=ctx.worker,
-            sandbox=slots.sandbox_name(slot),
-            isolation=slots.isolation,
-            retried=retried,
-            metrics=scrub.keys({k: v for k, v in info.items() if k not in SUCCESS_KEYS}),
-            nonfinal_reward_min=float(rmin[slot]) if nmin[slot] else None,
-            nonfinal_reward_max=float(rmax[slot]) if nmax[slot] else None,
-            nonfinal_steps_at_min=int(nmin[slot]),
-            nonfinal_steps_at_max=int(nmax[slot]),
-        ))
-
-    def store_obs(slot: int, obs: Any) -> str | None:
-        if not obs_rows:
-            first = np.asarray(obs, dtype=np.float32)
-            obs_rows.append(np.zeros((n, *first.shape), dtype=np.float32))
-        try:
-            obs_rows[0][slot] = obs
-        except Exception as err:
-            return _obs_error(obs, obs_rows[0], err)
-        return None
-
-    def fill(free: list[int]) -> None:
-        # Reset free slots with the next indices until each holds a live episode or work runs out.
-        while free and pending:
-            batch = []
-            while free and pending:
-                index, seed, retried = pending.popleft()
-                slot = free.pop()
-                ep_index[slot], ep_seed[slot], ep_retried[slot] = index, seed, retried
-                ep_rng[slot] = None if deterministic else np.random.default_rng(seed)
-                ep_started[slot] = time.perf_counter()
-                ret[slot] = 0.0
-                length[slot] = 0
-                rmin[slot], rmax[slot], nmin[slot], nmax[slot] = np.inf, -np.inf, 0, 0
-                live[slot] = True
-                batch.append((slot, seed))
-            for (slot, _), out in zip(batch, slots.reset_many(batch), strict=True):
-                error = out.error if out.failure is not None else store_obs(slot, out.obs)
-                if error is not None or out.failure is not None:
-                    finish(slot, out.failure or EndReason.ENV_ERROR.value, error, {})
-                    free.append(slot)
-
-    def forward(rows: npt.NDArray[np.intp], obs: npt.NDArray[np.float32]) -> npt.NDArray[Any]:
-        # One policy call under the watch: the watcher may give the shard up while it runs.
-        rngs = None if deterministic else [ep_rng[s] for s in rows.tolist()]
-        if bounds is not None:
-            watch.bound = bounds[0]
-            watch.rows = len(rows)
-            watch.deadline = time.monotonic() + bounds[0]
-        try:
-            actions = act(obs, rngs)
-        finally:
-            if bounds is not None:
-                with watch.lock:
-                    if watch.abandoned:
-                        raise _Abandoned
-                    watch.deadline = None
-                bounds[0] = bounds[1]
-        if len(actions) != len(rows):
-            raise ValueError(f"policy returned {len(actions)} actions for {len(rows)} rows")
-        return actions
-
-    def loop() -> None:
-        fill(list(range(min(n, len(pending))))[::-1])
-        everyone = np.arange(n)
-        while live.any():
-            all_live = bool(live.all())
-            order = everyone if all_live else np.flatnonzero(live)  # ascending: the row order
-            buf = obs_rows[0]
-            batch_obs = buf if all_live else buf[order]
-            freed: list[int] = []
-            try:
-                actions = forward(order, batch_obs)
-            except _Abandoned:
-                raise
-            except Exception:
-                # Find the rows that make it raise; the others keep their sub-batch's actions.
-                ok, split_actions, errors = _split_forward(forward, order, batch_obs)
-                for pos, text in sorted(errors.items()):
-                    finish(int(order[pos]), EndReason.POLICY_ERROR.value, text, {})
-                    freed.append(int(order[pos]))
-                if split_actions is None:
-                    fill(freed)
-                    continue
-                actions, order = split_actions, order[ok]
-            if batch_obs is buf and np.may_share_memory(actions, buf):
-                actions = np.array(actions)  # the buffer is rewritten while the actions are applied
-            bad = _invalid_actions(space, actions)
-            step_idx = order
-            if bad.any():
-                for k in np.flatnonzero(bad).tolist():
-                    text = f"action {np.asarray(actions[k]).tolist()!r} not in {space}"
-                    finish(int(order[k]), EndReason.INVALID_ACTION.value, text, {})
-                    freed.append(int(order[k]))
-                step_idx, actions = order[~bad], actions[~bad]
-            if len(step_idx):
-                if step_batch is not None:
-                    rewards, ended = step_batch(step_idx, _batch_actions(space, actions), buf)
-                else:
-                    rewards, ended = _step_via_many(slots, step_idx, actions, space, buf)
-                finite = np.isfinite(rewards)
-                if not ended and finite.all():
-                    if len(step_idx) == n:  # every slot stepped: whole-array updates
-                        np.add(length, 1, out=length)  # the shard's arrays, updated in place
-                        np.add(ret, rewards, out=ret)
-                        track(None, rewards)
-                    else:
-                        length[step_idx] += 1
-                        ret[step_idx] += rewards
-                        track(step_idx, rewards)
-                else:
-                    counted = finite.copy()  # finite rewards of steps the episode goes on after
-                    counted[list(ended)] = False
-                    track(step_idx[counted], rewards[counted])
-                    nonfinite = np.flatnonzero(~finite)
-                    special = sorted(set(ended).union(nonfinite.tolist()))
-                    regular = np.ones(len(step_idx), dtype=bool)
-                    regular[special] = False
-                    length[step_idx[regular]] += 1
-                    ret[step_idx[regular]] += rewards[regular]
-                    for pos in special:
-                        s = int(step_idx[pos])
-                        out = ended.get(pos)
-                        if out is not None and out.failure is not None:
-                            finish(s, out.failure, out.error, {})
-                            freed.append(s)
-                            continue
-                        length[s] += 1
-                        reward = float(rewards[pos])
-                        if not is_finite(reward):
-                            finish(s, EndReason.INVALID_REWARD.value,
-                                   f"reward {reward!r} at step {int(length[s])}", {})
-                            freed.append(s)
-                            continue
-                        ret[s] += reward
-                        if out is not None:
-                            reason = EndReason.TERMINATED if out.terminated else EndReason.TRUNCATED
-                            finish(s, reason.value, None, out.info)
-                            freed.append(s)
-            if freed:
-                fill(freed)
-
-    if bounds is None:
-        loop()
-        return records
-
-    def give_up() -> None:
-        # The watcher's end of a hung forward: the shard thread is inside the policy for good.
-        bound, rows = watch.bound, watch.rows
-        for slot in np.flatnonzero(live).tolist():
-            finish(slot, EndReason.POLICY_TIMEOUT.value,
-                   f"policy forward did not return within {bound:g} s (a batch of {rows} rows, "
-                   f"at step {int(length[slot])} of this episode); the shard's other episodes "
-                   "were ended without another call into the policy", {})
-        for index, seed, retried in pending:
-            emit(EpisodeRecord(
-                request_id=ctx.request_id, policy_sha256=ctx.policy_sha256, env_id=ctx.env_id,
-                env_spec_hash=ctx.env_spec_hash, episode_index=index, seed=seed,
-                episode_return=0.0, length=0, end_reason=EndReason.POLICY_TIMEOUT.value,
-                error=f"not run: a policy forward in this shard did not return within {bound:g} s",
-                success=None, wall_seconds=0.0, worker=ctx.worker, sandbox="not-started",
-                isolation=slots.isolation, retried=retried, metrics={},
-                nonfinal_reward_min=None, nonfinal_reward_max=None,
-                nonfinal_steps_at_min=0, nonfinal_steps_at_max=0))
-        pending.clear()
-        logger.warning("policy forward hung for %g s on a batch of %d rows; shard of %s ended "
-                       "as policy_timeout", bound, rows, ctx.worker)
-
-    outcome: list[BaseException] = []
-    done = threading.Event()
-
-    def shard_thread() -> None:
-        try:
-            loop()
-        except _Abandoned:
-            return
-        except BaseException as err:  # handed to the calling thread
-            outcome.append(err)
-        done.set()
-
-    # The context travels along: Dask's get_worker() (progress events) reads a context variable.
-    thread = threading.Thread(target=contextvars.copy_context().run, args=(shard_thread,),
-                              name=f"evalfleet-shard-{ctx.worker}", daemon=True)
-    thread.start()
-    wait_s = policy_timeout_s
-    try:
-        while not done.wait(wait_s):
-            with watch.lock:
-                now, deadline = time.monotonic(), watch.deadline
-                if deadline is not None and now >= deadline:
-                    watch.abandoned = True
-                    break
-            wait_s = policy_timeout_s if deadline is None else deadline - now
-    except BaseException:  # Ctrl-C or SIGTERM while waiting: the thread stops at its next forward
-        with watch.lock:
-            watch.abandoned = True
-        thread.join(timeout=1.0)
-        raise
-    if watch.abandoned:
-        give_up()
-        return records
-    thread.join()
-    if outcome:
-        raise outcome[0]
-    return records

@@ -5,6 +5,7 @@ The runner never touches an env directly; it talks to an :class:`EnvSlots` backe
 returns observations, the runner makes one batched forward pass, the backend applies the actions.
 """
 
-from evalfleet.sandbox.base import EnvSlots, SlotOutcome, open_slots
+from evalfleet.sandbox.base import open_slots
+from evalfleet.sandbox.slots import EnvSlots, SlotOutcome
 
 __all__ = ["EnvSlots", "SlotOutcome", "open_slots"]

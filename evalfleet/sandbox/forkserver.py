@@ -54,7 +54,7 @@ from typing import Any
 
 from evalfleet.sandbox import limits as lim
 from evalfleet.sandbox import wire
-from evalfleet.sandbox.base import error_text, scalar_info
+from evalfleet.sandbox.slots import error_text, scalar_info
 
 #: Exit status of a sandbox whose own code failed before serving (never an env's exception).
 EXIT_SETUP = 70

@@ -156,7 +156,7 @@ def _run(command: list[str]) -> tuple[int, str]:
 
 def _pids_cgroup_writable() -> bool:
     """True when this (root) worker can make the pids cgroups of its bwrap fork servers."""
-    from evalfleet.sandbox.process import PIDS_CGROUP_ROOT
+    from evalfleet.sandbox.forkclient import PIDS_CGROUP_ROOT
 
     parent = os.path.dirname(PIDS_CGROUP_ROOT)
     return (os.geteuid() == 0 and os.access(parent, os.W_OK)

@@ -1,7 +1,8 @@
 """Worker side of the ``process`` and ``bwrap`` levels: env instances in sandbox processes.
 
 :class:`ProcessSlots` keeps ``ceil(n / envs_per_sandbox)`` sandboxes, forked on demand by this
-worker's fork server (:mod:`evalfleet.sandbox.forkserver`), and never more: a dead sandbox is
+worker's fork server (:mod:`evalfleet.sandbox.forkclient`, which starts
+:mod:`evalfleet.sandbox.forkserver`), and never more: a dead sandbox is
 reaped before its replacement is forked. Each step it sends every sandbox its actions first, then
 collects the replies with one selector and a deadline per sandbox, so many sandboxes cost about one
 round trip, not one each.
@@ -25,24 +26,15 @@ in the request that saw it fail at their next step.
 
 from __future__ import annotations
 
-import atexit
-import concurrent.futures
-import contextlib
-import json
 import logging
 import math
 import os
 import pickle
-import queue
 import resource
 import selectors
-import shutil
 import signal
 import socket
-import subprocess
 import sys
-import tempfile
-import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -51,266 +43,27 @@ from typing import Any
 
 import cloudpickle
 
-from evalfleet.errors import IsolationUnavailable
 from evalfleet.models import EndReason
 from evalfleet.sandbox import wire
-from evalfleet.sandbox.base import SlotOutcome
-from evalfleet.sandbox.bwrap import jail_command
 from evalfleet.sandbox.environment import sandbox_environment
+from evalfleet.sandbox.forkclient import (
+    PIDS_CGROUP_ROOT,
+    ForkServer,
+    ForkServerError,
+    discard_fork_server,
+    fork_server,
+    shutdown_fork_servers,
+)
 from evalfleet.sandbox.limits import EXIT_OOM, SandboxLimits
+from evalfleet.sandbox.slots import SlotOutcome
+
+# The fork-server client moved to ``forkclient``; these names stay importable from here.
+__all__ = ["PIDS_CGROUP_ROOT", "ForkServer", "ForkServerError", "ProcessSlots", "fork_server",
+           "preload_modules", "shutdown_fork_servers"]
 
 logger = logging.getLogger(__name__)
 
-#: Requests pipelined to the fork server before reading answers (keeps both buffers from filling).
-_SPAWN_BATCH = 32
 _PREFIX = {"process": "proc", "bwrap": "bwrap"}
-
-
-# -- starting processes from one long-lived thread -------------------------------------------------
-# PR_SET_PDEATHSIG (set by the fork server, and by bwrap's --die-with-parent) fires when the
-# *thread* that started the process exits. Dask task threads may come and go, so servers are
-# started from one daemon thread that lives as long as the worker process.
-
-_launch_queue: queue.SimpleQueue[tuple[Callable[[], Any], concurrent.futures.Future[Any]]] = (
-    queue.SimpleQueue()
-)
-_launcher: threading.Thread | None = None
-_launcher_lock = threading.Lock()
-
-
-def _launcher_loop() -> None:
-    while True:
-        fn, fut = _launch_queue.get()
-        try:
-            fut.set_result(fn())
-        except BaseException as err:  # noqa: B036 -- handed to the caller
-            fut.set_exception(err)
-
-
-def _launch(fn: Callable[[], Any]) -> Any:
-    global _launcher
-    with _launcher_lock:
-        if _launcher is None or not _launcher.is_alive():
-            _launcher = threading.Thread(target=_launcher_loop, name="evalfleet-sandbox-launcher",
-                                         daemon=True)
-            _launcher.start()
-    fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
-    _launch_queue.put((fn, fut))
-    return fut.result()
-
-
-# -- the fork server, seen from the worker ---------------------------------------------------------
-
-
-class ForkServerError(Exception):
-    """The fork server died, hung, or answered nonsense."""
-
-
-class ForkServer:
-    """A worker's fork server for one level, seen from the worker: start, requests, stop."""
-
-    def __init__(self, level: str, start_timeout_s: float, packages: tuple[str, ...] = ()
-                 ) -> None:
-        self.level = level
-        self.packages = packages
-        self._lock = threading.Lock()
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        inner = [sys.executable, "-m", "evalfleet.sandbox.forkserver", str(theirs.fileno()), level,
-                 str(os.getpid())]
-        # A root worker's jail is uid 0 outside, exempt from RLIMIT_NPROC: the server gets a
-        # pids cgroup folder of its own (an open folder, since the jail cannot see /sys) and
-        # caps each sandbox with a child cgroup.
-        self.cgroup = pids_cgroup_folder() if level == "bwrap" and os.geteuid() == 0 else None
-        cgroup_fd = (os.open(self.cgroup, os.O_RDONLY | os.O_DIRECTORY)
-                     if self.cgroup is not None else None)
-        if cgroup_fd is not None:
-            inner.append(str(cgroup_fd))
-        # The jail shows only the package folders of evalfleet and of ``packages`` (the env's).
-        command = jail_command(inner, packages=packages) if level == "bwrap" else inner
-        # Never the worker's whole environment: its credentials are none of env code's business.
-        env = dict(sandbox_environment(), OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1",
-                   MKL_NUM_THREADS="1", PYTHONDONTWRITEBYTECODE="1")
-        t0 = time.perf_counter()
-        try:
-            self.proc: subprocess.Popen[bytes] = _launch(
-                lambda: subprocess.Popen(
-                    command, env=env, stdin=subprocess.DEVNULL, start_new_session=True,
-                    pass_fds=[theirs.fileno(), *([] if cgroup_fd is None else [cgroup_fd])])
-            )
-        except OSError as err:
-            raise IsolationUnavailable(
-                f"cannot start the {level!r} fork server ({command[0]}): {err}"
-            ) from err
-        finally:
-            theirs.close()
-            if cgroup_fd is not None:
-                os.close(cgroup_fd)
-        self._sock = ours
-        try:
-            self.hello = self._recv(start_timeout_s)
-        except ForkServerError as err:
-            self.stop()
-            raise IsolationUnavailable(
-                f"the {level!r} fork server did not start within {start_timeout_s} s: {err}. "
-                "Run `python -c 'from evalfleet.sandbox.isolation import probe; print(probe())'` "
-                "to see what this machine allows."
-            ) from err
-        self.start_seconds = time.perf_counter() - t0
-        self.prepared: set[str] = set()
-        logger.info("%s fork server up in %.2f s: %s", level, self.start_seconds, self.hello)
-
-    @property
-    def alive(self) -> bool:
-        """True while the server process runs."""
-        return self.proc.poll() is None
-
-    def _recv(self, timeout: float) -> dict[str, Any]:
-        self._sock.settimeout(timeout)
-        try:
-            data = self._sock.recv(1 << 16)
-        except TimeoutError as err:
-            raise ForkServerError(f"no answer within {timeout} s") from err
-        except OSError as err:
-            raise ForkServerError(str(err)) from err
-        if not data:
-            raise ForkServerError(f"fork server exited (status {self.proc.poll()})")
-        try:
-            answer = json.loads(data)
-        except ValueError as err:
-            raise ForkServerError(f"unreadable answer {data[:80]!r}") from err
-        if not isinstance(answer, dict):
-            raise ForkServerError(f"unreadable answer {data[:80]!r}")
-        if "error" in answer:
-            raise ForkServerError(str(answer["error"]))
-        return answer
-
-    def _send(self, request: tuple[Any, ...], fd: int | None = None) -> None:
-        blob = pickle.dumps(request, protocol=pickle.HIGHEST_PROTOCOL)
-        try:
-            if fd is None:
-                self._sock.sendall(blob)
-            else:
-                socket.send_fds(self._sock, [blob], [fd])
-        except OSError as err:
-            raise ForkServerError(f"fork server gone: {err}") from err
-
-    def call(self, request: tuple[Any, ...], timeout: float) -> dict[str, Any]:
-        """One request, one answer."""
-        with self._lock:
-            self._send(request)
-            return self._recv(timeout)
-
-    def spawn_many(self, requests: list[tuple[tuple[Any, ...], socket.socket]], timeout: float
-                   ) -> list[dict[str, Any]]:
-        """Fork one sandbox per ``(request, its end of the socketpair)``, pipelined."""
-        out: list[dict[str, Any]] = []
-        with self._lock:
-            for start in range(0, len(requests), _SPAWN_BATCH):
-                chunk = requests[start : start + _SPAWN_BATCH]
-                for request, sock in chunk:
-                    self._send(request, sock.fileno())
-                out.extend(self._recv(timeout) for _ in chunk)
-        return out
-
-    def stop(self) -> None:
-        """Close the channel (the server then kills its sandboxes and exits); kill if it lingers."""
-        try:
-            self._sock.close()
-        except OSError:
-            pass
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
-        if self.cgroup is not None:
-            _remove_cgroup_tree(self.cgroup)
-        # A killed server leaves its sandbox folders behind (the hello predates any env import,
-        # and the path is checked anyway before anything is removed as root).
-        folder = getattr(self, "hello", {}).get("folder")
-        if (self.level == "process" and isinstance(folder, str)
-                and os.path.dirname(folder) == tempfile.gettempdir()
-                and os.path.basename(folder).startswith("evalfleet-sandboxes-")):
-            shutil.rmtree(folder, ignore_errors=True)
-
-
-#: Where root workers make the pids cgroups of their bwrap fork servers (cgroup v1).
-PIDS_CGROUP_ROOT = "/sys/fs/cgroup/pids/evalfleet"
-_cgroup_serial = 0
-
-
-def pids_cgroup_folder() -> str | None:
-    """A fresh pids cgroup folder for one fork server, or None where none can be made."""
-    global _cgroup_serial
-    _cgroup_serial += 1
-    path = os.path.join(PIDS_CGROUP_ROOT, f"worker-{os.getpid()}-{_cgroup_serial}")
-    try:
-        os.makedirs(path, exist_ok=True)
-    except OSError as err:
-        logger.info("no pids cgroup for the bwrap fork server (%s): %s", path, err)
-        return None
-    return path
-
-
-def _remove_cgroup_tree(path: str) -> None:
-    """Remove a fork server's cgroup and its leftover children (empty once their tasks died)."""
-    for _ in range(100):
-        try:
-            for name in os.listdir(path):
-                if os.path.isdir(os.path.join(path, name)):
-                    with contextlib.suppress(OSError):
-                        os.rmdir(os.path.join(path, name))
-            os.rmdir(path)
-            return
-        except FileNotFoundError:
-            return
-        except OSError:
-            time.sleep(0.01)
-    logger.warning("could not remove the pids cgroup %s (tasks still in it)", path)
-
-
-_servers: dict[tuple[str, tuple[str, ...]], ForkServer] = {}
-_latest: dict[str, tuple[str, tuple[str, ...]]] = {}
-_servers_lock = threading.Lock()
-
-
-def _server_key(level: str, packages: Sequence[str]) -> tuple[str, tuple[str, ...]]:
-    # Only a bwrap jail's view depends on the env's packages; a process server sees everything.
-    if level != "bwrap":
-        return level, ()
-    return level, tuple(sorted({m.split(".", 1)[0] for m in packages if m}))
-
-
-def fork_server(level: str, start_timeout_s: float, packages: Sequence[str] | None = None
-                ) -> ForkServer:
-    """The fork server of ``level`` for envs from ``packages``, started on first use, reused.
-
-    ``packages=None``: the server of ``level`` used last (started with no env packages if none).
-    """
-    with _servers_lock:
-        key = (_latest.get(level, _server_key(level, ())) if packages is None
-               else _server_key(level, packages))
-        server = _servers.get(key)
-        if server is not None and not server.alive:
-            server.stop()
-            server = None
-        if server is None:
-            server = _servers[key] = ForkServer(level, start_timeout_s, key[1])
-        _latest[level] = key
-        return server
-
-
-def shutdown_fork_servers() -> None:
-    """Stop every fork server of this process (each kills its sandboxes first)."""
-    with _servers_lock:
-        servers = list(_servers.values())
-        _servers.clear()
-        _latest.clear()
-    for server in servers:
-        server.stop()
-
-
-atexit.register(shutdown_fork_servers)
 
 
 # -- slots -----------------------------------------------------------------------------------------
@@ -496,10 +249,7 @@ class ProcessSlots:
     def _drop_server(self) -> None:
         server, self._server = self._server, None
         if server is not None:
-            with _servers_lock:
-                for key in [k for k, v in _servers.items() if v is server]:
-                    del _servers[key]
-            server.stop()
+            discard_fork_server(server)
         for b in range(len(self._boxes)):
             self._forget(b)
 

@@ -161,3 +161,29 @@ def test_invalid_actions_and_policy_errors_are_rows():
     table = _run("CartPole-v1", failing, 6, slots=3)
     assert set(table.column("end_reason").to_pylist()) == {"policy_error"}
     assert "ValueError: policy exploded" in table.column("error")[0].as_py()
+
+
+def test_native_and_instance_paths_watched_or_not_give_one_table():
+    # The shard's four ways through ShardRun (native vector or env instances; episodes in a
+    # watched thread or in the caller) must give the same rows, bit for bit.
+    from evalfleet.policy import LoadedPolicy
+
+    resolved = resolve_env("CartPole-v1", {}, None)
+    weights = np.array([0.0, 0.0, 1.0, 0.01])  # falls after 40 to 150 steps: varied lengths
+    policy = LoadedPolicy(lambda o: (o @ weights > 0).astype(np.int64), resolved.action_space,
+                          is_torch=False, deterministic=True, device="cpu")
+    ledger = SeedLedger(7)
+    episodes = [(i, ledger.seed(i)) for i in range(300)]
+    tables = []
+    for native in (True, False):
+        for timeout in (30.0, None):
+            backend = InProcessSlots(env_thunk("CartPole-v1", {}, None), 64, native_vector=native)
+            try:
+                records = run_shard(episodes, backend, policy, CTX, policy_timeout_s=timeout)
+            finally:
+                backend.close()
+            tables.append(records_to_table(records).sort_by("episode_index")
+                          .select(list(OUTCOME_COLUMNS)))
+    assert tables[0].num_rows == 300
+    assert len(set(tables[0].column("length").to_pylist())) > 10
+    assert all(t.equals(tables[0]) for t in tables[1:])

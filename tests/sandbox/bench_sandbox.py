@@ -18,7 +18,7 @@ from evalfleet.envspec import env_thunk, resolve_env
 from evalfleet.policy import LoadedPolicy
 from evalfleet.runner import EpisodeContext, run_shard
 from evalfleet.sandbox import open_slots
-from evalfleet.sandbox.process import fork_server, shutdown_fork_servers
+from evalfleet.sandbox.forkclient import fork_server, shutdown_fork_servers
 from evalfleet.seeds import SeedLedger
 
 W = np.array([0.0, -0.1, 1.0, 0.1], dtype=np.float32)

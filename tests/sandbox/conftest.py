@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from evalfleet.sandbox.process import shutdown_fork_servers
+from evalfleet.sandbox.forkclient import shutdown_fork_servers
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -14,8 +14,8 @@ from typing import Any
 
 import psutil
 
+from evalfleet.sandbox.forkclient import fork_server, shutdown_fork_servers
 from evalfleet.sandbox.limits import SandboxLimits
-from evalfleet.sandbox.process import fork_server, shutdown_fork_servers
 
 from . import faulty_envs as fe
 from .test_process_slots import run_direct

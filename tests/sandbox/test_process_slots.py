@@ -20,9 +20,10 @@ from evalfleet.policy import LoadedPolicy
 from evalfleet.records import OUTCOME_COLUMNS, EpisodeRecord, records_to_table
 from evalfleet.runner import EpisodeContext, run_shard
 from evalfleet.sandbox import open_slots
+from evalfleet.sandbox.forkclient import fork_server
 from evalfleet.sandbox.isolation import available_levels
 from evalfleet.sandbox.limits import MiB, SandboxLimits
-from evalfleet.sandbox.process import ProcessSlots, fork_server
+from evalfleet.sandbox.process import ProcessSlots
 from evalfleet.seeds import SeedLedger
 
 from . import faulty_envs as fe

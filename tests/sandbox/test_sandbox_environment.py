@@ -54,7 +54,7 @@ def test_allow_list_rules() -> None:
 def test_sandbox_sees_only_allowed_names(level: str, monkeypatch: pytest.MonkeyPatch) -> None:
     for name, value in PLANTED.items():
         monkeypatch.setenv(name, value)
-    from evalfleet.sandbox.process import shutdown_fork_servers
+    from evalfleet.sandbox.forkclient import shutdown_fork_servers
 
     shutdown_fork_servers()  # a fork server started before the plant would prove nothing
     names, home_is_cwd = seen_names(level)
@@ -73,7 +73,7 @@ def test_leaking_env_in_a_sandbox_carries_no_secret(level: str,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     for name, value in PLANTED.items():
         monkeypatch.setenv(name, value)
-    from evalfleet.sandbox.process import shutdown_fork_servers
+    from evalfleet.sandbox.forkclient import shutdown_fork_servers
 
     shutdown_fork_servers()
     records, _ = run_direct(level, se.env_id("Leak"), 20, 4)
