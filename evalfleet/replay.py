@@ -10,6 +10,7 @@ the result rather than raised.
 
 Replays run in the calling process, one env at a time, stepping the env directly. They are meant
 for a handful of episodes (``--record-trajectories K``, ``--record-video K``), not for scoring.
+Frames are written by ``evalfleet.video`` (MP4/GIF writer, frame rendering, encoder probe).
 """
 
 from __future__ import annotations
