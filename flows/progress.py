@@ -55,12 +55,15 @@ def watch(request: EvalRequest, address: str | None) -> Iterator[ProgressTracker
     finally:
         stop.set()
         thread.join(5)
-        client.unsubscribe_topic(name)
-        snap = tracker.snapshot()
-        update_progress_artifact(artifact_id, min(100.0, 100.0 * snap["done"] / tracker.total))
-        if bar is not None:
-            bar.update(snap)
-            bar.close()
+        try:
+            client.unsubscribe_topic(name)
+            snap = tracker.snapshot()
+            update_progress_artifact(artifact_id, min(100.0, 100.0 * snap["done"] / tracker.total))
+            if bar is not None:
+                bar.update(snap)
+        finally:
+            if bar is not None:  # always give the terminal back (cursor, redirected output)
+                bar.close()
         get_run_logger().info("%d episodes run, %d failed, %.0f episodes/s",
                               snap["done"], snap["failed"], snap["episodes_per_s"])
 
