@@ -23,16 +23,25 @@ EXAMPLE_POLICY = str(files("evalfleet") / "data" / "cartpole_mlp.pt")
 EXIT_OK, EXIT_HARNESS_FAULT, EXIT_BAD_REQUEST = 0, 3, 2
 
 
-def build_parser() -> argparse.ArgumentParser:
+#: What ``python flows/eval.py --help`` and ``evalfleet eval --help`` say first.
+EVAL_DESCRIPTION = (
+    "Evaluate a policy on a Gymnasium env: many episodes at once on a Dask cluster, results to "
+    "Parquet, MLflow and Prefect. With no arguments: the bundled example policy on CartPole-v1, "
+    "500 episodes, 500 envs alive at once, a local cluster."
+)
+
+
+def build_parser(prog: str = "python flows/eval.py") -> argparse.ArgumentParser:
     """The argument parser; every option maps to an ``EvalRequest`` field."""
+    p = argparse.ArgumentParser(prog=prog, description=EVAL_DESCRIPTION,
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_eval_arguments(p)
+    return p
+
+
+def add_eval_arguments(p: argparse.ArgumentParser) -> None:
+    """Add the evaluation's options to ``p`` (the standalone parser or ``evalfleet eval``)."""
     d = EvalRequest.model_fields
-    p = argparse.ArgumentParser(
-        prog="python flows/eval.py",
-        description="Evaluate a policy on a Gymnasium env: many episodes at once on a Dask "
-        "cluster, results to Parquet, MLflow and Prefect. With no arguments: the bundled example "
-        "policy on CartPole-v1, 500 episodes, 500 envs alive at once, a local cluster.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
     p.add_argument("--env", default=d["env"].default,
                    help="Gymnasium id; 'my_pkg.envs:Warehouse-v0' imports my_pkg.envs first")
     p.add_argument("--env-kwargs", default="{}", help="JSON object of kwargs for gym.make")
@@ -103,7 +112,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--allow-failures", action="store_true",
                    help="exit 0 even when > 5%% of episodes failed in the harness (harness fault)")
     p.add_argument("-q", "--quiet", action="store_true", help="only print the summary")
-    return p
 
 
 def request_from_args(args: argparse.Namespace) -> EvalRequest:
@@ -145,17 +153,35 @@ def request_from_args(args: argparse.Namespace) -> EvalRequest:
     )
 
 
-def cache_command(argv: Sequence[str]) -> int:
-    """``evalfleet cache ls|rm [KEY...|--all] [--cache-dir DIR]``: see and clear stored episodes."""
-    from evalfleet.cache import EpisodeCache, default_cache_dir
+def add_cache_commands(p: argparse.ArgumentParser) -> None:
+    """Add ``ls`` and ``rm`` (subcommands) and their options to the ``cache`` parser ``p``.
 
-    p = argparse.ArgumentParser(prog="evalfleet cache", description="List or remove cache entries.")
-    p.add_argument("action", choices=("ls", "rm"))
-    p.add_argument("keys", nargs="*", help="keys (or unique prefixes) to remove")
-    p.add_argument("--all", action="store_true", help="with rm: remove every entry")
+    ``--cache-dir`` and ``--output`` are accepted before and after ``ls``/``rm``.
+    """
     p.add_argument("--cache-dir", default=None, help="cache root (default OUTPUT/cache)")
     p.add_argument("--output", default="results", help="results folder whose cache to use")
-    args = p.parse_args(argv)
+    # The same options after the subcommand; SUPPRESS keeps a value given before it.
+    where = argparse.ArgumentParser(add_help=False)
+    where.add_argument("--cache-dir", default=argparse.SUPPRESS, help="cache root (default OUTPUT/cache)")
+    where.add_argument("--output", default=argparse.SUPPRESS, help="results folder whose cache to use")
+    actions = p.add_subparsers(dest="action", metavar="{ls,rm}", required=True)
+    actions.add_parser("ls", parents=[where], help="list the entries: key, env, policy, seed, episodes")
+    rm = actions.add_parser("rm", parents=[where], help="remove entries by key (or unique prefix)")
+    rm.add_argument("keys", nargs="*", help="keys (or unique prefixes) to remove")
+    rm.add_argument("--all", action="store_true", help="remove every entry")
+
+
+def cache_command(argv: Sequence[str]) -> int:
+    """``evalfleet cache ls|rm [KEY...|--all] [--cache-dir DIR]``: see and clear stored episodes."""
+    p = argparse.ArgumentParser(prog="evalfleet cache", description="List or remove cache entries.")
+    add_cache_commands(p)
+    return run_cache(p.parse_args(argv))
+
+
+def run_cache(args: argparse.Namespace) -> int:
+    """Run a parsed ``cache ls|rm`` command line; returns the exit code."""
+    from evalfleet.cache import EpisodeCache, default_cache_dir
+
     cache = EpisodeCache(Path(args.cache_dir) if args.cache_dir else default_cache_dir(Path(args.output)))
     entries = cache.entries()
     if args.action == "ls":
@@ -217,7 +243,11 @@ def run_cli(
 
     SIGTERM ends a waiting evaluation like Ctrl-C does: it unwinds and exits with 143.
     """
-    args = build_parser().parse_args(argv)
+    return run_eval(evaluate, build_parser().parse_args(argv))
+
+
+def run_eval(evaluate: Callable[[EvalRequest], EvalReport], args: argparse.Namespace) -> int:
+    """Evaluate parsed arguments (``build_parser``'s options) and print the summary (``run_cli``)."""
     logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

@@ -25,7 +25,7 @@ from matplotlib.ticker import MaxNLocator, PercentFormatter
 from evalfleet.review import failed_mask
 from evalfleet.scoring import outcomes
 
-__all__ = ["PLOT_FILES", "render_plots"]
+__all__ = ["PLOT_FILES", "plot_figures", "render_plots"]
 
 logger = logging.getLogger(__name__)
 
@@ -115,9 +115,9 @@ def _fmt(x: float) -> str:
 
 
 def _returns_hist(
-    path: Path, returns: FloatArray, scored: npt.NDArray[np.bool_],
+    returns: FloatArray, scored: npt.NDArray[np.bool_],
     by_policy: npt.NDArray[np.bool_], ci: tuple[float, float] | None,
-) -> Path:
+) -> Figure:
     fig, ax = _figure()
     good = returns[scored]
     ax.set_title(f"Return distribution — {good.size} scored episodes")
@@ -125,7 +125,7 @@ def _returns_hist(
     ax.set_ylabel("episodes")
     if good.size == 0:
         _empty(ax, "no scored episodes: every one failed in the harness (see the failure taxonomy)")
-        return _save(fig, path)
+        return fig
     integer = bool(np.all(good == np.round(good)))
     broken = scored & by_policy
     if broken.any():  # they count in the mean: show them, stacked, in their own colour
@@ -143,17 +143,17 @@ def _returns_hist(
     _single_value_axis(ax, good, integer)
     ax.yaxis.set_major_locator(MaxNLocator(integer=True))
     _legend(fig, ax)
-    return _save(fig, path)
+    return fig
 
 
-def _lengths_hist(path: Path, lengths: FloatArray, failed: npt.NDArray[np.bool_]) -> Path:
+def _lengths_hist(lengths: FloatArray, failed: npt.NDArray[np.bool_]) -> Figure:
     fig, ax = _figure()
     ax.set_title(f"Episode length — {lengths.size} episodes ({int(failed.sum())} failed)")
     ax.set_xlabel("episode length (env steps)")
     ax.set_ylabel("episodes")
     if lengths.size == 0:
         _empty(ax, "no episodes")
-        return _save(fig, path)
+        return fig
     bins = _bins(lengths, integer=True)
     if failed.any():
         ax.hist([lengths[~failed], lengths[failed]], bins=bins, stacked=True, color=[_BLUE, _RED],
@@ -164,20 +164,20 @@ def _lengths_hist(path: Path, lengths: FloatArray, failed: npt.NDArray[np.bool_]
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.yaxis.set_major_locator(MaxNLocator(integer=True))
     _legend(fig, ax)
-    return _save(fig, path)
+    return fig
 
 
 def _return_by_episode(
-    path: Path, index: FloatArray, returns: FloatArray, failed: npt.NDArray[np.bool_],
+    index: FloatArray, returns: FloatArray, failed: npt.NDArray[np.bool_],
     scored: npt.NDArray[np.bool_], ci: tuple[float, float] | None,
-) -> Path:
+) -> Figure:
     fig, ax = _figure()
     ax.set_title("Return by episode index")
     ax.set_xlabel("episode index (its seed = seed ledger(base seed, index))")
     ax.set_ylabel("episode return (reward units)")
     if index.size == 0:
         _empty(ax, "no episodes")
-        return _save(fig, path)
+        return fig
     size = 24.0 if index.size <= 200 else 10.0
     ax.scatter(index[~failed], returns[~failed], s=size, color=_BLUE, alpha=0.8,
                label="completed", linewidths=0)
@@ -195,7 +195,7 @@ def _return_by_episode(
             ax.axhspan(ci[0], ci[1], color=_GREY, alpha=0.15, label="95% CI of the mean")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     _legend(fig, ax)
-    return _save(fig, path)
+    return fig
 
 
 def _actions_discrete(ax: Axes, actions: Mapping[str, Any]) -> None:
@@ -268,7 +268,7 @@ def _actions_box(ax: Axes, actions: Mapping[str, Any]) -> None:
     ax.set_ylabel("action value (action-space units)")
 
 
-def _actions(path: Path, actions: Mapping[str, Any]) -> Path:
+def _actions(actions: Mapping[str, Any]) -> Figure:
     fig, ax = _figure()
     kind = actions.get("kind")
     steps = actions.get("steps")
@@ -293,17 +293,17 @@ def _actions(path: Path, actions: Mapping[str, Any]) -> Path:
     else:
         raise ValueError(f"Unknown action kind {kind!r}. Choose 'Discrete' (counts) or 'Box' (samples).")
     _legend(fig, ax)
-    return _save(fig, path)
+    return fig
 
 
-def _ci_rounds(path: Path, rounds: Sequence[Mapping[str, Any]], target: float | None) -> Path:
+def _ci_rounds(rounds: Sequence[Mapping[str, Any]], target: float | None) -> Figure:
     fig, ax = _figure()
     ax.set_title("Adaptive evaluation: 95% CI half-width after each round")
     ax.set_xlabel("episodes evaluated (cumulative)")
     ax.set_ylabel("CI half-width of the mean (reward units)")
     if not rounds:
         _empty(ax, "no rounds")
-        return _save(fig, path)
+        return fig
     episodes = np.array([float(r["episodes"]) for r in rounds])
     width = np.array([float(r["halfwidth"]) for r in rounds])
     finite = np.isfinite(width)
@@ -325,7 +325,7 @@ def _ci_rounds(path: Path, rounds: Sequence[Mapping[str, Any]], target: float | 
     ax.set_ylim(0, max(top, goal if math.isfinite(goal) else 0.0) * 1.15)
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     _legend(fig, ax)
-    return _save(fig, path)
+    return fig
 
 
 def render_plots(
@@ -339,8 +339,29 @@ def render_plots(
 ) -> dict[str, Path]:
     """Write the evaluation's PNG plots to ``out_dir``; returns ``{key: path}`` (see ``PLOT_FILES``).
 
+    The figures are :func:`plot_figures`'s (same arguments), each saved as ``PLOT_FILES[key]``.
+    """
+    figures = plot_figures(table, actions=actions, rounds=rounds, ci=ci,
+                           target_halfwidth=target_halfwidth)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    out = {key: _save(fig, out_dir / PLOT_FILES[key]) for key, fig in figures.items()}
+    logger.debug("wrote %d plots to %s", len(out), out_dir)
+    return out
+
+
+def plot_figures(
+    table: pa.Table,
+    *,
+    actions: Mapping[str, Any] | None = None,
+    rounds: Sequence[Mapping[str, Any]] | None = None,
+    ci: tuple[float, float] | None = None,
+    target_halfwidth: float | None = None,
+) -> dict[str, Figure]:
+    """The evaluation's plots as matplotlib figures (Agg canvas, no pyplot), by ``PLOT_FILES`` key.
+
     ``table`` is the episode table (``episode_index``, ``return``, ``length``, ``end_reason`` are
-    read). Always written: ``returns`` (the scored episodes of ``evalfleet.scoring``: completed
+    read). Always drawn: ``returns`` (the scored episodes of ``evalfleet.scoring``: completed
     and ended by the policy, stacked; with the mean and, when ``ci`` =
     ``(low, high)`` is given, the 95% CI of the mean), ``lengths`` (completed and failed stacked)
     and ``return_by_episode`` (failures as red crosses at their partial return).
@@ -350,9 +371,8 @@ def render_plots(
     optionally with ``steps``, ``episodes`` and ``note`` for the title and a footnote (see
     ``evalfleet.replay.action_summary``). ``rounds`` (``[{"round", "episodes", "halfwidth"}]``,
     cumulative episodes) adds ``ci_rounds``, with ``target_halfwidth`` as a dashed line.
+    Tests read the plotted data back from the figures' artists.
     """
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     if table.num_rows:
         table = table.sort_by("episode_index")
     index = np.asarray(table.column("episode_index").to_numpy(), dtype=np.float64)
@@ -360,17 +380,13 @@ def render_plots(
     lengths = np.asarray(table.column("length").to_numpy(), dtype=np.float64)
     failed = failed_mask(table)
     kinds = outcomes(table)
-    out = {
-        "returns": _returns_hist(out_dir / PLOT_FILES["returns"], returns, kinds.scored,
-                                 kinds.policy, ci),
-        "lengths": _lengths_hist(out_dir / PLOT_FILES["lengths"], lengths, failed),
-        "return_by_episode": _return_by_episode(
-            out_dir / PLOT_FILES["return_by_episode"], index, returns, failed, kinds.scored, ci
-        ),
+    out: dict[str, Figure] = {
+        "returns": _returns_hist(returns, kinds.scored, kinds.policy, ci),
+        "lengths": _lengths_hist(lengths, failed),
+        "return_by_episode": _return_by_episode(index, returns, failed, kinds.scored, ci),
     }
     if actions is not None:
-        out["actions"] = _actions(out_dir / PLOT_FILES["actions"], actions)
+        out["actions"] = _actions(actions)
     if rounds is not None:
-        out["ci_rounds"] = _ci_rounds(out_dir / PLOT_FILES["ci_rounds"], rounds, target_halfwidth)
-    logger.debug("wrote %d plots to %s", len(out), out_dir)
+        out["ci_rounds"] = _ci_rounds(rounds, target_halfwidth)
     return out

@@ -10,6 +10,7 @@ the result rather than raised.
 
 Replays run in the calling process, one env at a time, stepping the env directly. They are meant
 for a handful of episodes (``--record-trajectories K``, ``--record-video K``), not for scoring.
+Frames are written by ``evalfleet.video`` (MP4/GIF writer, frame rendering, encoder probe).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import pyarrow as pa
 from gymnasium import spaces
 
 from evalfleet.envspec import make_env
-from evalfleet.framing import RenderFailed, framed_thunk, rgb_frame, unpack
+from evalfleet.framing import RenderFailed, framed_thunk, unpack
 from evalfleet.models import EndReason
 from evalfleet.policy import LoadedPolicy
 
@@ -38,6 +39,14 @@ from evalfleet.policy import LoadedPolicy
 from evalfleet.runner import _invalid_actions, _to_env_action
 from evalfleet.sandbox.base import EnvSlots, SlotOutcome, error_text, open_slots, scalar_info
 from evalfleet.sandbox.limits import SandboxLimits
+
+# The video writer lived here: its names stay importable from this module (``X as X`` re-exports).
+from evalfleet.video import DEFAULT_FPS as DEFAULT_FPS
+from evalfleet.video import HOLD_LAST_S as HOLD_LAST_S
+from evalfleet.video import MAX_GIF_FPS as MAX_GIF_FPS
+from evalfleet.video import MAX_GIF_FRAMES as MAX_GIF_FRAMES
+from evalfleet.video import RenderError, VideoSink, mp4_available, render_frame
+from evalfleet.video import probe_encoder as probe_encoder
 
 __all__ = [
     "ReplayResult",
@@ -52,15 +61,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-#: Frames per second when neither ``fps`` nor the env's ``metadata["render_fps"]`` says.
-DEFAULT_FPS = 30
-#: Browsers play GIF frames shorter than 20 ms at 100 ms, so GIFs are capped at 50 fps.
-MAX_GIF_FPS = 50
-#: Frames kept per GIF; longer episodes keep every 2nd, 4th, ... frame (memory stays bounded).
-MAX_GIF_FRAMES = 600
-#: The final frame is held this long, so the outcome of the episode can be seen.
-HOLD_LAST_S = 1.0
 
 #: Recorded end reasons whose episodes are not replayed in-process: the sandbox that ran them
 #: hung, crashed or ran out of memory, and so could the calling process.
@@ -223,118 +223,6 @@ def _summary_box(
 
 
 # ---------------------------------------------------------------------------------------------
-# Video writers
-
-
-def _mp4_available() -> bool:
-    try:
-        import imageio_ffmpeg  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def _as_rgb(frame: Any) -> npt.NDArray[np.uint8] | None:
-    """An ``(H, W, 3)`` uint8 frame from what ``render()`` returned, or None if it is not one."""
-    return rgb_frame(frame)
-
-
-class _VideoSink:
-    """Frames of one episode on their way to a video file.
-
-    MP4 frames stream straight into ffmpeg, so any episode length fits in memory. GIF frames are
-    kept palette-quantised (one byte per pixel); past ``MAX_GIF_FRAMES`` every other kept frame
-    is dropped and the stride doubles, so a long episode becomes an evenly sampled, faster GIF.
-    """
-
-    def __init__(self, path: Path, fps: float) -> None:
-        self.path = path
-        self.fps = fps
-        self._tmp = path.with_name(f".{path.name}.tmp{path.suffix}")
-        self._mp4 = path.suffix == ".mp4"
-        self._writer: Any = None
-        self._pad: tuple[tuple[int, int], ...] = ((0, 0), (0, 0), (0, 0))
-        self._shape: tuple[int, ...] | None = None
-        self._last: npt.NDArray[np.uint8] | None = None
-        self._gif: list[Any] = []
-        self._last_kept = False
-        self._stride = max(1, math.ceil(fps / MAX_GIF_FPS))
-        self._seen = 0
-
-    def add(self, frame: npt.NDArray[np.uint8]) -> None:
-        if self._shape is None:
-            self._shape = frame.shape
-        elif frame.shape != self._shape:  # a video has one size: pad or crop to the first frame's
-            fixed = np.full(self._shape, 255, dtype=np.uint8)
-            h, w = min(frame.shape[0], self._shape[0]), min(frame.shape[1], self._shape[1])
-            fixed[:h, :w] = frame[:h, :w]
-            frame = fixed
-        self._last = frame
-        if self._mp4:
-            self._send(frame)
-        else:
-            self._keep_gif(frame)
-        self._seen += 1
-
-    def _send(self, frame: npt.NDArray[np.uint8]) -> None:
-        if self._writer is None:
-            import imageio_ffmpeg
-
-            h, w = frame.shape[:2]
-            # yuv420p needs even sizes; pad with the edge colour rather than rescale the picture.
-            self._pad = ((0, h % 2), (0, w % 2), (0, 0))
-            self._writer = imageio_ffmpeg.write_frames(
-                str(self._tmp), (w + w % 2, h + h % 2), fps=self.fps, codec="libx264", quality=7,
-                macro_block_size=1, ffmpeg_log_level="error",
-            )
-            self._writer.send(None)
-        self._writer.send(np.ascontiguousarray(np.pad(frame, self._pad, mode="edge")).tobytes())
-
-    def _keep_gif(self, frame: npt.NDArray[np.uint8]) -> None:
-        from PIL import Image
-
-        self._last_kept = self._seen % self._stride == 0
-        if self._last_kept:
-            self._gif.append(Image.fromarray(frame, mode="RGB").quantize(colors=256))
-            if len(self._gif) > MAX_GIF_FRAMES:
-                self._gif = self._gif[::2]
-                self._stride *= 2
-
-    def write(self) -> Path:
-        """Finish the file (the last frame held ``HOLD_LAST_S``) and move it into place."""
-        if self._last is None:
-            raise ValueError("no frames were rendered")
-        if self._mp4:
-            for _ in range(max(1, round(self.fps * HOLD_LAST_S))):
-                self._send(self._last)
-            self._writer.close()
-            self._writer = None
-        else:
-            from PIL import Image
-
-            frames = list(self._gif)
-            if not self._last_kept:  # always end on the outcome
-                frames.append(Image.fromarray(self._last, mode="RGB").quantize(colors=256))
-            ms = max(20, round(1000 * self._stride / self.fps))
-            durations = [ms] * len(frames)
-            durations[-1] = max(ms, round(1000 * HOLD_LAST_S))
-            frames[0].save(self._tmp, format="GIF", save_all=True, append_images=frames[1:],
-                           duration=durations, loop=0, optimize=False, disposal=1)
-        self._tmp.replace(self.path)
-        return self.path
-
-    def abort(self) -> None:
-        """Drop a half-written video (rendering or writing failed)."""
-        if self._writer is not None:
-            try:
-                self._writer.close()
-            except Exception:  # ffmpeg may already be gone; the temp file is removed either way
-                pass
-            self._writer = None
-        self._tmp.unlink(missing_ok=True)
-
-
-# ---------------------------------------------------------------------------------------------
 # Replaying
 
 
@@ -363,19 +251,6 @@ def _open_env(
     return make_env(env_id, dict(env_kwargs), max_steps, render_mode="rgb_array" if render else None)
 
 
-class _RenderError(Exception):
-    """``render()`` failed or returned something that is not an RGB image."""
-
-
-def _render_frame(env: gym.Env[Any, Any]) -> npt.NDArray[np.uint8]:
-    try:
-        frame = _as_rgb(env.render())
-    except Exception as err:
-        raise _RenderError(error_text(err)) from err
-    if frame is None:
-        raise _RenderError("render() returned no (H, W, 3) image")
-    return frame
-
 
 def _probe_rendering(
     env_id: str, env_kwargs: Mapping[str, Any], max_steps: int | None, seed: int
@@ -395,8 +270,8 @@ def _probe_rendering(
         return f"{env_id} cannot be made with render_mode='rgb_array' ({error_text(err)})"
     try:
         env.reset(seed=seed)
-        _render_frame(env)
-    except _RenderError as err:
+        render_frame(env)
+    except RenderError as err:
         return f"{env_id} could not render an rgb_array frame ({err})"
     except Exception as err:
         return f"{env_id} could not be reset for a render check ({error_text(err)})"
@@ -434,7 +309,7 @@ def _framed(out: SlotOutcome, shape: tuple[int, ...] | None
     try:
         return unpack(out.obs, shape)
     except ValueError as err:
-        raise _RenderError(f"the sandbox sent a malformed frame ({err})") from err
+        raise RenderError(f"the sandbox sent a malformed frame ({err})") from err
 
 
 def _slot_failure(ep: _Episode, out: SlotOutcome) -> bool:
@@ -442,7 +317,7 @@ def _slot_failure(ep: _Episode, out: SlotOutcome) -> bool:
     if out.failure is None:
         return False
     if out.error and out.error.startswith(RenderFailed.__name__):
-        raise _RenderError(out.error)
+        raise RenderError(out.error)
     ep.reason, ep.error = out.failure, out.error
     return True
 
@@ -453,7 +328,7 @@ _Step = tuple[Any, float, bool, bool, list[tuple[str, Any]], "npt.NDArray[np.uin
 
 
 def _replay_loop(
-    ep: _Episode, policy: LoadedPolicy, keep_rows: bool, sink: _VideoSink | None,
+    ep: _Episode, policy: LoadedPolicy, keep_rows: bool, sink: VideoSink | None,
     reset: Callable[[], tuple[Any, npt.NDArray[np.uint8] | None] | None],
     step: Callable[[Any], _Step | None],
     render: Callable[[], npt.NDArray[np.uint8]] | None = None,
@@ -533,7 +408,7 @@ def _replay_loop(
 
 def _replay_one_sandboxed(
     slots: EnvSlots, policy: LoadedPolicy, ep: _Episode, keep_rows: bool,
-    sink: _VideoSink | None, shape: tuple[int, ...] | None,
+    sink: VideoSink | None, shape: tuple[int, ...] | None,
 ) -> None:
     """``_replay_loop`` with the env in a sandbox (frames come packed with the observation).
 
@@ -556,7 +431,7 @@ def _replay_one_sandboxed(
 
 def _replay_one(
     env: gym.Env[Any, Any], policy: LoadedPolicy, ep: _Episode, keep_rows: bool,
-    sink: _VideoSink | None,
+    sink: VideoSink | None,
 ) -> None:
     """``_replay_loop`` with the env in this process."""
     def reset() -> tuple[Any, npt.NDArray[np.uint8] | None] | None:
@@ -565,7 +440,7 @@ def _replay_one(
         except Exception as err:
             ep.reason, ep.error = EndReason.ENV_ERROR.value, error_text(err)
             return None
-        return obs, (_render_frame(env) if sink is not None else None)
+        return obs, (render_frame(env) if sink is not None else None)
 
     def step(action: Any) -> _Step | None:
         try:
@@ -577,7 +452,7 @@ def _replay_one(
         items = list(scalar_info(info).items()) if isinstance(info, dict) else []
         return next_obs, reward, bool(raw_terminated), bool(raw_truncated), items, None
 
-    _replay_loop(ep, policy, keep_rows, sink, reset, step, lambda: _render_frame(env))
+    _replay_loop(ep, policy, keep_rows, sink, reset, step, lambda: render_frame(env))
 
 
 def _compare(
@@ -604,10 +479,10 @@ def _run_episode_sandboxed(
     """``_run_episode`` in a fresh sandbox of ``sandbox.level``."""
     ep = _Episode(index, seed)
     slots = sandbox.open(env_id, env_kwargs, max_steps, render=video is not None)
-    sink = _VideoSink(video, fps) if video is not None else None
+    sink = VideoSink(video, fps) if video is not None else None
     try:
         _replay_one_sandboxed(slots, policy, ep, keep_rows, sink, shape)
-    except _RenderError as err:
+    except RenderError as err:
         if sink is not None:
             sink.abort()
         problem = f"render failed at step {ep.length}: {err}"
@@ -669,10 +544,10 @@ def _run_episode(
         return ep, None, "the env could not be made"
     sink = None
     if video is not None:
-        sink = _VideoSink(video, float(fps or env.metadata.get("render_fps") or DEFAULT_FPS))
+        sink = VideoSink(video, float(fps or env.metadata.get("render_fps") or DEFAULT_FPS))
     try:
         _replay_one(env, policy, ep, keep_rows, sink)
-    except _RenderError as err:
+    except RenderError as err:
         # Rendering broke mid-episode: replay again without it, so the trajectory stays whole.
         if sink is not None:
             sink.abort()
@@ -705,33 +580,6 @@ def _env_fps(env_id: str, env_kwargs: Mapping[str, Any], max_steps: int | None) 
     finally:
         _close(env)
 
-
-def probe_encoder(video_format: str = "auto") -> str | None:
-    """None when this process can write a short video of ``video_format``, else why not.
-
-    Writes two frames to a temporary file with the writer ``record_episodes`` uses (ffmpeg from
-    imageio-ffmpeg for MP4, Pillow for GIF), so a missing or broken encoder is found before any
-    episode runs.
-    """
-    import tempfile
-
-    if video_format == "mp4" and not _mp4_available():
-        return "the MP4 encoder is missing (imageio-ffmpeg is not installed: pip install imageio-ffmpeg)"
-    suffix = ".mp4" if video_format == "mp4" or (video_format == "auto" and _mp4_available()) else ".gif"
-    with tempfile.TemporaryDirectory(prefix="evalfleet-encoder-") as tmp:
-        sink = _VideoSink(Path(tmp) / f"probe{suffix}", float(DEFAULT_FPS))
-        try:
-            frame = np.zeros((16, 16, 3), dtype=np.uint8)
-            sink.add(frame)
-            sink.add(frame)
-            path = sink.write()
-            if path.stat().st_size == 0:
-                return f"the {suffix[1:].upper()} encoder wrote an empty file"
-        except Exception as err:
-            sink.abort()
-            encoder = "ffmpeg (imageio-ffmpeg)" if suffix == ".mp4" else "Pillow's GIF writer"
-            return f"the video encoder {encoder} failed: {error_text(err)}"
-    return None
 
 
 def _close(env: gym.Env[Any, Any]) -> None:
@@ -785,11 +633,11 @@ def record_episodes(
         raise ValueError(f"Unknown video_format {video_format!r}. Choose 'auto', 'mp4' or 'gif'.")
     if fps is not None and fps <= 0:
         raise ValueError(f"'fps' must be a positive integer or None (got {fps!r}).")
-    if video_format == "mp4" and video_dir is not None and not _mp4_available():
+    if video_format == "mp4" and video_dir is not None and not mp4_available():
         raise ValueError("video_format='mp4' needs imageio-ffmpeg: pip install imageio-ffmpeg, or use 'gif'.")
     expected = dict(expected or {})
     end_reasons = dict(end_reasons or {})
-    suffix = ".mp4" if video_format == "mp4" or (video_format == "auto" and _mp4_available()) else ".gif"
+    suffix = ".mp4" if video_format == "mp4" or (video_format == "auto" and mp4_available()) else ".gif"
 
     skipped: dict[int, str] = {}
     todo: list[tuple[int, int]] = []

@@ -11,8 +11,8 @@ import pyarrow as pa
 from evalfleet import stats
 from evalfleet.models import EvalReport, EvalRequest
 from evalfleet.sandbox.isolation import isolation_manifest
+from evalfleet.sandbox.limits import sandbox_limits
 from evalfleet.scoring import outcomes
-from evalfleet.worker import sandbox_limits
 
 #: Above this share of planned episodes left unscored (harness failures) the evaluation is a
 #: harness fault, not a policy result.

@@ -7,13 +7,14 @@ Three pure functions over results, for stage 7 and for people reading results af
   episodes with 40 different step counts shows up as one row with 40 episodes.
 - :func:`choose_episodes` picks the episodes worth replaying for trajectories and videos.
 - :func:`report_page` / :func:`report_markdown` render the report as a self-contained HTML page
-  (images embedded, so it survives being opened from MLflow's artifact store) and as the markdown
-  of the Prefect artifact.
+  (the Jinja2 template ``templates/report.html.j2``, autoescaped; images embedded, so it survives
+  being opened from MLflow's artifact store) and as the markdown of the Prefect artifact.
 """
 
 from __future__ import annotations
 
 import base64
+import functools
 import html
 import json
 import os
@@ -22,6 +23,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import jinja2
 import numpy as np
 import pyarrow as pa
 
@@ -230,26 +232,6 @@ def report_markdown(report: EvalReport, clusters: Sequence[Mapping[str, Any]]) -
     return "\n".join(parts)
 
 
-_CSS = """
-body { font-family: system-ui, -apple-system, 'Segoe UI', sans-serif; margin: 2rem auto;
-       max-width: 1100px; color: #1a1a1a; line-height: 1.45; padding: 0 1rem; }
-h1 { font-size: 1.6rem; margin-bottom: .2rem; }
-h2 { font-size: 1.2rem; margin-top: 2rem; border-bottom: 1px solid #ddd; padding-bottom: .2rem; }
-.meta { color: #555; font-size: .9rem; }
-table { border-collapse: collapse; margin: .5rem 0; font-size: .92rem; }
-th, td { border: 1px solid #ddd; padding: .3rem .6rem; text-align: left; vertical-align: top; }
-th { background: #f4f4f4; }
-td.num { text-align: right; font-variant-numeric: tabular-nums; }
-code { font-size: .85rem; word-break: break-word; }
-.alarm { background: #fdecea; border: 1px solid #d93025; color: #8a1c12; padding: .6rem 1rem;
-         border-radius: 4px; margin: .4rem 0; }
-.ok { background: #e6f4ea; border: 1px solid #1e8e3e; padding: .6rem 1rem; border-radius: 4px; }
-.plots { display: grid; grid-template-columns: repeat(auto-fit, minmax(480px, 1fr)); gap: 1rem; }
-figure { margin: 0; }
-figure img, figure video { width: 100%; border: 1px solid #eee; }
-figcaption { font-size: .85rem; color: #555; }
-"""
-
 #: Captions of the plots written by ``evalfleet.plots.render_plots``, by key.
 _CAPTIONS = {
     "returns": "Returns of the scored episodes (completed, and ended by the policy with their "
@@ -274,19 +256,8 @@ def _relative(path: Path, start: Path) -> str:
         return path.name
 
 
-def _table(headers: Sequence[str], rows: Sequence[Sequence[str]], numeric: Sequence[int] = ()) -> str:
-    head = "".join(f"<th>{html.escape(h)}</th>" for h in headers)
-    body = []
-    for row in rows:
-        cells = "".join(
-            f'<td class="num">{cell}</td>' if i in numeric else f"<td>{cell}</td>"
-            for i, cell in enumerate(row)
-        )
-        body.append(f"<tr>{cells}</tr>")
-    return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
-
-
-def _videos_html(videos: Mapping[int, Path], start: Path) -> str:
+def _videos(videos: Mapping[int, Path], start: Path) -> list[dict[str, Any]]:
+    """Template rows of the videos: embedded while the total stays under the limit, else linked."""
     items, embedded = [], 0
     for index, path in sorted(videos.items()):
         path = Path(path)
@@ -294,15 +265,22 @@ def _videos_html(videos: Mapping[int, Path], start: Path) -> str:
         embed = 0 < size and embedded + size <= EMBED_VIDEO_LIMIT
         if embed:
             embedded += size
-        caption = f"episode {index} — {html.escape(path.name)}"
-        if path.suffix.lower() == ".gif":
-            src = _data_uri(path, "image/gif") if embed else html.escape(_relative(path, start))
-            media = f'<img src="{src}" alt="episode {index}">'
-        else:
-            src = _data_uri(path, "video/mp4") if embed else html.escape(_relative(path, start))
-            media = f'<video controls loop muted src="{src}"></video>'
-        items.append(f"<figure>{media}<figcaption>{caption}</figcaption></figure>")
-    return f'<div class="plots">{"".join(items)}</div>'
+        gif = path.suffix.lower() == ".gif"
+        src = _data_uri(path, "image/gif" if gif else "video/mp4") if embed else _relative(path, start)
+        items.append({"index": index, "name": path.name, "gif": gif, "src": src})
+    return items
+
+
+@functools.cache
+def _templates() -> jinja2.Environment:
+    # Autoescape everything: env ids, error texts and the manifest are user data.
+    return jinja2.Environment(
+        loader=jinja2.PackageLoader("evalfleet", "templates"),
+        autoescape=True,
+        trim_blocks=True,
+        lstrip_blocks=True,
+        undefined=jinja2.StrictUndefined,
+    )
 
 
 def report_page(
@@ -323,83 +301,33 @@ def report_page(
     replay mismatches (``ReplayResult.notes()``).
     """
     out_path = Path(out_path)
-    e = html.escape
-    title = f"evalfleet report — {report.env_id}"
-    meta = [
-        f"request <code>{e(report.request_id)}</code>",
-        f"policy <code>{e(report.policy_sha256[:16])}</code>",
+    failures = [
+        {"reason": reason, "count": count, "share": f"{count / max(report.episodes, 1):.2%}",
+         "headline": _headline(reason)}
+        for reason, count in sorted(report.failures.items(), key=lambda kv: (-kv[1], kv[0]))
     ]
-    if report.training_run_id:
-        meta.append(f"training run <code>{e(report.training_run_id)}</code>")
-    if report.step is not None:
-        meta.append(f"step {report.step}")
-    parts = [
-        "<!doctype html>",
-        '<html lang="en"><head><meta charset="utf-8">',
-        f"<title>{e(title)}</title><style>{_CSS}</style></head><body>",
-        f"<h1>{e(title)}</h1>",
-        f'<p class="meta">{" · ".join(meta)}</p>',
+    taxonomy = [
+        {"reason": str(c["reason"]), "signature": str(c["signature"]), "count": c["count"],
+         "examples": _examples(c), "example_error": str(c["example_error"] or "")}
+        for c in clusters
     ]
-    if report.alarms or notes:
-        parts += [f'<div class="alarm"><strong>ALARM</strong> {e(a)}</div>' for a in report.alarms]
-        parts += [f'<div class="alarm">{e(n)}</div>' for n in notes]
-    else:
-        parts.append('<div class="ok">No alarms.</div>')
-
-    parts.append("<h2>Summary</h2>")
-    rows = [[e(r["metric"]), e(r["value"])] for r in summary_rows(report)]
-    parts.append(_table(["metric", "value"], rows))
-
-    parts.append("<h2>Failures</h2>")
-    if not report.failures:
-        parts.append(f"<p>No failed episodes out of {report.episodes}.</p>")
-    else:
-        by_reason = [
-            [e(reason), str(count), f"{count / max(report.episodes, 1):.2%}", _headline(reason)]
-            for reason, count in sorted(report.failures.items(), key=lambda kv: (-kv[1], kv[0]))
-        ]
-        parts.append(_table(["end reason", "episodes", "share of all", "in the headline"],
-                            by_reason, numeric=(1, 2)))
-    if clusters:
-        parts.append(
-            "<p>Failure taxonomy: episodes grouped by end reason and error signature (exception "
-            "type and location, numbers normalised out). Replay an example with its seed.</p>"
-        )
-        taxonomy = [
-            [
-                e(str(c["reason"])),
-                f"<code>{e(str(c['signature']))}</code>",
-                str(c["count"]),
-                e(_examples(c)),
-                f"<code>{e(str(c['example_error'] or ''))}</code>",
-            ]
-            for c in clusters
-        ]
-        parts.append(
-            _table(["reason", "signature", "episodes", "examples", "example error"], taxonomy,
-                   numeric=(2,))
-        )
-
-    if plots:
-        parts.append('<h2>Plots</h2><div class="plots">')
-        for key, path in plots.items():
-            caption = _CAPTIONS.get(key, key)
-            parts.append(
-                f'<figure><img src="{_data_uri(Path(path), "image/png")}" alt="{e(key)}">'
-                f"<figcaption>{e(caption)}</figcaption></figure>"
-            )
-        parts.append("</div>")
-    if videos:
-        parts.append("<h2>Episode videos</h2>")
-        parts.append(_videos_html(videos, out_path.parent))
-
-    parts.append("<h2>Reproducibility manifest</h2>")
-    manifest = json.dumps(report.manifest, indent=2, sort_keys=True, default=str)
-    parts.append(f"<details><summary>manifest</summary><pre>{e(manifest)}</pre></details>")
-    parts.append("</body></html>")
-
+    figures = [
+        {"key": key, "caption": _CAPTIONS.get(key, key), "src": _data_uri(Path(path), "image/png")}
+        for key, path in plots.items()
+    ]
+    page = _templates().get_template("report.html.j2").render(
+        title=f"evalfleet report — {report.env_id}",
+        report=report,
+        notes=list(notes),
+        summary=summary_rows(report),
+        failures=failures,
+        clusters=taxonomy,
+        plots=figures,
+        videos=_videos(videos or {}, out_path.parent),
+        manifest=json.dumps(report.manifest, indent=2, sort_keys=True, default=str),
+    )
     out_path.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_path.with_name(f".{out_path.name}.tmp")
-    tmp.write_text("\n".join(parts), encoding="utf-8")
+    tmp.write_text(page, encoding="utf-8")
     os.replace(tmp, out_path)  # readers never see half a page
     return out_path

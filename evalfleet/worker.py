@@ -19,15 +19,9 @@ from evalfleet.records import records_to_table
 from evalfleet.redaction import scrubbed_exception
 from evalfleet.runner import EpisodeContext, run_shard
 from evalfleet.sandbox import open_slots
-from evalfleet.sandbox.limits import SandboxLimits
+from evalfleet.sandbox.limits import sandbox_limits as sandbox_limits  # re-export: pipeline.py
 
 logger = logging.getLogger(__name__)
-
-
-def sandbox_limits(request: EvalRequest) -> SandboxLimits:
-    """The request's sandbox limits (defaults documented in ``SandboxLimits``)."""
-    return SandboxLimits(address_space_bytes=request.sandbox_memory_mb * 2**20,
-                         step_timeout_s=request.step_timeout_s)
 
 
 def _publish(topic: str, message: dict[str, Any]) -> None:

@@ -2,40 +2,64 @@
 
 from __future__ import annotations
 
+import argparse
 import sys
 from collections.abc import Sequence
 
-USAGE = """usage: evalfleet COMMAND [ARGS]
+from evalfleet.cli import EVAL_DESCRIPTION, add_cache_commands, add_eval_arguments
 
-commands:
-  eval   ...   run an evaluation (same options as python flows/eval.py)
-  cache  ls|rm list or remove stored episodes
-  serve  ...   start the service: Prefect server, Dask cluster, deployment, webhook receiver
-"""
+
+def _eval(args: argparse.Namespace, rest: Sequence[str]) -> int:
+    from evalfleet.cli import run_eval
+    from flows.eval import evaluate
+
+    return run_eval(evaluate, args)
+
+
+def _cache(args: argparse.Namespace, rest: Sequence[str]) -> int:
+    from evalfleet.cli import run_cache
+
+    return run_cache(args)
+
+
+def _serve(args: argparse.Namespace, rest: Sequence[str]) -> int:
+    # Imported only here: the service's modules take a second or more to import.
+    from deployments.cli import main as serve_main
+
+    return int(serve_main(list(rest)) or 0)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """``evalfleet`` and its subcommands (``serve``'s options belong to ``deployments.cli``)."""
+    p = argparse.ArgumentParser(prog="evalfleet", description="Policy evaluation for RL training loops.")
+    commands = p.add_subparsers(dest="command", metavar="COMMAND", title="commands")
+    run = commands.add_parser("eval", help="run an evaluation (same options as python flows/eval.py)",
+                              description=EVAL_DESCRIPTION,
+                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_eval_arguments(run)
+    run.set_defaults(handler=_eval)
+    cache = commands.add_parser("cache", help="list or remove stored episodes (ls|rm)",
+                                description="List or remove cache entries.")
+    add_cache_commands(cache)
+    cache.set_defaults(handler=_cache)
+    # serve parses its own options (and --help): everything after the word goes to it.
+    serve = commands.add_parser("serve", add_help=False,
+                                help="start the service: Prefect server, Dask cluster, deployment, "
+                                "webhook receiver (evalfleet serve --help)")
+    serve.set_defaults(handler=_serve)
+    return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Dispatch to a subcommand."""
-    args = list(sys.argv[1:] if argv is None else argv)
-    if not args or args[0] in ("-h", "--help"):
-        print(USAGE)
+    """Parse the command line and run the subcommand; returns its exit code."""
+    parser = build_parser()
+    args, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
+    if args.command is None:
+        parser.print_help()
         return 0
-    command, rest = args[0], args[1:]
-    if command == "eval":
-        from evalfleet.cli import run_cli
-        from flows.eval import evaluate
-
-        return run_cli(evaluate, rest)
-    if command == "cache":
-        from evalfleet.cli import cache_command
-
-        return cache_command(rest)
-    if command == "serve":
-        from deployments.cli import main as serve_main
-
-        return int(serve_main(rest) or 0)
-    print(f"evalfleet: unknown command {command!r}. Choose eval, cache or serve.\n{USAGE}", file=sys.stderr)
-    return 2
+    if rest and args.command != "serve":
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    return int(args.handler(args, rest))
 
 
 if __name__ == "__main__":

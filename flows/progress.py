@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextvars
+import datetime
 import math
 import sys
 import threading
@@ -11,6 +12,8 @@ from contextlib import contextmanager
 
 from prefect import get_run_logger
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
 from evalfleet.cluster import client_for
 from evalfleet.models import EvalRequest
@@ -33,7 +36,7 @@ def watch(request: EvalRequest, address: str | None) -> Iterator[ProgressTracker
         0.0, key=f"progress-{request.request_id}".lower(),
         description=f"episodes of {request.env} done (of {tracker.total})",
     )
-    bar = _bar(tracker) if sys.stderr.isatty() else None
+    bar = EpisodeBar(tracker.total) if sys.stderr.isatty() else None
     stop = threading.Event()
 
     def loop() -> None:
@@ -41,7 +44,7 @@ def watch(request: EvalRequest, address: str | None) -> Iterator[ProgressTracker
             snap = tracker.snapshot()
             update_progress_artifact(artifact_id, min(100.0, 100.0 * snap["done"] / tracker.total))
             if bar is not None:
-                bar(snap)
+                bar.update(snap)
 
     # The thread must see this flow's Prefect settings (API URL), not the process-wide defaults.
     ctx = contextvars.copy_context()
@@ -52,24 +55,50 @@ def watch(request: EvalRequest, address: str | None) -> Iterator[ProgressTracker
     finally:
         stop.set()
         thread.join(5)
-        client.unsubscribe_topic(name)
-        snap = tracker.snapshot()
-        update_progress_artifact(artifact_id, min(100.0, 100.0 * snap["done"] / tracker.total))
-        if bar is not None:
-            bar(snap)
-            sys.stderr.write("\n")
+        try:
+            client.unsubscribe_topic(name)
+            snap = tracker.snapshot()
+            update_progress_artifact(artifact_id, min(100.0, 100.0 * snap["done"] / tracker.total))
+            if bar is not None:
+                bar.update(snap)
+        finally:
+            if bar is not None:  # always give the terminal back (cursor, redirected output)
+                bar.close()
         get_run_logger().info("%d episodes run, %d failed, %.0f episodes/s",
                               snap["done"], snap["failed"], snap["episodes_per_s"])
 
 
-def _bar(tracker: ProgressTracker):  # type: ignore[no-untyped-def]
-    def draw(snap: dict[str, float]) -> None:
-        frac = min(1.0, snap["done"] / tracker.total)
-        filled = int(30 * frac)
-        eta = "?" if math.isnan(snap["eta_s"]) else f"{snap['eta_s']:.0f}s"
-        sys.stderr.write(f"\r[{'#' * filled}{'.' * (30 - filled)}] {int(snap['done'])}/{tracker.total}"
-                         f" episodes, {int(snap['failed'])} failed, {snap['episodes_per_s']:.0f}/s,"
-                         f" ETA {eta}  ")
-        sys.stderr.flush()
+class EpisodeBar:
+    """The terminal bar: episodes done of total, failures, episodes/s and ETA (rich.progress).
 
-    return draw
+    Fed with ``ProgressTracker.snapshot()`` values by ``watch``'s update thread, so the rate and
+    ETA are the tracker's (the ones the flow logs at the end), not re-estimated by rich.
+    """
+
+    def __init__(self, total: int, console: Console | None = None) -> None:
+        self._progress = Progress(
+            TextColumn("episodes"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("{task.fields[failed]} failed"),
+            TextColumn("{task.fields[rate]:.0f} episodes/s"),
+            TextColumn("ETA {task.fields[eta]}"),
+            console=console if console is not None else Console(stderr=True),
+            auto_refresh=False,  # watch() redraws once per update
+        )
+        self._task = self._progress.add_task("episodes", total=total, failed=0, rate=0.0, eta="?")
+        self._progress.start()
+
+    def update(self, snap: dict[str, float]) -> None:
+        """Show one snapshot (``done``, ``failed``, ``episodes_per_s``, ``eta_s``)."""
+        eta = snap["eta_s"]
+        self._progress.update(
+            self._task, completed=int(snap["done"]), failed=int(snap["failed"]),
+            rate=snap["episodes_per_s"],
+            eta="?" if math.isnan(eta) else str(datetime.timedelta(seconds=round(eta))),
+        )
+        self._progress.refresh()
+
+    def close(self) -> None:
+        """Leave the last state on the terminal and end the line."""
+        self._progress.stop()

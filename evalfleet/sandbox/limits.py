@@ -17,9 +17,12 @@ import signal
 import socket
 import time
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from evalfleet.errors import RequestError
+
+if TYPE_CHECKING:  # the fork server imports this module; it needs no pydantic models
+    from evalfleet.models import EvalRequest
 
 MiB = 1024 * 1024
 GiB = 1024 * MiB
@@ -94,6 +97,12 @@ class SandboxLimits:
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready form for the report's manifest."""
         return asdict(self)
+
+
+def sandbox_limits(request: EvalRequest) -> SandboxLimits:
+    """The request's sandbox limits (defaults documented in ``SandboxLimits``)."""
+    return SandboxLimits(address_space_bytes=request.sandbox_memory_mb * MiB,
+                         step_timeout_s=request.step_timeout_s)
 
 
 def _libc() -> ctypes.CDLL:

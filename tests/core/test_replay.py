@@ -276,7 +276,7 @@ def test_long_episodes_and_odd_frame_sizes(tmp_path, monkeypatch, video_format):
 
     if video_format == "mp4":
         pytest.importorskip("imageio_ffmpeg")
-    monkeypatch.setattr("evalfleet.replay.MAX_GIF_FRAMES", 16)
+    monkeypatch.setattr("evalfleet.video.MAX_GIF_FRAMES", 16)
     policy = _callable(lambda o: np.zeros(len(o), np.int64), spaces.Discrete(2))
     result = record_episodes("evalfleet-test/Drawn-v0", {"steps": 100}, None, policy, [(0, 1)],
                              video_dir=tmp_path, trajectories=False, video_format=video_format)

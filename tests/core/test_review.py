@@ -221,3 +221,21 @@ def test_report_markdown_has_summary_alarms_and_taxonomy():
     assert "| env_error | `RuntimeError at inv.py:42` | 2 | #5 (seed 1005), #9 (seed 1009) |" in text
     assert "&lt;bad&gt; &amp; boom" in text and "<bad>" not in text
     assert "No failed episodes." in report_markdown(_report(_table([OK])), [])
+
+
+def test_report_page_escapes_every_user_value(tmp_path):
+    table = _failing_table()
+    hostile = "<script>alert(1)</script>"
+    report = _report(table).model_copy(update={
+        "env_id": f"evil/{hostile}-v0", "training_run_id": hostile, "step": 7,
+        "alarms": [f"alarm {hostile}"], "manifest": {"config": f"</pre>{hostile}"},
+    })
+    clusters = cluster_failures(table)
+    clusters[0] = {**clusters[0], "signature": hostile, "example_error": hostile}
+    text = report_page(report, clusters, {}, tmp_path / "report.html", notes=[hostile]).read_text()
+    assert "<script>" not in text and text.count("</pre>") == 1 and "&lt;/pre&gt;" in text
+    escaped = "&lt;script&gt;alert(1)&lt;/script&gt;"
+    # title, heading, meta line, alarm, note, summary (env, alarms), signature, error, manifest
+    assert text.count(escaped) == 10, text.count(escaped)
+    assert "training run <code>" in text and " · step 7</p>" in text
+    assert "<strong>ALARM</strong> alarm &lt;script&gt;" in text

@@ -1,5 +1,6 @@
 """Adaptive rounds, the determinism audit and the paired baseline through the real flow."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -59,15 +60,33 @@ def test_nondeterministic_env_is_flagged_and_not_cached(prefect_server, tmp_path
     assert not any(a.startswith("non_deterministic_env") for a in steady.alarms)
 
 
+def _returns(report):
+    import pyarrow.parquet as pq
+
+    rows = pq.read_table(report.outputs["episodes"]).sort_by("episode_index").to_pylist()
+    return np.array([r["return"] for r in rows]), [r["seed"] for r in rows]
+
+
 def test_paired_baseline_from_a_file_and_from_the_cache(prefect_server, tmp_path, example_policy):
-    worse = _linear(tmp_path / "worse.pt", [0.0, -0.1, 1.0, 0.05])
+    # Planted pair: the bundled policy balances CartPole (hundreds of steps); all-zero logits
+    # always push left, so the pole falls within about 10 steps on every seed.
+    worse = _linear(tmp_path / "worse.pt", [0.0, 0.0, 0.0, 0.0])
     common = dict(episodes=60, concurrency=20, seed=2, output=tmp_path / "out")
     base_report = evaluate(EvalRequest.build(policy=worse, **common))
     report = evaluate(EvalRequest.build(policy=example_policy, baseline=worse, **common))
     c = report.comparison
     assert c["n"] == 60 and c["baseline_policy_sha256"] == base_report.policy_sha256
-    assert c["ci"]["low"] <= c["mean_diff"] <= c["ci"]["high"]
-    assert c["verdict"] in ("better", "worse", "not distinguishable")
+    new, new_seeds = _returns(report)
+    base, base_seeds = _returns(base_report)
+    assert new_seeds == base_seeds  # common random numbers: the same seed for each index
+    assert base.max() < 20 and new.min() > base.max()
+    assert c["mean_diff"] == pytest.approx(float(np.mean(new - base)), rel=1e-12)
+    assert c["mean_diff"] > 300  # the bundled policy averages about 380 on these seeds
+    assert c["verdict"] == "better" and c["p_improvement"] == 1.0
+    assert 0 < c["ci"]["low"] <= c["mean_diff"] <= c["ci"]["high"]
+    swapped = evaluate(EvalRequest.build(policy=worse, baseline=example_policy, **common)).comparison
+    assert swapped["verdict"] == "worse" and swapped["p_improvement"] == 0.0
+    assert swapped["mean_diff"] == pytest.approx(-c["mean_diff"], rel=1e-12)
     by_hash = evaluate(EvalRequest.build(
         policy=example_policy, baseline=f"sha256:{base_report.policy_sha256[:16]}", **common))
     assert by_hash.comparison["mean_diff"] == c["mean_diff"]
@@ -113,3 +132,29 @@ def test_clipped_reward_alarm_reaches_report_mlflow_and_summary(prefect_server, 
     assert run.data.tags["evalfleet.alarm.reward_clipped"] == "true"
     assert run.data.metrics["eval/step_reward_at_max_fraction"] == w["at_max_fraction"]
     assert "reward_clipped" in summary_text(report) and "step rewards" in summary_text(report)
+
+
+def test_failure_clusters_name_the_planted_bug(prefect_server, tmp_path):
+    """RaiseOnStep fails at step 5 of the seeds that are 3 mod 10: one cluster, those episodes."""
+    import inspect
+
+    from evalfleet.seeds import SeedLedger
+    from tests.sandbox import faulty_envs
+
+    seeds = [SeedLedger(4).seed(i) for i in range(80)]
+    planted = [i for i, s in enumerate(seeds) if faulty_envs.is_faulty(s)]
+    assert 3 <= len(planted) < 80
+    lines, first = inspect.getsourcelines(faulty_envs.RaiseOnStep.fault)
+    line = first + next(n for n, text in enumerate(lines) if "raise RuntimeError" in text)
+    report = evaluate(EvalRequest.build(
+        env=faulty_envs.env_id("RaiseOnStep"), policy="tests.sandbox.faulty_envs:balance",
+        episodes=80, concurrency=20, seed=4, isolation="inprocess", output=tmp_path / "out"))
+    assert report.failures == {"env_error": len(planted)}
+    [cluster] = report.failure_clusters
+    assert cluster["reason"] == "env_error"
+    assert cluster["signature"] == f"RuntimeError at faulty_envs.py:{line}"
+    assert cluster["count"] == len(planted)
+    assert cluster["example_indices"] == planted[:5]
+    assert cluster["example_seeds"] == [seeds[i] for i in planted[:5]]
+    error = f"RuntimeError: deliberate failure at step 5 (at faulty_envs.py:{line})"
+    assert cluster["example_error"] == error

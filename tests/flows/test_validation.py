@@ -92,3 +92,62 @@ def test_state_dict_with_factory(tmp_path):
     with pytest.raises(PolicyError, match="does not fit the module built by"):
         receive_policy(str(path), "tests.flows.factories:linear_4_3", env.observation_space,
                        env.action_space)
+
+
+def _long_options(parser):
+    return {o for a in parser._actions for o in a.option_strings if o.startswith("--")} - {"--help"}
+
+
+def test_every_option_is_in_help_and_in_the_readme_table():
+    import re
+    from pathlib import Path
+
+    from evalfleet.cli import build_parser
+
+    options = _long_options(build_parser())
+    assert len(options) >= 37
+    text = build_parser().format_help()
+    assert [o for o in sorted(options) if o not in text] == []
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    start = readme.index("| option | meaning")
+    rows = readme[start:readme.index("\n\n", start)].splitlines()[2:]
+    documented = {o for row in rows for o in re.findall(r"--[a-z][a-z0-9-]*", row.split(" | ")[0])}
+    assert sorted(options - documented) == [], "options missing from README's options table"
+    assert sorted(documented - options) == [], "README documents options the CLI does not have"
+
+
+def test_console_subcommands(tmp_path, capsys):
+    from evalfleet.cli import build_parser
+    from flows.console import main
+
+    assert main([]) == 0
+    usage = capsys.readouterr().out
+    assert all(f"\n    {c} " in usage for c in ("eval", "cache", "serve")), usage
+    # cache options before or after the subcommand
+    for argv in (["cache", "ls", "--output", str(tmp_path)], ["cache", "--output", str(tmp_path), "ls"],
+                 ["cache", "ls", "--cache-dir", str(tmp_path / "c")]):
+        assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.count(f"0 entries in {tmp_path / 'cache'}") == 2 and f"0 entries in {tmp_path / 'c'}" in out
+    assert main(["cache", "rm", "--output", str(tmp_path)]) == 2
+    assert "name keys (or prefixes) to remove, or pass --all" in capsys.readouterr().err
+    assert main(["cache", "--cache-dir", str(tmp_path / "c"), "rm", "--all"]) == 0
+    assert f"removed 0 entries from {tmp_path / 'c'}" in capsys.readouterr().out
+
+    with pytest.raises(SystemExit) as bad:
+        main(["bogus"])
+    assert bad.value.code == 2 and "invalid choice: 'bogus'" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as extra:
+        main(["cache", "ls", "--bogus"])
+    assert extra.value.code == 2 and "unrecognized arguments: --bogus" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as shown:
+        main(["eval", "--help"])
+    text = capsys.readouterr().out
+    assert shown.value.code == 0 and text.startswith("usage: evalfleet eval")
+    assert [o for o in sorted(_long_options(build_parser())) if o not in text] == []
+    # serve's options are its own: everything after the word reaches deployments.cli
+    with pytest.raises(SystemExit) as served:
+        main(["serve", "--help"])
+    text = capsys.readouterr().out
+    assert served.value.code == 0 and text.startswith("usage: evalfleet serve")
+    assert "--ready-file" in text and "--drain-timeout" in text
