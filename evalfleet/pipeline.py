@@ -303,7 +303,7 @@ def replay_sandbox(request: EvalRequest, isolation: str) -> ReplaySandbox | None
     """Where replays step the env: a sandbox of the evaluation's level (None: in this process)."""
     if isolation == "inprocess":
         return None
-    from evalfleet.worker import sandbox_limits
+    from evalfleet.sandbox.limits import sandbox_limits
 
     env = resolve_env(request.env, request.env_kwargs, request.max_steps)
     shape = tuple(env.observation_space.shape) if env.observation_space.shape else None
