@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from contextlib import ExitStack, nullcontext
+from contextlib import nullcontext
 
 import dask
 import pyarrow as pa
@@ -90,17 +90,16 @@ def evaluate(request: EvalRequest) -> EvalReport:
     Stage 1 runs here, before the flow, so bad input fails before anything is spawned; the flow's
     stage 1 records its result. A request the cache answers whole starts no cluster at all.
     """
-    checked = ExitStack()
     received = receive(request)
-    checked.enter_context(checked_before(request, received))
+    checked = [(request, received)]
     if request.baseline and not request.baseline.startswith("sha256:"):  # its nested run's stage 1
         other = baseline_request(request, request.episodes)
-        checked.enter_context(checked_before(other, receive(other)))
+        checked.append((other, receive(other)))
     fixed = request.target_ci_halfwidth is None and request.baseline is None
     hit = fixed and lookup(request, received).status == "hit"
     cluster = nullcontext(None) if hit else fleet_cluster(request.dask_address, request.workers)
-    with checked, prefect_api(wait=False) as api, cluster as address:  # cluster starts as server boots
-        api.wait()
+    with checked_before(*checked), prefect_api(wait=False) as api, cluster as address:
+        api.wait()  # the cluster started while the server booted
         runner = DaskTaskRunner(address=address) if address else ThreadPoolTaskRunner()
         return eval_flow.with_options(task_runner=runner)(request, address)
 

@@ -15,13 +15,15 @@ _checked: dict[str, Received] = {}
 
 
 @contextmanager
-def checked_before(request: EvalRequest, received: Received) -> Iterator[None]:
-    """Within the block, stage 1 of ``request``'s flow run takes ``received`` as it is."""
-    _checked[request.request_id] = received
+def checked_before(*checked: tuple[EvalRequest, Received]) -> Iterator[None]:
+    """Within the block, stage 1 of each ``(request, received)``'s flow run takes ``received``."""
+    for request, received in checked:
+        _checked[request.request_id] = received
     try:
         yield
     finally:
-        _checked.pop(request.request_id, None)
+        for request, _ in checked:
+            _checked.pop(request.request_id, None)
 
 
 @task(name="receive-weights", cache_policy=NO_CACHE)
