@@ -1,6 +1,6 @@
 """The contenders: each way of evaluating one policy on one env for a number of episodes.
 
-Every contender function runs inside a trial process (``bench/trial.py``) and returns a dict with
+Every contender function runs inside a trial process (``python -m bench.trial``) and returns a dict with
 at least ``env_steps``, ``episodes`` and ``mean_return``; the trial adds wall time, CPU time and
 the peak RSS of the process tree around it. Exact contenders (the bare loop and evalfleet run
 episode ``i`` with seed ``ledger(0, i)``) also return ``returns_sha``, a hash of the returns by
@@ -383,7 +383,7 @@ def evalfleet_flow(spec: dict[str, Any]) -> list[dict[str, Any]]:
     Starts a LocalCluster (``workers`` processes) in this trial, runs an unmeasured warm-up
     evaluation with another policy variant, then each measured evaluation of ``spec["runs"]``
     (each with a fresh variant unless it asks for the original policy, e.g. to compare returns).
-    Returns one result per run; ``bench/trial.py`` measures each run's window.
+    Returns one result per run; ``bench.trial`` measures each run's window.
     """
     import dask
     from distributed import LocalCluster
@@ -392,7 +392,6 @@ def evalfleet_flow(spec: dict[str, Any]) -> list[dict[str, Any]]:
     from evalfleet.models import EvalRequest
 
     os.environ["EVALFLEET_NATIVE_VECTOR"] = "1" if spec.get("native", False) else "0"
-    sys.path.insert(0, str(ROOT))
     from flows.eval import evaluate
 
     fields = _request_fields()

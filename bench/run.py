@@ -1,6 +1,7 @@
-"""Reproduce evalfleet's benchmark table: ``python bench/run.py`` (``--quick`` for the smoke run).
+"""Reproduce evalfleet's benchmark table: ``python -m bench.run`` (``--quick`` for the smoke run).
 
-Every contender runs in a fresh process per trial (``bench/trial.py``); the contenders of a
+Run it from the repository root. Every contender runs in a fresh process per trial
+(``python -m bench.trial``); the contenders of a
 repetition run one after the other, in an order rotated per repetition, and every ratio is taken
 inside one repetition, then the median over repetitions is reported. Absolute times on a shared
 machine drift; ratios measured side by side do not drift as much.
@@ -29,16 +30,14 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from bench import plan as planning
+from bench import report
+from bench.contenders import CONTENDERS
+from bench.trial import MARK
+
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
-from bench import plan as planning  # noqa: E402
-from bench import report  # noqa: E402
-from bench.contenders import CONTENDERS  # noqa: E402
-from bench.trial import MARK  # noqa: E402
-
-TRIAL = ROOT / "bench" / "trial.py"
+TRIAL = "bench.trial"  # run as a module from ROOT, like this one
 
 
 #: Spec keys that only say where this run keeps its files and servers (left out of the JSON).
@@ -103,7 +102,7 @@ def _die_with_parent() -> None:
 def run_trial(spec: dict[str, Any], timeout_s: float) -> list[dict[str, Any]]:
     """One trial process; its result(s), or the exact error it ended with."""
     try:
-        proc = subprocess.run([sys.executable, str(TRIAL), json.dumps(spec)], capture_output=True,
+        proc = subprocess.run([sys.executable, "-m", TRIAL, json.dumps(spec)], capture_output=True,
                               text=True, timeout=timeout_s, cwd=ROOT, preexec_fn=_die_with_parent)
     except subprocess.TimeoutExpired:
         return [{"ok": False, "error": f"timed out after {timeout_s:.0f} s"}]
@@ -188,7 +187,7 @@ def sweep_cases(quick: bool) -> list[dict[str, Any]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python bench/run.py", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="smoke run: a few episodes, one repetition")
     p.add_argument("--reps", type=int, default=None, help="repetitions (default 3, quick 1)")
     p.add_argument("--only", default="", help="comma-separated workloads, e.g. W1-2k,W4")
@@ -219,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     with_torchrl = not args.no_torchrl and "torchrl" not in missing
     meta = {"date": started.strftime("%Y-%m-%d %H:%M UTC"), "machine": machine(),
             "versions": versions(), "reps": reps, "quick": args.quick,
-            "command": "python bench/run.py " + " ".join(argv if argv is not None else sys.argv[1:])}
+            "command": "python -m bench.run " + " ".join(argv if argv is not None else sys.argv[1:])}
     log(f"{meta['machine']['cpu']}, {meta['machine']['cores']} cores; reps={reps}")
     trials: list[dict[str, Any]] = []
 

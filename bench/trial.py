@@ -1,4 +1,4 @@
-"""One trial in a fresh process: ``python bench/trial.py '<json spec>'``.
+"""One trial in a fresh process: ``python -m bench.trial '<json spec>'`` (from the repository root).
 
 Runs one contender (``spec["contender"]``) inside a measured window and prints one line
 ``BENCH-RESULT <json>`` (a list of results for contenders that measure several runs themselves).
@@ -13,11 +13,6 @@ import os
 import sys
 import time
 import traceback
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
 MARK = "BENCH-RESULT "
 

@@ -6,7 +6,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -195,6 +195,19 @@ def worker_slots(address: str) -> int:
     """Total worker threads of the cluster: how many shards run at once."""
     info = client_for(address).scheduler_info(n_workers=-1)
     return max(1, sum(int(w.get("nthreads", 1)) for w in info["workers"].values()))
+
+
+def on_each_worker(address: str, fn: Callable[..., Any], *args: Any) -> list[Any]:
+    """``fn(*args)`` once on each worker of the cluster, as a task (in its task thread), results.
+
+    A task, not ``Client.run``: that would run ``fn`` on the worker's event loop, blocking it,
+    and beside a task already running there.
+    """
+    client = client_for(address)
+    workers = list(client.scheduler_info(n_workers=-1)["workers"])
+    futures = [client.submit(fn, *args, workers=[w], allow_other_workers=False, pure=False)
+               for w in workers]
+    return list(client.gather(futures))
 
 
 class PolicyInstaller(WorkerPlugin):

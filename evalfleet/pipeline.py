@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +53,7 @@ from evalfleet.sandbox.isolation import resolve_isolation
 from evalfleet.seeds import SeedLedger
 from evalfleet.storage import run_dir, write_episodes, write_json, write_table
 from evalfleet.tracking import default_tracking_uri, log_evaluation
+from evalfleet.worker import warm_sandboxes
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +83,8 @@ class Planned:
     cached: pa.Table
     cache_status: str
     cache_corrupt: bool
+    warmed: tuple[dict[str, Any], ...] = ()
+    """One entry per worker whose sandboxes' start was done here (``worker.warm_sandboxes``)."""
 
     @property
     def shards(self) -> list[Shard]:
@@ -190,6 +193,23 @@ def plan(
     })
     return Planned(shard_plan, found.stored, found.status if request.cache == "use" else request.cache,
                    found.corrupt)
+
+
+def spawn(request: EvalRequest, received: Received, address: str | None, planned: Planned
+          ) -> Planned:
+    """Stage 2: on every worker, start what the shards' sandboxes come from, before they run.
+
+    ``process`` / ``bwrap``: each worker's fork server, with the env's modules imported in it;
+    ``inprocess``: the env's modules and one instance. Nothing to run, nothing started. The time
+    counts as stage 2's; the run stage then only forks sandboxes and runs episodes.
+    """
+    if not planned.shards or address is None:
+        return planned
+    t0 = time.perf_counter()
+    warmed = cluster.on_each_worker(address, warm_sandboxes, request, received.isolation)
+    seconds = planned.plan.seconds + time.perf_counter() - t0
+    return replace(planned, plan=planned.plan.model_copy(update={"seconds": seconds}),
+                   warmed=tuple(warmed))
 
 
 def distribute(request: EvalRequest, received: Received, address: str | None) -> PolicyHandle:
@@ -615,6 +635,7 @@ __all__ = [
     "plan",
     "receive",
     "same_policy",
+    "spawn",
     "store_in_cache",
     "summarize",
 ]

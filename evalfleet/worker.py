@@ -1,4 +1,7 @@
-"""What runs on a Dask worker for one shard: fetch the policy, open sandboxes, run, tabulate."""
+"""What runs on a Dask worker: its sandboxes' start (stage 2) and each shard (stage 4).
+
+Per shard: fetch the policy, open sandboxes, run, tabulate.
+"""
 
 from __future__ import annotations
 
@@ -6,8 +9,12 @@ import ctypes
 import ctypes.util
 import functools
 import logging
+import sys
+import time
+import uuid
 from typing import Any
 
+import cloudpickle
 import pyarrow as pa
 from distributed import get_worker
 
@@ -19,7 +26,8 @@ from evalfleet.records import records_to_table
 from evalfleet.redaction import scrubbed_exception
 from evalfleet.runner import EpisodeContext, run_shard
 from evalfleet.sandbox import open_slots
-from evalfleet.sandbox.limits import sandbox_limits as sandbox_limits  # re-export: pipeline.py
+from evalfleet.sandbox.limits import sandbox_limits
+from evalfleet.sandbox.process import fork_server, preload_modules
 
 logger = logging.getLogger(__name__)
 
@@ -74,13 +82,58 @@ def execute_shard(shard: Shard, handle: PolicyHandle, request: EvalRequest, isol
         raise clean from None
 
 
-def _execute_shard(shard: Shard, handle: PolicyHandle, request: EvalRequest, isolation: str
-                   ) -> pa.Table:
-    tune_malloc()
+def _resolve(request: EvalRequest) -> Any:
+    """The request's env, resolved once per worker process (its modules imported, one made)."""
     key = (request.env, repr(sorted(request.env_kwargs.items())), request.max_steps)
     resolved = _resolved.get(key)
     if resolved is None:
         resolved = _resolved[key] = resolve_env(request.env, request.env_kwargs, request.max_steps)
+    return resolved
+
+
+def warm_sandboxes(request: EvalRequest, isolation: str) -> dict[str, Any]:
+    """Stage 2 on one worker: start what its shards' sandboxes come from, before any shard runs.
+
+    The env is resolved (its modules imported, one instance made: all ``inprocess`` slots need)
+    and, at ``process`` and ``bwrap``, this worker's fork server is started and has the env's
+    modules imported, so the run stage only forks sandboxes (milliseconds each) and runs episodes.
+    What fails here would fail the run stage the same way; its text is scrubbed likewise.
+    """
+    try:
+        t0 = time.perf_counter()
+        tune_malloc()
+        resolved = _resolve(request)
+        if isolation in ("process", "bwrap"):
+            _start_fork_server(request, isolation, resolved.fingerprint.as_dict())
+        return {"worker": worker_name(), "isolation": isolation,
+                "seconds": time.perf_counter() - t0}
+    except Exception as err:
+        clean = scrubbed_exception(err)
+        if clean is None:
+            raise
+        raise clean from None
+
+
+def _start_fork_server(request: EvalRequest, level: str, env_spec: dict[str, Any]) -> None:
+    """Start the worker's fork server of ``level`` and import the env's modules in it."""
+    limits = sandbox_limits(request)
+    preload = preload_modules(env_spec)
+    server = fork_server(level, limits.start_timeout_s, preload)
+    # The server imports a maker's modules when it is prepared for it; this maker is forgotten
+    # at once (each shard's slots prepare their own), its imports stay for every fork.
+    token = f"warm-{uuid.uuid4().hex}"
+    maker = cloudpickle.dumps(env_thunk(request.env, request.env_kwargs, request.max_steps))
+    answer = server.call(("prepare", token, maker, list(sys.path), preload, {}),
+                         limits.start_timeout_s)
+    server.call(("forget", token), limits.start_timeout_s)
+    if answer.get("imports"):
+        logger.warning("fork server could not import %s", answer["imports"])
+
+
+def _execute_shard(shard: Shard, handle: PolicyHandle, request: EvalRequest, isolation: str
+                   ) -> pa.Table:
+    tune_malloc()
+    resolved = _resolve(request)
     policy = policy_on_worker(handle, request.policy, resolved.action_space)
     ctx = EpisodeContext(
         request_id=request.request_id,

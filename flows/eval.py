@@ -31,7 +31,7 @@ from tasks.aggregate import aggregate
 from tasks.collect_rewards import collect_rewards
 from tasks.distribute_policy import distribute_policy
 from tasks.feed_back import feed_back
-from tasks.receive_weights import receive_weights
+from tasks.receive_weights import checked_before, receive_weights
 from tasks.run_episodes import run_episodes, shard_tables
 from tasks.spawn_sandboxes import spawn_sandboxes
 
@@ -87,17 +87,19 @@ def baseline_episodes(
 def evaluate(request: EvalRequest) -> EvalReport:
     """Run ``eval_flow`` with one Prefect API and a Dask cluster (local unless an address).
 
-    Stage 1's checks run once here first, so bad input fails before anything is spawned; a request
-    the cache answers whole starts no cluster at all.
+    Stage 1 runs here, before the flow, so bad input fails before anything is spawned; the flow's
+    stage 1 records its result. A request the cache answers whole starts no cluster at all.
     """
     received = receive(request)
-    if request.baseline and not request.baseline.startswith("sha256:"):
-        receive(baseline_request(request, request.episodes))
+    checked = [(request, received)]
+    if request.baseline and not request.baseline.startswith("sha256:"):  # its nested run's stage 1
+        other = baseline_request(request, request.episodes)
+        checked.append((other, receive(other)))
     fixed = request.target_ci_halfwidth is None and request.baseline is None
     hit = fixed and lookup(request, received).status == "hit"
     cluster = nullcontext(None) if hit else fleet_cluster(request.dask_address, request.workers)
-    with prefect_api(wait=False) as api, cluster as address:  # the cluster starts as the server boots
-        api.wait()
+    with checked_before(*checked), prefect_api(wait=False) as api, cluster as address:
+        api.wait()  # the cluster started while the server booted
         runner = DaskTaskRunner(address=address) if address else ThreadPoolTaskRunner()
         return eval_flow.with_options(task_runner=runner)(request, address)
 

@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-import contextvars
 import logging
 import os
 import socket
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
 
-from prefect import flow_engine
 from prefect.settings import PREFECT_API_URL, PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
+
+from flows import heartbeats
 
 logger = logging.getLogger(__name__)
 
@@ -116,56 +115,4 @@ def flush_to_api(timeout: float = FLUSH_TIMEOUT_S) -> None:
             logger.warning("could not flush Prefect %s: %s", service.__name__, err)
 
 
-@contextmanager
-def _prompt_heartbeats(engine: Any, join_on_exit: bool = True) -> Iterator[None]:
-    """Prefect's flow-run heartbeats, with a thread that stops as soon as the run ends.
-
-    Prefect 3.8's own heartbeat thread sleeps in 1 s steps and the engine joins it when the flow
-    ends: up to a second added to every flow run on a long-lived server (heartbeats are on by
-    default there), which is most of a warm evaluation's fixed cost. This one emits the same
-    events at the same frequency and waits on an event instead of sleeping.
-    """
-    seconds = engine.heartbeat_seconds
-    if seconds is None:
-        yield
-        return
-    resource, related = engine._build_heartbeat_event_template()
-    stop = threading.Event()
-
-    def loop() -> None:
-        while True:
-            run = engine.flow_run
-            if run is not None and run.state is not None and run.state.is_final():
-                return
-            try:
-                engine._emit_flow_run_heartbeat(resource, related)
-            except Exception:
-                engine.logger.debug("Failed to emit heartbeat", exc_info=True)
-            if stop.wait(seconds):
-                return
-
-    # The thread must see the caller's settings (API URL), as Prefect's own does.
-    ctx = contextvars.copy_context()
-    thread = threading.Thread(target=ctx.run, args=(loop,), name="evalfleet-heartbeat", daemon=True)
-    thread.start()
-    try:
-        yield
-    finally:
-        stop.set()
-        if join_on_exit:
-            thread.join(timeout=2)
-
-
-def install_prompt_heartbeats() -> bool:
-    """Use ``_prompt_heartbeats`` for flow runs of this process; False if Prefect's engine differs."""
-    needed = ("_build_heartbeat_event_template", "_emit_flow_run_heartbeat", "heartbeat_seconds")
-    engine_cls = getattr(flow_engine, "FlowRunEngine", None)
-    if not hasattr(flow_engine, "_send_heartbeats") or engine_cls is None or not all(
-            hasattr(engine_cls, name) for name in needed):
-        logger.debug("Prefect's flow engine has no heartbeat hook to replace; keeping its own")
-        return False
-    flow_engine._send_heartbeats = _prompt_heartbeats
-    return True
-
-
-install_prompt_heartbeats()
+heartbeats.install()  # before any flow of this process runs

@@ -7,6 +7,10 @@ check what the bench's ratios rest on: evalfleet's fast paths (env instances wit
 """
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import gymnasium as gym
 import numpy as np
@@ -21,6 +25,7 @@ from evalfleet.sandbox.base import InProcessSlots
 from evalfleet.seeds import SeedLedger
 
 CTX = EpisodeContext("req", "sha", "env", "spec", "w0")
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _policy(env_id="CartPole-v1", kwargs=None, deterministic=True):
@@ -92,11 +97,14 @@ def test_other_envs_keep_their_instances():
     slots.close()
 
 
-def test_quick_bench_runs_and_evalfleet_matches_the_bare_loop(tmp_path):
-    from bench.run import main
-
-    assert main(["--quick", "--no-flow", "--no-torchrl", "--no-sweep", "--only", "W1-2k,W3-2k",
-                 "--contenders", "bare,evalfleet_core", "--out", str(tmp_path)]) == 0
+def test_quick_bench_runs_as_a_module_and_evalfleet_matches_the_bare_loop(tmp_path):
+    # As the README says: `python -m bench.run` from the repository root, nothing on PYTHONPATH.
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.run", "--quick", "--no-flow", "--no-torchrl", "--no-sweep",
+         "--only", "W1-2k,W3-2k", "--contenders", "bare,evalfleet_core", "--out", str(tmp_path)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads((tmp_path / "latest-quick.json").read_text())
     rows = list(result["summary"].values())
     core = [r for r in rows if r["label"].startswith("evalfleet core")]
@@ -119,3 +127,13 @@ def test_quick_bench_with_the_flow_peers_and_plot(tmp_path):
     assert (tmp_path / "throughput-quick.png").stat().st_size > 10_000
     assert any(t["target"].startswith("fixed overhead") and t["value"] is not None
                for t in result["targets"])
+
+
+def test_bench_modules_leave_sys_path_alone():
+    code = ("import sys; before = list(sys.path); "
+            "import bench.run, bench.trial, bench.contenders, bench.plan, bench.report, bench.measure; "
+            "print(sys.path == before)")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.stdout.strip() == "True", done.stderr[-2000:]

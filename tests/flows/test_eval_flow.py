@@ -186,3 +186,38 @@ def test_cli_without_a_server_starts_one_api_for_every_process(tmp_path):
     assert {n.rsplit("-", 1)[0] for n in tasks} >= {
         "receive-weights", "spawn-sandboxes", "distribute-policy", "run-episodes",
         "collect-rewards", "aggregate", "feed-back"}
+
+
+#: Calls of ``counted_linear`` in this process: each is one stage-1 load of the policy here.
+BUILT: list[int] = []
+
+
+def counted_linear():
+    """A CartPole state_dict's factory that counts how often this process builds it."""
+    import torch
+
+    BUILT.append(1)
+    return torch.nn.Linear(4, 2)
+
+
+def test_stage_one_runs_once_and_the_flow_alone_still_runs_it(prefect_server, tmp_path):
+    import torch
+    from prefect.task_runners import ThreadPoolTaskRunner
+
+    from flows.eval import eval_flow
+
+    torch.manual_seed(0)
+    path = tmp_path / "linear.pt"
+    torch.save(torch.nn.Linear(4, 2).state_dict(), path)
+    request = _request(tmp_path, policy=str(path), episodes=8, workers=1, concurrency=8,
+                       policy_factory=f"{__name__}:counted_linear")
+    miss = evaluate(request)  # workers build it in their own processes
+    BUILT.clear()
+    hit = evaluate(request.model_copy(update={"request_id": "hit"}))  # nothing runs but stage 1
+    assert hit.cache["status"] == "hit" and hit.mean == miss.mean
+    assert len(BUILT) == 1, f"stage 1 loaded the policy {len(BUILT)} times for one evaluation"
+    BUILT.clear()
+    alone = eval_flow.with_options(task_runner=ThreadPoolTaskRunner())(
+        request.model_copy(update={"request_id": "alone"}), None)  # as a deployment would
+    assert alone.cache["status"] == "hit" and alone.mean == miss.mean
+    assert len(BUILT) == 1
