@@ -70,7 +70,7 @@ def _wait_and_signal(tmp_path: Path, script: str, sig: int, code: int, within: f
                 if str(lock) in fds:
                     break
                 time.sleep(0.05)
-            time.sleep(0.3)
+            time.sleep(1.5)  # from opening the lock file to announcing the wait, on a loaded machine
             sent = time.monotonic()
             proc.send_signal(sig)
             _, err = proc.communicate(timeout=within + 20)

@@ -62,6 +62,7 @@ def test_policy_failures_count_and_coverage_reaches_every_surface(
 ):
     url, bodies = trainer
     monkeypatch.setenv("EVALFLEET_CALLBACK_SECRET", "headline-test-secret")
+    monkeypatch.setenv("EVALFLEET_ALLOWED_HOSTS", "127.0.0.1")  # the trainer listens on loopback
     request = EvalRequest.build(env=ENV, env_kwargs=KWARGS, policy=POLICY, episodes=EPISODES,
                                 concurrency=20, output=tmp_path / "out", callback_url=url)
     with Evaluator(policy_factory="tests.integration.policies:mlp", output=tmp_path / "ev",
