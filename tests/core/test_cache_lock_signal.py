@@ -65,9 +65,7 @@ def _wait_and_signal(tmp_path: Path, script: str, sig: int, code: int, within: f
             lock = tmp_path / f".{KEY}.lock"
             deadline = time.monotonic() + 120
             while time.monotonic() < deadline:  # until it has the lock file open: it waits
-                fds = [os.readlink(f"/proc/{proc.pid}/fd/{f}")
-                       for f in os.listdir(f"/proc/{proc.pid}/fd")]
-                if str(lock) in fds:
+                if str(lock) in _open_files(proc.pid):
                     break
                 time.sleep(0.05)
             time.sleep(1.5)  # from opening the lock file to announcing the wait, on a loaded machine
@@ -85,3 +83,14 @@ def _wait_and_signal(tmp_path: Path, script: str, sig: int, code: int, within: f
     assert f"evalfleet: stopped by {name} while waiting for cache key {KEY[:12]} held by pid " \
         f"{os.getpid()}" in err, err
     assert "is being computed by another evaluation" in err  # the wait was announced
+
+
+def _open_files(pid: int) -> set[str]:
+    """The paths ``pid`` has open (an fd closed while we look is skipped)."""
+    paths = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            paths.add(os.readlink(f"/proc/{pid}/fd/{fd}"))
+        except FileNotFoundError:
+            continue
+    return paths
