@@ -455,6 +455,17 @@ def _replay_one(
     _replay_loop(ep, policy, keep_rows, sink, reset, step, lambda: render_frame(env))
 
 
+def _finish_video(ep: _Episode, sink: VideoSink | None) -> tuple[_Episode, Path | None, str | None]:
+    """Write a replayed episode's video (if one was recorded); returns it and why not."""
+    if sink is None:
+        return ep, None, None
+    try:
+        return ep, sink.write(), None
+    except Exception as err:
+        sink.abort()
+        return ep, None, f"writing the video failed: {error_text(err)}"
+
+
 def _compare(
     ep: _Episode, expected: tuple[float, int] | None, recorded_reason: str | None
 ) -> tuple[bool | None, str | None]:
@@ -496,13 +507,7 @@ def _run_episode_sandboxed(
         raise
     finally:
         slots.close()
-    if sink is None:
-        return ep, None, None
-    try:
-        return ep, sink.write(), None
-    except Exception as err:
-        sink.abort()
-        return ep, None, f"writing the video failed: {error_text(err)}"
+    return _finish_video(ep, sink)
 
 
 def probe_rendering(
@@ -560,13 +565,7 @@ def _run_episode(
         raise
     finally:
         _close(env)
-    if sink is None:
-        return ep, None, None
-    try:
-        return ep, sink.write(), None
-    except Exception as err:
-        sink.abort()
-        return ep, None, f"writing the video failed: {error_text(err)}"
+    return _finish_video(ep, sink)
 
 
 def _env_fps(env_id: str, env_kwargs: Mapping[str, Any], max_steps: int | None) -> float:
