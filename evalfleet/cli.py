@@ -21,6 +21,9 @@ from evalfleet.summary import summary_text
 EXAMPLE_POLICY = str(files("evalfleet") / "data" / "cartpole_mlp.pt")
 
 EXIT_OK, EXIT_HARNESS_FAULT, EXIT_BAD_REQUEST = 0, 3, 2
+#: ``--gate``: the evaluation is a significant regression against the training run's best
+#: earlier checkpoint (paired 95% CI of the return difference below 0).
+EXIT_REGRESSION = 4
 
 
 #: What ``python flows/eval.py --help`` and ``evalfleet eval --help`` say first.
@@ -112,6 +115,12 @@ def add_eval_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--allow-failures", action="store_true",
                    help="exit 0 even when > 5%% of episodes failed in the harness (harness fault)")
     p.add_argument("-q", "--quiet", action="store_true", help="only print the summary")
+    p.add_argument("--outcome-metric", default=None, metavar="KEY",
+                   help="final-info key of the task outcome the reward-hacking alarm watches "
+                   "across checkpoints (default: the success rate)")
+    p.add_argument("--gate", action="store_true",
+                   help=f"exit {EXIT_REGRESSION} when the evaluation is a significant regression "
+                   "against the best earlier checkpoint of --training-run-id (paired, same seeds)")
 
 
 def request_from_args(args: argparse.Namespace) -> EvalRequest:
@@ -150,6 +159,7 @@ def request_from_args(args: argparse.Namespace) -> EvalRequest:
         record_video=args.record_video,
         cache="off" if args.no_cache else "refresh" if args.refresh else "use",
         cache_dir=Path(args.cache_dir) if args.cache_dir else None,
+        outcome_metric=args.outcome_metric,
     )
 
 
@@ -275,4 +285,82 @@ def run_eval(evaluate: Callable[[EvalRequest], EvalReport], args: argparse.Names
         print(f"evalfleet: harness fault: {why} (pass --allow-failures to exit 0 anyway)",
               file=sys.stderr)
         return EXIT_HARNESS_FAULT
+    if args.gate:
+        return gate(report)
+    return EXIT_OK
+
+
+def gate(report: EvalReport) -> int:
+    """``--gate``: ``EXIT_REGRESSION`` on a significant regression against the best checkpoint."""
+    history = report.history or {}
+    if report.training_run_id is None or report.step is None:
+        print("evalfleet: --gate needs --training-run-id and --step: there is no best checkpoint "
+              "to compare with", file=sys.stderr)
+        return EXIT_BAD_REQUEST
+    if history.get("verdict") != "regression":
+        return EXIT_OK
+    c = history.get("comparison") or {}
+    print(f"evalfleet: gate: step {report.step} is a regression against the best checkpoint "
+          f"(step {history.get('best_step')}): paired difference {c.get('mean_diff', float('nan')):+.4g}, "
+          f"95% CI [{c['ci']['low']:.4g}, {c['ci']['high']:.4g}] over {c.get('n')} episodes "
+          f"(exit {EXIT_REGRESSION})", file=sys.stderr)
+    return EXIT_REGRESSION
+
+
+def add_history_arguments(p: argparse.ArgumentParser) -> None:
+    """Options of ``evalfleet history RUN_ID``."""
+    p.add_argument("training_run_id", metavar="RUN_ID", help="the trainer's run id")
+    p.add_argument("--output", default="results", help="results folder (default MLflow store)")
+    p.add_argument("--mlflow-uri", default=None,
+                   help="MLflow tracking URI (default: sqlite:///OUTPUT/mlflow.db)")
+    p.add_argument("--plot", default=None,
+                   help="where to save the plot (default OUTPUT/history/RUN_ID.png)")
+    p.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
+
+
+def history_table(rows: Sequence[dict[str, object]]) -> str:
+    """The curve rows as a terminal table: one line per evaluated step."""
+    def num(v: object, fmt: str) -> str:
+        return "-" if v is None else format(float(v), fmt)  # type: ignore[arg-type]
+
+    head = (f"{'step':>8}  {'return':>10}  {'95% CI':<21}  {'success':>7}  {'fail':>6}  "
+            f"{'length':>7}  {'verdict':<19}  alarms")
+    lines = [head]
+    for r in rows:
+        ci = f"[{num(r.get('reward_ci_low'), '.4g')}, {num(r.get('reward_ci_high'), '.4g')}]"
+        alarms = ", ".join(r.get("alarms") or []) or "-"  # type: ignore[arg-type]
+        best = " *" if r.get("best") else ""
+        lines.append(f"{r['step']!s:>8}  {num(r.get('reward'), '.4g'):>10}  {ci:<21}  "
+                     f"{num(r.get('success_rate'), '.3f'):>7}  {num(r.get('failure_rate'), '.1%'):>6}  "
+                     f"{num(r.get('episode_length'), '.4g'):>7}  {str(r.get('verdict') or '-') + best:<19}  "
+                     f"{alarms}")
+    return "\n".join(lines)
+
+
+def run_history(args: argparse.Namespace) -> int:
+    """``evalfleet history RUN_ID``: the run's evaluations over steps, as a table and a plot."""
+    from evalfleet.history import HistoryError, checkpoints, curve_row
+    from evalfleet.tracking import default_tracking_uri
+
+    uri = args.mlflow_uri or default_tracking_uri(Path(args.output))
+    try:
+        rows = [curve_row(c) for c in checkpoints(uri, args.training_run_id)]
+    except HistoryError as err:
+        print(f"evalfleet: error: {err}", file=sys.stderr)
+        return EXIT_BAD_REQUEST
+    if not rows:
+        print(f"evalfleet: no evaluations of training run {args.training_run_id!r} with a step in "
+              f"{uri}; evaluate with --training-run-id and --step", file=sys.stderr)
+        return EXIT_BAD_REQUEST
+    if args.json:
+        print(json.dumps(rows, indent=2))
+    else:
+        print(history_table(rows))
+        print("* = best checkpoint when evaluated")
+    from evalfleet.plots import render_history
+
+    safe = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in args.training_run_id)
+    plot = Path(args.plot) if args.plot else Path(args.output) / "history" / f"{safe}.png"
+    render_history(rows, plot, title=f"training run {args.training_run_id}")
+    print(f"plot: {plot}", file=sys.stderr if args.json else sys.stdout)
     return EXIT_OK

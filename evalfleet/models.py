@@ -20,6 +20,8 @@ from evalfleet.errors import RequestError
 ISOLATION_LEVELS = ("inprocess", "process", "bwrap", "auto")
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 CACHE_MODES = ("use", "off", "refresh")
+_INFO_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_.\-/]{0,127}")
+_RUN_ID = re.compile(r"[A-Za-z0-9._\-:/@+]{1,256}")
 
 
 class EndReason(StrEnum):
@@ -123,6 +125,10 @@ class EvalRequest(_Frozen):
     record_video: int = Field(0, description="Render K chosen episodes to MP4/GIF (envs that render).")
     callback_url: str | None = Field(None, description="URL the report is POSTed to (HMAC-signed).")
     request_id: str = Field(default_factory=lambda: uuid.uuid4().hex[:16])
+    outcome_metric: str | None = Field(
+        None, description="Task outcome the history's reward-hacking alarm watches: a numeric key "
+        "of the env's final info (e.g. 'profit', 'win'); None = the success rate."
+    )
 
     @field_validator("env_kwargs", mode="before")
     @classmethod
@@ -195,6 +201,17 @@ class EvalRequest(_Frozen):
             )
         if not self.policy:
             raise RequestError("'policy' is empty: pass a policy file path or 'module:function'.")
+        if self.outcome_metric is not None and not _INFO_KEY.fullmatch(self.outcome_metric):
+            raise RequestError(
+                f"'outcome_metric' must name a numeric key of the env's final info, such as "
+                f"'profit' or 'win' (got {self.outcome_metric!r}); leave it out to watch the "
+                "success rate."
+            )
+        if self.training_run_id is not None and not _RUN_ID.fullmatch(self.training_run_id):
+            raise RequestError(
+                f"'training_run_id' must be 1-256 letters, digits or '._-:/@+' "
+                f"(got {self.training_run_id!r}): the history finds evaluations by it in MLflow."
+            )
         return self
 
     @classmethod
@@ -290,6 +307,15 @@ class EvalReport(_Frozen):
     comparison: dict[str, Any] | None = None
     failure_clusters: list[dict[str, Any]] = []
     step_rewards: dict[str, Any] | None = None
+    history: dict[str, Any] | None = None
+    """Feed back across training (``evalfleet.history``): the verdict against the best earlier
+    checkpoint of the same training run (paired, same seeds), the best checkpoint's step and
+    weights hash, and the drift / reward-hacking alarms against the previous checkpoint."""
+
+    @property
+    def verdict(self) -> str | None:
+        """'first', 'new_best', 'not_distinguishable', 'regression' or 'no_paired_episodes'."""
+        return None if not self.history else self.history.get("verdict")
 
     @property
     def mean(self) -> float:

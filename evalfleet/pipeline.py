@@ -485,6 +485,7 @@ def feed_back(
     """Stage 7: Parquet first (it must survive any other sink failing), cache, JSON, then MLflow."""
     t0 = time.perf_counter()
     report = scrubbed(report)
+    report = with_history(request, report, collected.table)
     folder = run_dir(request.output, request.request_id)
     stamped = stamp_evaluation(collected.table, request.training_run_id, request.step)
     parquet = write_episodes(stamped, folder / "episodes.parquet")
@@ -533,6 +534,27 @@ def feed_back(
         final = scrubbed(final.model_copy(update={"outputs": {**final.outputs, "callback": outcome}}))
         write_json(final.model_dump(mode="json"), report_path)
     return final
+
+
+def with_history(request: EvalRequest, report: EvalReport, table: pa.Table) -> EvalReport:
+    """The report with its ``history`` (``evalfleet.history``): verdict, best checkpoint, alarms.
+
+    Only for a request with a training run id and a step. A history that cannot be read (an
+    unreachable MLflow store) is stated in ``history['error']``; it never costs the results.
+    """
+    if request.training_run_id is None or request.step is None:
+        return report
+    from evalfleet.history import alarm_lines, feed_back_history
+
+    uri = request.mlflow_uri or default_tracking_uri(request.output)
+    try:
+        history = feed_back_history(report.model_dump(mode="json"), table, uri,
+                                    episode_cache(request), request.outcome_metric)
+    except Exception as err:  # like every other sink: logged and stated, never fatal
+        logger.error("reading the training run's history failed: %s", err)
+        history = {"error": f"{type(err).__name__}: {err}", "verdict": None, "alarms": []}
+    return report.model_copy(update={"history": history,
+                                     "alarms": [*report.alarms, *alarm_lines(history)]})
 
 
 def store_in_cache(request: EvalRequest, received: Received, collected: Collected | None) -> int:
@@ -616,6 +638,7 @@ def mlflow_params(request: EvalRequest, report: EvalReport) -> dict[str, Any]:
         "isolation": report.isolation,
         "device": request.device,
         "episode_timeout_s": request.episode_timeout_s,
+        "outcome_metric": request.outcome_metric,
     }
 
 

@@ -25,7 +25,8 @@ from matplotlib.ticker import MaxNLocator, PercentFormatter
 from evalfleet.review import failed_mask
 from evalfleet.scoring import outcomes
 
-__all__ = ["PLOT_FILES", "plot_figures", "render_plots"]
+__all__ = ["HISTORY_FILE", "PLOT_FILES", "history_figure", "plot_figures", "render_history",
+           "render_plots"]
 
 logger = logging.getLogger(__name__)
 
@@ -390,3 +391,76 @@ def plot_figures(
     if rounds is not None:
         out["ci_rounds"] = _ci_rounds(rounds, target_halfwidth)
     return out
+
+
+#: File name of a training run's curve (``render_history``).
+HISTORY_FILE = "history.png"
+_VERDICT_MARKERS = {"first": ("o", _BLUE), "new_best": ("*", "#2ca02c"),
+                    "not_distinguishable": ("o", _GREY), "regression": ("v", _RED),
+                    "no_paired_episodes": ("x", _GREY)}
+
+
+def _nums(rows: Sequence[Mapping[str, Any]], key: str) -> FloatArray:
+    return np.array([math.nan if r.get(key) is None else float(r[key]) for r in rows], dtype=float)
+
+
+def history_figure(rows: Sequence[Mapping[str, Any]], title: str = "") -> Figure:
+    """Return (mean, 95% CI, verdict markers), success rate (CI), failure rate, episode length.
+
+    ``rows`` are curve rows (``evalfleet.history.curve_row``), one per step, in step order.
+    """
+    fig = Figure(figsize=(9.0, 7.2), dpi=_DPI, layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(2, 2, sharex=True)
+    steps = _nums(rows, "step")
+    ax = axes[0][0]
+    mean, lo, hi = _nums(rows, "reward"), _nums(rows, "reward_ci_low"), _nums(rows, "reward_ci_high")
+    ax.fill_between(steps, lo, hi, color=_BLUE, alpha=0.2, label="95% CI")
+    ax.plot(steps, mean, color=_BLUE, label="mean return")
+    for verdict, (marker, colour) in _VERDICT_MARKERS.items():
+        at = [i for i, r in enumerate(rows) if r.get("verdict") == verdict]
+        if at:
+            ax.scatter(steps[at], mean[at], marker=marker, color=colour, s=60, zorder=3,
+                       label=verdict.replace("_", " "))
+    alarmed = [i for i, r in enumerate(rows) if r.get("alarms")]
+    if alarmed:
+        ax.scatter(steps[alarmed], mean[alarmed], marker="s", facecolors="none", edgecolors=_RED,
+                   s=140, zorder=4, label="alarm")
+    ax.set_title("return")
+    ax.set_ylabel("episode return")
+    ax.legend(fontsize=7, loc="best")
+    ax = axes[0][1]
+    rate = _nums(rows, "success_rate")
+    if np.isfinite(rate).any():
+        ax.fill_between(steps, _nums(rows, "success_ci_low"), _nums(rows, "success_ci_high"),
+                        color="#2ca02c", alpha=0.2, label="95% CI (Wilson)")
+        ax.plot(steps, rate, color="#2ca02c", marker="o", label="success rate")
+        ax.yaxis.set_major_formatter(PercentFormatter(1.0))
+        ax.legend(fontsize=7, loc="best")
+    else:
+        ax.text(0.5, 0.5, "the env reports no success", ha="center", va="center",
+                transform=ax.transAxes, color=_GREY)
+    ax.set_title("success rate")
+    ax = axes[1][0]
+    ax.plot(steps, _nums(rows, "failure_rate"), color=_RED, marker="o")
+    ax.yaxis.set_major_formatter(PercentFormatter(1.0))
+    ax.set_title("failure rate")
+    ax.set_xlabel("training step")
+    ax = axes[1][1]
+    ax.plot(steps, _nums(rows, "episode_length"), color=_ORANGE, marker="o")
+    ax.set_title("mean episode length")
+    ax.set_ylabel("steps")
+    ax.set_xlabel("training step")
+    for a in (axes[0][0], axes[0][1], axes[1][0], axes[1][1]):
+        a.grid(True, alpha=0.3)
+        a.xaxis.set_major_locator(MaxNLocator(integer=True))
+    if title:
+        fig.suptitle(title)
+    return fig
+
+
+def render_history(rows: Sequence[Mapping[str, Any]], path: Path, title: str = "") -> Path:
+    """Save ``history_figure(rows)`` as a PNG at ``path``."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return _save(history_figure(rows, title), path)

@@ -8,7 +8,10 @@ from dataclasses import asdict, dataclass, field
 import pyarrow as pa
 
 #: Version of ``EPISODE_SCHEMA``; part of the cache key, so entries of another schema never hit.
-SCHEMA_VERSION = "3"
+SCHEMA_VERSION = "4"
+
+#: Largest ``Discrete`` action space whose per-episode action counts are recorded.
+MAX_COUNTED_ACTIONS = 64
 
 #: One row per episode, failures included. Declared once; every writer and reader uses it.
 EPISODE_SCHEMA = pa.schema(
@@ -36,6 +39,7 @@ EPISODE_SCHEMA = pa.schema(
         pa.field("nonfinal_steps_at_max", pa.int64(), nullable=False),
         pa.field("training_run_id", pa.string()),
         pa.field("step", pa.int64()),
+        pa.field("action_counts", pa.list_(pa.int64())),
     ],
     metadata={"evalfleet.schema_version": SCHEMA_VERSION},
 )
@@ -57,6 +61,9 @@ class EpisodeRecord:
     those values: what the clip-boundary audit reads. ``training_run_id`` and ``step`` name the
     training checkpoint an evaluation's table was written for (``stamp_evaluation``); they are
     not outcomes, so cached rows hold None and each evaluation stamps its own.
+    ``action_counts`` counts, for a ``Discrete`` action space of at most ``MAX_COUNTED_ACTIONS``
+    actions, how often the episode took each action (index 0 = the space's ``start``); None for
+    other spaces. It is what the history's action-distribution alarms read.
     """
 
     request_id: str
@@ -82,6 +89,7 @@ class EpisodeRecord:
     nonfinal_steps_at_max: int = 0
     training_run_id: str | None = None
     step: int | None = None
+    action_counts: list[int] | None = None
 
     def as_row(self) -> dict[str, object]:
         """The record as a row of ``EPISODE_SCHEMA``."""

@@ -24,7 +24,7 @@ from gymnasium import spaces
 
 from evalfleet.models import EndReason
 from evalfleet.policy import LoadedPolicy
-from evalfleet.records import EpisodeRecord
+from evalfleet.records import MAX_COUNTED_ACTIONS, EpisodeRecord
 from evalfleet.redaction import Redactor
 from evalfleet.sandbox.slots import BatchEnvSlots, EnvSlots, SlotOutcome, error_text, is_finite
 
@@ -266,6 +266,13 @@ class ShardRun:
         self.nmin = np.zeros(n, dtype=np.int64)
         self.nmax = np.zeros(n, dtype=np.int64)
         self.obs: npt.NDArray[np.float32] | None = None  # (n, *obs_shape), once the shape is known
+        # Per-slot action counts of a small Discrete space (the history's action-shift alarms).
+        space = self.space
+        self.acounts: npt.NDArray[np.int64] | None = None
+        self._astart = 0
+        if isinstance(space, spaces.Discrete) and int(space.n) <= MAX_COUNTED_ACTIONS:
+            self.acounts = np.zeros((n, int(space.n)), dtype=np.int64)
+            self._astart = int(space.start)
         self.watch = _ForwardWatch()
         # The bound of the next forward (the first one's is larger), and of every later one.
         self._bound: float | None = (None if policy_timeout_s is None
@@ -375,6 +382,8 @@ class ShardRun:
                 self.length[slot] = 0
                 self.rmin[slot], self.rmax[slot], self.nmin[slot], self.nmax[slot] = (
                     np.inf, -np.inf, 0, 0)
+                if self.acounts is not None:
+                    self.acounts[slot] = 0
                 self.live[slot] = True
                 batch.append((slot, seed))
             for (slot, _), out in zip(batch, self.slots.reset_many(batch), strict=True):
@@ -415,6 +424,7 @@ class ShardRun:
             nonfinal_reward_max=float(self.rmax[slot]) if nmax else None,
             nonfinal_steps_at_min=int(nmin),
             nonfinal_steps_at_max=int(nmax),
+            action_counts=self.acounts[slot].tolist() if self.acounts is not None else None,
         ))
 
     def _emit(self, record: EpisodeRecord) -> None:
@@ -497,6 +507,8 @@ class ShardRun:
             step_idx, actions = order[~bad], actions[~bad]
         if not len(step_idx):
             return
+        if self.acounts is not None:  # each slot steps at most once per call: no repeated pairs
+            self.acounts[step_idx, np.asarray(actions).astype(np.int64) - self._astart] += 1
         if self._step_batch is not None:
             rewards, ended = self._step_batch(step_idx, _batch_actions(space, actions), buf)
         else:

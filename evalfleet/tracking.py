@@ -62,6 +62,7 @@ def flatten_metrics(report: dict[str, Any]) -> dict[str, float]:
         m["eval/step_reward_min"], m["eval/step_reward_max"] = r["min"], r["max"]
         m["eval/step_reward_at_min_fraction"] = r["at_min_fraction"]
         m["eval/step_reward_at_max_fraction"] = r["at_max_fraction"]
+    m.update(history_metrics(report.get("history")))
     if report.get("audit"):
         m["eval/audit_checked"] = report["audit"]["checked"]
         m["eval/audit_mismatches"] = len(report["audit"]["mismatches"])
@@ -69,6 +70,80 @@ def flatten_metrics(report: dict[str, Any]) -> dict[str, float]:
     for stage, seconds in report["timings"].items():
         m[f"eval/time/{stage}"] = seconds
     return {k: float(v) for k, v in m.items() if v is not None}
+
+
+#: Verdicts as numbers, so a metric chart shows them over steps.
+VERDICT_CODES = {"regression": -1.0, "not_distinguishable": 0.0, "no_paired_episodes": 0.0,
+                 "new_best": 1.0, "first": 1.0}
+
+
+def history_metrics(history: dict[str, Any] | None) -> dict[str, float]:
+    """The history section's numbers: verdict, paired difference to the best, action shares."""
+    if not history:
+        return {}
+    m: dict[str, float] = {}
+    if history.get("verdict") in VERDICT_CODES:
+        m["eval/verdict"] = VERDICT_CODES[history["verdict"]]
+    if history.get("best_step") is not None:
+        m["eval/best_step"] = history["best_step"]
+    c = history.get("comparison") or {}
+    if "ci" in c:
+        m["eval/best_diff"] = c["mean_diff"]
+        m["eval/best_diff_ci_low"] = c["ci"]["low"]
+        m["eval/best_diff_ci_high"] = c["ci"]["high"]
+        m["eval/best_p_improvement"] = c["p_improvement"]
+    cur = history.get("current") or {}
+    for i, share in enumerate(cur.get("action_shares") or []):
+        m[f"eval/action_share/{i}"] = share
+    if cur.get("action_entropy") is not None:
+        m["eval/action_entropy"] = cur["action_entropy"]
+    outcome = cur.get("outcome") or {}
+    if outcome.get("mean") is not None:
+        m["eval/outcome"] = outcome["mean"]
+    m["eval/history_alarms"] = len(history.get("alarms") or [])
+    return m
+
+
+def history_tags(report: dict[str, Any]) -> dict[str, str]:
+    """Tags that make an evaluation findable again by its training run and comparable (pairable)."""
+    from evalfleet.history import report_protocol
+
+    tags = {"evalfleet.protocol": report_protocol(report),
+            "evalfleet.env_spec_hash": str(report.get("env_spec_hash"))}
+    key = (report.get("cache") or {}).get("key")
+    if key:
+        tags["evalfleet.cache_key"] = str(key)
+    history = report.get("history") or {}
+    if history.get("verdict"):
+        tags["evalfleet.verdict"] = str(history["verdict"])
+        tags["evalfleet.best"] = str(history.get("best_step") == report.get("step")
+                                     and history["verdict"] in ("first", "new_best")).lower()
+        tags["evalfleet.best_step"] = str(history.get("best_step"))
+    if history.get("outcome_metric"):
+        tags["evalfleet.outcome_metric"] = str(history["outcome_metric"])
+    return tags
+
+
+#: Metrics an evaluation also logs into the trainer's own run (same store), at the training step.
+TRAINER_METRICS = ("eval/reward", "eval/reward_ci_low", "eval/reward_ci_high", "eval/success_rate",
+                   "eval/failure_rate", "eval/episode_length", "eval/verdict", "eval/outcome",
+                   "eval/action_entropy")
+
+
+def log_into_trainer_run(client: Any, report: dict[str, Any], metrics: dict[str, float],
+                         timestamp: int) -> int:
+    """Log the headline eval metrics at ``step`` into the trainer's run when it is in this store.
+
+    The trainer's run then shows the eval curve without code of its own. Returns metrics logged.
+    """
+    from mlflow.entities import Metric
+
+    run_id, step = report.get("training_run_id"), report.get("step")
+    if not run_id or step is None or not _run_exists(client, run_id):
+        return 0
+    batch = [Metric(k, metrics[k], timestamp, int(step)) for k in TRAINER_METRICS if k in metrics]
+    client.log_batch(run_id, metrics=batch)
+    return len(batch)
 
 
 def _run_exists(client: Any, run_id: str) -> bool:
@@ -118,6 +193,7 @@ def log_evaluation(
         tags["evalfleet.step"] = str(report["step"])
     if report.get("comparison"):
         tags["evalfleet.baseline_verdict"] = str(report["comparison"].get("verdict"))
+    tags.update(history_tags(report))
     for alarm in report["alarms"]:
         tags[f"evalfleet.alarm.{alarm.split(':', 1)[0]}"] = "true"
     run = client.create_run(exp_id, tags=tags, run_name=run_name)
@@ -126,9 +202,15 @@ def log_evaluation(
 
     step = int(report.get("step") or 0)
     ts = int(run.info.start_time)
-    metrics = [Metric(k, v, ts, step) for k, v in flatten_metrics(report).items()]
+    flat = flatten_metrics(report)
+    metrics = [Metric(k, v, ts, step) for k, v in flat.items()]
     str_params = [Param(k, str(v)[:6000]) for k, v in params.items()]
     client.log_batch(run_id, metrics=metrics, params=str_params)
+    try:
+        log_into_trainer_run(client, report, flat, ts)
+    except Exception as err:  # the trainer's run may be deleted or read-only: never fatal
+        logger.warning("could not log eval metrics into training run %s: %s",
+                       report.get("training_run_id"), err)
     for path in artifacts:
         client.log_artifact(run_id, str(path))
     client.set_terminated(run_id, "FAILED" if report["harness_fault"] else "FINISHED")

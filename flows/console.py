@@ -1,4 +1,4 @@
-"""The ``evalfleet`` command: ``eval`` (the flow's CLI), ``cache ls|rm``, ``serve``."""
+"""The ``evalfleet`` command: ``eval`` (the flow's CLI), ``cache ls|rm``, ``history``, ``serve``."""
 
 from __future__ import annotations
 
@@ -6,7 +6,12 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from evalfleet.cli import EVAL_DESCRIPTION, add_cache_commands, add_eval_arguments
+from evalfleet.cli import (
+    EVAL_DESCRIPTION,
+    add_cache_commands,
+    add_eval_arguments,
+    add_history_arguments,
+)
 
 
 def _eval(args: argparse.Namespace, rest: Sequence[str]) -> int:
@@ -20,6 +25,12 @@ def _cache(args: argparse.Namespace, rest: Sequence[str]) -> int:
     from evalfleet.cli import run_cache
 
     return run_cache(args)
+
+
+def _history(args: argparse.Namespace, rest: Sequence[str]) -> int:
+    from evalfleet.cli import run_history
+
+    return run_history(args)
 
 
 def _serve(args: argparse.Namespace, rest: Sequence[str]) -> int:
@@ -42,6 +53,12 @@ def build_parser() -> argparse.ArgumentParser:
                                 description="List or remove cache entries.")
     add_cache_commands(cache)
     cache.set_defaults(handler=_cache)
+    history = commands.add_parser(
+        "history", help="a training run's evaluations over its steps: table and plot",
+        description="Return with 95%% CI, success rate, failure rate and episode length of every "
+        "evaluated step of a training run (read from MLflow), verdicts and alarms; saves a plot.")
+    add_history_arguments(history)
+    history.set_defaults(handler=_history)
     # serve parses its own options (and --help): everything after the word goes to it.
     serve = commands.add_parser("serve", add_help=False,
                                 help="start the service: Prefect server, Dask cluster, deployment, "

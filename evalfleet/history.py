@@ -1,0 +1,532 @@
+"""Feed back across training: the evaluations of one training run over its steps.
+
+Every evaluation with a ``training_run_id`` and a ``step`` is an MLflow run tagged with both
+(``evalfleet.tracking``), with the cache key of its episodes and a protocol id (env spec, seed,
+step cap, deterministic flag): evaluations with the same protocol ran on the same seeds. Read
+back with MLflow's client (``checkpoints``), they give:
+
+- **The verdict** of a new evaluation against the *best earlier checkpoint* of the run (the
+  latest earlier one whose own verdict made it best, ``first`` or ``new_best``): both policies'
+  episodes paired by index and seed (common random numbers; the earlier episodes come from the
+  episode cache by the earlier run's key, or from its MLflow artifact), compared with
+  ``audit.compare_with_baseline`` (the paired bootstrap of ``stats.paired_comparison`` under the
+  headline rules of ``scoring``). ``new_best`` when the 95% CI of the paired difference of
+  returns is above 0, ``regression`` when below, else ``not_distinguishable``; ``first`` for the
+  first checkpoint of a run; ``no_paired_episodes`` when the best checkpoint's episodes are
+  gone (cache cleared and no artifact) or fewer than 2 pairs remain.
+- **Alarms** against the *previous* checkpoint (the largest earlier step), each with its
+  statistic, threshold and the two steps compared:
+
+  * ``reward_outcome_divergence``: the paired return difference's CI is above 0 while the task
+    outcome (the success rate, or the final-info metric the request names in
+    ``outcome_metric``) falls significantly (its paired CI below 0) or does not rise (paired mean
+    difference <= 0). An outcome equal on every pair (e.g. a success rate at 1.0 on both sides)
+    says nothing and raises nothing;
+  * ``action_distribution_shift``: total variation distance between the two checkpoints' action
+    shares (``Discrete`` spaces, from the per-episode ``action_counts``) above
+    ``ACTION_TV_THRESHOLD``, or the action entropy falling below ``ENTROPY_COLLAPSE_RATIO`` times
+    the previous one (from at least ``ENTROPY_FLOOR`` nats);
+  * ``episode_length_shift``: the paired mean length difference's CI excludes 0 and the change
+    is more than ``LENGTH_SHIFT_RATIO`` of the previous mean length;
+  * ``failure_rate_jump``: the failure rate (every non-normal ending) rises by more than
+    ``FAILURE_JUMP`` and the new rate's Wilson 95% interval lies above the previous rate.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from evalfleet import stats
+from evalfleet.audit import compare_with_baseline
+from evalfleet.cache import EpisodeCache
+from evalfleet.errors import EvalfleetError
+from evalfleet.records import EPISODE_SCHEMA
+from evalfleet.scoring import outcomes
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "ACTION_TV_THRESHOLD",
+    "ENTROPY_COLLAPSE_RATIO",
+    "FAILURE_JUMP",
+    "LENGTH_SHIFT_RATIO",
+    "VERDICTS",
+    "Checkpoint",
+    "HistoryError",
+    "action_shares",
+    "assess",
+    "checkpoints",
+    "curve_row",
+    "drift_alarms",
+    "episodes_of",
+    "feed_back_history",
+    "protocol_id",
+    "report_protocol",
+]
+
+VERDICTS = ("first", "new_best", "not_distinguishable", "regression", "no_paired_episodes")
+#: Total variation distance between consecutive checkpoints' action shares that raises the alarm.
+ACTION_TV_THRESHOLD = 0.25
+#: The action entropy collapses when it falls below this fraction of the previous checkpoint's...
+ENTROPY_COLLAPSE_RATIO = 0.5
+#: ...when the previous one had at least this many nats (a near-deterministic policy can't collapse).
+ENTROPY_FLOOR = 0.1
+#: Relative change of the mean episode length (with a paired CI excluding 0) that raises the alarm.
+LENGTH_SHIFT_RATIO = 0.5
+#: Rise of the failure rate (absolute) that raises the alarm, with the new rate's CI above the old.
+FAILURE_JUMP = 0.05
+
+TAG_RUN = "evalfleet.training_run_id"
+TAG_STEP = "evalfleet.step"
+TAG_KEY = "evalfleet.cache_key"
+TAG_PROTOCOL = "evalfleet.protocol"
+TAG_VERDICT = "evalfleet.verdict"
+TAG_BEST = "evalfleet.best"
+TAG_REQUEST = "evalfleet.request_id"
+TAG_SHA = "evalfleet.policy_sha256"
+TAG_HARNESS = "evalfleet.harness_fault"
+
+
+class HistoryError(EvalfleetError):
+    """The history of a training run cannot be read (bad run id, unreachable store)."""
+
+
+def protocol_id(env_spec_hash: str, seed: int, max_steps: int | None, deterministic: bool) -> str:
+    """What makes two evaluations' episodes pairable: same env spec, seeds and step cap."""
+    blob = f"{env_spec_hash}|{seed}|{max_steps}|{deterministic}".encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def report_protocol(report: dict[str, Any]) -> str:
+    """``protocol_id`` of a report (as JSON): its env spec hash and manifest protocol."""
+    proto = (report.get("manifest") or {}).get("protocol") or {}
+    return protocol_id(str(report.get("env_spec_hash")), int(proto.get("seed", 0)),
+                       proto.get("max_steps"), bool(proto.get("deterministic", True)))
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """One evaluation of a training run's checkpoint, as MLflow holds it."""
+
+    mlflow_run_id: str
+    """The evaluation's MLflow run."""
+    step: int
+    """Training step of the evaluated weights."""
+    request_id: str
+    """The evaluation's request id."""
+    policy_sha256: str
+    """sha256 of the evaluated weights."""
+    cache_key: str | None
+    """Cache key of its episodes (where the paired comparison finds them)."""
+    protocol: str | None
+    """``protocol_id`` of the evaluation; None for runs logged before it was tagged."""
+    metrics: dict[str, float]
+    """Its ``eval/`` metrics (at the step)."""
+    verdict: str | None
+    """Its own verdict against the best checkpoint before it."""
+    best: bool
+    """True when it was the run's best checkpoint once evaluated (verdict first or new_best)."""
+    harness_fault: bool
+    """True when the evaluation was a harness fault (never a best checkpoint)."""
+    start_time: int = 0
+    """MLflow start time (ms): the latest evaluation of a step wins."""
+    alarms: tuple[str, ...] = field(default=())
+    """Names of the alarms it raised."""
+
+
+def _search_filter(training_run_id: str) -> str:
+    if "'" in training_run_id or "\\" in training_run_id:
+        raise HistoryError(
+            f"training run id {training_run_id!r} cannot be searched for: quotes and backslashes "
+            "are not allowed in a training_run_id"
+        )
+    return f"tags.`{TAG_RUN}` = '{training_run_id}'"
+
+
+def checkpoints(tracking_uri: str, training_run_id: str, *, protocol: str | None = None
+                ) -> list[Checkpoint]:
+    """The run's evaluated checkpoints, one per step (the latest evaluation of a step), by step.
+
+    ``protocol`` keeps only evaluations on the same seeds and env spec (``protocol_id``).
+    """
+    from mlflow.entities import ViewType
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=tracking_uri)
+    try:
+        experiments = [e.experiment_id for e in client.search_experiments(view_type=ViewType.ALL)]
+        runs = client.search_runs(experiments, _search_filter(training_run_id),
+                                  run_view_type=ViewType.ACTIVE_ONLY, max_results=50_000)
+    except HistoryError:
+        raise
+    except Exception as err:  # MLflow raises its own exception types
+        raise HistoryError(f"cannot read evaluations of {training_run_id!r} from {tracking_uri}: "
+                           f"{type(err).__name__}: {err}") from err
+    by_step: dict[int, Checkpoint] = {}
+    for run in runs:
+        tags = run.data.tags
+        try:
+            step = int(tags[TAG_STEP])
+        except (KeyError, ValueError):
+            continue
+        if protocol is not None and tags.get(TAG_PROTOCOL) != protocol:
+            continue
+        cp = Checkpoint(
+            mlflow_run_id=run.info.run_id, step=step, request_id=tags.get(TAG_REQUEST, ""),
+            policy_sha256=tags.get(TAG_SHA, ""), cache_key=tags.get(TAG_KEY),
+            protocol=tags.get(TAG_PROTOCOL), metrics=dict(run.data.metrics),
+            verdict=tags.get(TAG_VERDICT), best=tags.get(TAG_BEST) == "true",
+            harness_fault=tags.get(TAG_HARNESS) == "true", start_time=int(run.info.start_time or 0),
+            alarms=tuple(sorted(k.removeprefix("evalfleet.alarm.") for k in tags
+                                if k.startswith("evalfleet.alarm."))),
+        )
+        if step not in by_step or cp.start_time >= by_step[step].start_time:
+            by_step[step] = cp
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def best_checkpoint(earlier: list[Checkpoint]) -> Checkpoint | None:
+    """The latest earlier checkpoint that was best when evaluated; else the highest mean return.
+
+    Harness faults never count. The fallback covers runs logged before verdicts were tagged.
+    """
+    usable = [c for c in earlier if not c.harness_fault]
+    marked = [c for c in usable if c.best]
+    if marked:
+        return max(marked, key=lambda c: c.step)
+    scored = [c for c in usable if math.isfinite(c.metrics.get("eval/reward", math.nan))]
+    return max(scored, key=lambda c: c.metrics["eval/reward"]) if scored else None
+
+
+def _read_any(path: Path) -> pa.Table:
+    """An episode table of this or an older schema (missing later columns come back null)."""
+    import pyarrow.parquet as pq
+
+    raw = pq.read_table(path)
+    cols = [raw.column(f.name).cast(f.type) if f.name in raw.column_names
+            else pa.nulls(raw.num_rows, f.type) for f in EPISODE_SCHEMA]
+    return pa.Table.from_arrays(cols, schema=EPISODE_SCHEMA)
+
+
+def episodes_of(cp: Checkpoint, cache: EpisodeCache | None, tracking_uri: str,
+                indices: range) -> pa.Table | None:
+    """The checkpoint's episodes among ``indices``: from the cache by its key, else its artifact."""
+    if cache is not None and cp.cache_key:
+        found = cache.lookup(cp.cache_key, indices)
+        if found.stored.num_rows:
+            return found.stored
+    from mlflow.tracking import MlflowClient
+
+    try:
+        with tempfile.TemporaryDirectory(prefix="evalfleet-history-") as tmp:
+            local = MlflowClient(tracking_uri=tracking_uri).download_artifacts(
+                cp.mlflow_run_id, "episodes.parquet", tmp)
+            table = _read_any(Path(local))
+    except Exception as err:  # an artifact store that lost the file: no pairs, said so
+        logger.warning("episodes of step %s (run %s) not found in the cache nor MLflow: %s",
+                       cp.step, cp.mlflow_run_id, err)
+        return None
+    wanted = set(indices)
+    keep = [i for i, x in enumerate(table.column("episode_index").to_pylist()) if x in wanted]
+    return table.take(pa.array(keep, pa.int64())).sort_by("episode_index")
+
+
+# ----------------------------------------------------------------------------- per-table figures
+
+
+def action_shares(table: pa.Table) -> list[float] | None:
+    """Share of each action over the scored episodes' steps (None: no action counts recorded)."""
+    kinds = outcomes(table)
+    counts = [c for c, ok in zip(table.column("action_counts").to_pylist(), kinds.scored, strict=True)
+              if ok and c is not None]
+    if not counts or len({len(c) for c in counts}) != 1:
+        return None
+    total = np.asarray(counts, dtype=np.float64).sum(axis=0)
+    steps = float(total.sum())
+    return None if steps == 0 else [float(x) for x in total / steps]
+
+
+def _entropy(shares: list[float]) -> float:
+    p = np.asarray(shares, dtype=np.float64)
+    p = p[p > 0]
+    return float(-(p * np.log(p)).sum())
+
+
+def outcome_values(table: pa.Table, metric: str | None) -> dict[int, float]:
+    """Per scored episode (by index): 1/0 success, or the named final-info metric.
+
+    An episode the policy broke counts as not successful; a metric it never reported is left out.
+    """
+    kinds = outcomes(table)
+    out: dict[int, float] = {}
+    rows = table.select(["episode_index", "success", "metrics"]).to_pylist()
+    for row, scored, broken in zip(rows, kinds.scored, kinds.policy, strict=True):
+        if not scored:
+            continue
+        if metric is None:
+            value: float | None = 0.0 if broken else (None if row["success"] is None
+                                                      else float(row["success"]))
+        else:
+            value = dict(row["metrics"] or []).get(metric)
+        if value is not None and math.isfinite(value):
+            out[int(row["episode_index"])] = float(value)
+    return out
+
+
+def current_figures(table: pa.Table, outcome_metric: str | None) -> dict[str, Any]:
+    """What later evaluations compare with: action shares and entropy, the outcome's mean."""
+    shares = action_shares(table)
+    values = outcome_values(table, outcome_metric)
+    return {
+        "action_shares": shares,
+        "action_entropy": _entropy(shares) if shares is not None else None,
+        "outcome": {"name": outcome_metric or "success",
+                    "mean": float(np.mean(list(values.values()))) if values else None,
+                    "n": len(values)},
+    }
+
+
+# ----------------------------------------------------------------------------- alarms
+
+
+def _paired(new: dict[int, float], old: dict[int, float], seed: int) -> stats.PairedComparison | None:
+    common = sorted(set(new) & set(old))
+    if len(common) < 2:
+        return None
+    return stats.paired_comparison(np.array([new[i] for i in common]),
+                                   np.array([old[i] for i in common]), seed=seed)
+
+
+def _alarm(name: str, statistic: str, value: float, threshold: str, steps: tuple[int, int],
+           message: str, **extra: Any) -> dict[str, Any]:
+    return {"alarm": name, "statistic": statistic, "value": value, "threshold": threshold,
+            "steps": list(steps), "message": message, **extra}
+
+
+def _by_index(table: pa.Table, column: str) -> dict[int, float]:
+    kinds = outcomes(table)
+    idx = table.column("episode_index").to_pylist()
+    vals = table.column(column).to_pylist()
+    return {int(i): float(v) for i, v, ok in zip(idx, vals, kinds.scored, strict=True) if ok}
+
+
+def drift_alarms(new: pa.Table, old: pa.Table, steps: tuple[int, int], *, seed: int,
+                 outcome_metric: str | None = None) -> list[dict[str, Any]]:
+    """The alarms of ``new`` against the previous checkpoint's ``old`` (see the module docstring)."""
+    alarms: list[dict[str, Any]] = []
+    prev, cur = steps
+    ret = _paired(_by_index(new, "return"), _by_index(old, "return"), seed)
+    name = outcome_metric or "success rate"
+    out = _paired(outcome_values(new, outcome_metric), outcome_values(old, outcome_metric), seed)
+    if ret is not None and ret.ci.low > 0 and out is not None:
+        constant = out.ci.low == out.ci.high == out.mean_diff == 0.0
+        falls = out.ci.high < 0
+        if falls or (out.mean_diff <= 0 and not constant):
+            how = "falls" if falls else "does not rise"
+            alarms.append(_alarm(
+                "reward_outcome_divergence", f"paired difference of {name}", out.mean_diff,
+                "return's paired 95% CI above 0 while the outcome's CI is below 0 or its paired "
+                "mean difference is <= 0", steps,
+                f"return rose {ret.mean_diff:+.4g} (paired 95% CI [{ret.ci.low:.4g}, "
+                f"{ret.ci.high:.4g}]) from step {prev} to {cur} while {name} {how}: "
+                f"{out.mean_baseline:.4g} -> {out.mean_new:.4g} (paired difference "
+                f"{out.mean_diff:+.4g}, 95% CI [{out.ci.low:.4g}, {out.ci.high:.4g}]); the reward "
+                "may be gamed: look at the episodes before promoting",
+                outcome=name, return_diff=ret.mean_diff,
+                return_ci=[ret.ci.low, ret.ci.high], outcome_ci=[out.ci.low, out.ci.high]))
+    p, q = action_shares(new), action_shares(old)
+    if p is not None and q is not None and len(p) == len(q):
+        tv = 0.5 * float(np.abs(np.subtract(p, q)).sum())
+        h_new, h_old = _entropy(p), _entropy(q)
+        if tv > ACTION_TV_THRESHOLD:
+            alarms.append(_alarm(
+                "action_distribution_shift", "total variation distance of action shares", tv,
+                f"> {ACTION_TV_THRESHOLD}", steps,
+                f"action shares moved by TV {tv:.3f} (> {ACTION_TV_THRESHOLD}) from step {prev} "
+                f"({_fmt_shares(q)}) to {cur} ({_fmt_shares(p)})",
+                shares=[q, p], entropy=[h_old, h_new]))
+        elif h_old >= ENTROPY_FLOOR and h_new < ENTROPY_COLLAPSE_RATIO * h_old:
+            alarms.append(_alarm(
+                "action_distribution_shift", "action entropy (nats)", h_new,
+                f"< {ENTROPY_COLLAPSE_RATIO} x previous ({h_old:.3f})", steps,
+                f"action entropy collapsed from {h_old:.3f} to {h_new:.3f} nats between step "
+                f"{prev} and {cur}", shares=[q, p], entropy=[h_old, h_new]))
+    length = _paired(_by_index(new, "length"), _by_index(old, "length"), seed)
+    if length is not None and length.mean_baseline > 0:
+        rel = length.mean_diff / length.mean_baseline
+        if abs(rel) > LENGTH_SHIFT_RATIO and (length.ci.low > 0 or length.ci.high < 0):
+            alarms.append(_alarm(
+                "episode_length_shift", "relative change of mean episode length", rel,
+                f"|change| > {LENGTH_SHIFT_RATIO:.0%} with the paired 95% CI excluding 0", steps,
+                f"mean episode length {length.mean_baseline:.4g} -> {length.mean_new:.4g} "
+                f"({rel:+.0%}) from step {prev} to {cur}"))
+    rate_new, rate_old = _failure_rate(new), _failure_rate(old)
+    if new.num_rows and rate_new - rate_old > FAILURE_JUMP:
+        fails = round(rate_new * new.num_rows)
+        ci = stats.wilson_interval(fails, new.num_rows)
+        if ci.low > rate_old:
+            alarms.append(_alarm(
+                "failure_rate_jump", "failure rate difference", rate_new - rate_old,
+                f"> {FAILURE_JUMP} with the new rate's Wilson 95% CI above the previous rate",
+                steps, f"failure rate {rate_old:.1%} -> {rate_new:.1%} (95% CI [{ci.low:.1%}, "
+                f"{ci.high:.1%}]) from step {prev} to {cur}"))
+    return alarms
+
+
+def _fmt_shares(shares: list[float]) -> str:
+    return ", ".join(f"{i}: {s:.2f}" for i, s in enumerate(shares))
+
+
+def _failure_rate(table: pa.Table) -> float:
+    kinds = outcomes(table)
+    return float((~kinds.completed).sum()) / table.num_rows if table.num_rows else 0.0
+
+
+# ----------------------------------------------------------------------------- the assessment
+
+
+def assess(
+    table: pa.Table, *, step: int, seed: int, earlier: list[Checkpoint],
+    episodes: Callable[[Checkpoint], pa.Table | None], outcome_metric: str | None = None,
+    policy_sha256: str = "",
+) -> dict[str, Any]:
+    """The ``history`` section of a report: verdict, best checkpoint, alarms.
+
+    ``earlier`` are the run's checkpoints with the same protocol (``checkpoints``); those at
+    ``step`` or later are ignored. ``episodes(cp)`` gives a checkpoint's episodes on this
+    evaluation's indices (``episodes_of``) or None when they are gone.
+    """
+    earlier = [c for c in earlier if c.step < step]
+    out: dict[str, Any] = {"step": step, "checkpoints_before": len(earlier),
+                           "outcome_metric": outcome_metric or "success",
+                           "current": current_figures(table, outcome_metric)}
+    if not earlier:
+        return dict(out, verdict="first", best_step=step, best_policy_sha256=policy_sha256,
+                    compared_with=None, comparison=None, alarms=[],
+                    note="first evaluated checkpoint of this training run")
+    best = best_checkpoint(earlier)
+    cache: dict[str, pa.Table | None] = {}
+
+    def table_of(cp: Checkpoint) -> pa.Table | None:
+        if cp.mlflow_run_id not in cache:
+            cache[cp.mlflow_run_id] = episodes(cp)
+        return cache[cp.mlflow_run_id]
+
+    comparison: dict[str, Any] | None = None
+    note = None
+    if best is None:
+        verdict, note = "first", "every earlier checkpoint was a harness fault"
+    else:
+        best_table = table_of(best)
+        if best_table is None or best_table.num_rows == 0:
+            verdict = "no_paired_episodes"
+            note = (f"the episodes of the best checkpoint (step {best.step}) are neither in the "
+                    "cache nor in MLflow")
+        else:
+            comparison = compare_with_baseline(table, best_table, seed, f"step {best.step}")
+            verdict = {"better": "new_best", "worse": "regression"}.get(
+                str(comparison["verdict"]), "not_distinguishable")
+            if "ci" not in comparison:
+                verdict, note = "no_paired_episodes", str(comparison.get("note"))
+    is_best = verdict in ("first", "new_best")
+    out.update(
+        verdict=verdict,
+        best_step=step if is_best or best is None else best.step,
+        best_policy_sha256=policy_sha256 if is_best or best is None else best.policy_sha256,
+        compared_with=None if best is None else {"step": best.step, "policy_sha256": best.policy_sha256,
+                                                 "mlflow_run_id": best.mlflow_run_id},
+        comparison=comparison,
+        note=note,
+    )
+    previous = max(earlier, key=lambda c: c.step)
+    prev_table = table_of(previous)
+    alarms: list[dict[str, Any]] = []
+    if prev_table is not None and prev_table.num_rows:
+        alarms = drift_alarms(table, prev_table, (previous.step, step), seed=seed,
+                              outcome_metric=outcome_metric)
+    else:
+        out["alarms_note"] = f"episodes of the previous checkpoint (step {previous.step}) are gone"
+    out["previous_step"] = previous.step
+    out["alarms"] = alarms
+    return out
+
+
+def alarm_lines(history: dict[str, Any] | None) -> list[str]:
+    """The history's alarms as report alarm lines (``name: message``)."""
+    if not history:
+        return []
+    return [f"{a['alarm']}: {a['message']}" for a in history.get("alarms") or []]
+
+
+# ----------------------------------------------------------------------------- the curve
+
+
+#: The columns of a training run's curve (``curve_rows``), as ``evalfleet history`` prints them.
+CURVE_METRICS = {"reward": "eval/reward", "reward_ci_low": "eval/reward_ci_low",
+                 "reward_ci_high": "eval/reward_ci_high", "success_rate": "eval/success_rate",
+                 "success_ci_low": "eval/success_ci_low", "success_ci_high": "eval/success_ci_high",
+                 "failure_rate": "eval/failure_rate", "episode_length": "eval/episode_length",
+                 "episodes": "eval/episodes"}
+
+
+def curve_row(cp: Checkpoint) -> dict[str, Any]:
+    """One checkpoint as a row of the curve: step, return with CI, success, failures, length."""
+    row: dict[str, Any] = {"step": cp.step}
+    for name, key in CURVE_METRICS.items():
+        row[name] = cp.metrics.get(key)
+    row.update(verdict=cp.verdict, best=cp.best, alarms=list(cp.alarms),
+               policy_sha256=cp.policy_sha256, mlflow_run_id=cp.mlflow_run_id)
+    return row
+
+
+def report_curve_row(report: dict[str, Any]) -> dict[str, Any]:
+    """The evaluation being fed back as a row of the curve (it is not in MLflow yet)."""
+    r, success = report["returns"], report.get("success") or {}
+    history = report.get("history") or {}
+    return {
+        "step": report.get("step"), "reward": r.get("mean"),
+        "reward_ci_low": r["ci"]["low"], "reward_ci_high": r["ci"]["high"],
+        "success_rate": success.get("rate"),
+        "success_ci_low": (success.get("ci") or {}).get("low"),
+        "success_ci_high": (success.get("ci") or {}).get("high"),
+        "failure_rate": report.get("failure_rate"), "episode_length": report["lengths"].get("mean"),
+        "episodes": report.get("episodes"), "verdict": history.get("verdict"),
+        "best": history.get("verdict") in ("first", "new_best"),
+        "alarms": [a["alarm"] for a in history.get("alarms") or []],
+        "policy_sha256": report.get("policy_sha256"), "mlflow_run_id": None,
+    }
+
+
+def feed_back_history(report: dict[str, Any], table: pa.Table, tracking_uri: str,
+                      cache: EpisodeCache | None, outcome_metric: str | None) -> dict[str, Any] | None:
+    """Stage 7's history: the report's ``history`` section (None without a training run and step).
+
+    Reads the run's earlier checkpoints with the same protocol from MLflow, pairs this
+    evaluation with the best of them and checks drift against the previous one; ``curve`` holds
+    every earlier checkpoint's row (the report page plots it with this one).
+    """
+    run_id, step = report.get("training_run_id"), report.get("step")
+    if not run_id or step is None:
+        return None
+    proto = report_protocol(report)
+    earlier = [c for c in checkpoints(tracking_uri, run_id, protocol=proto)
+               if c.request_id != report.get("request_id")]
+    indices = range(int(max(table.column("episode_index").to_pylist(), default=-1)) + 1)
+    seed = int(((report.get("manifest") or {}).get("protocol") or {}).get("seed", 0))
+    out = assess(table, step=int(step), seed=seed, earlier=earlier,
+                 episodes=lambda cp: episodes_of(cp, cache, tracking_uri, indices),
+                 outcome_metric=outcome_metric, policy_sha256=str(report.get("policy_sha256")))
+    out["training_run_id"] = run_id
+    out["protocol"] = proto
+    out["curve"] = [curve_row(c) for c in earlier if c.step < int(step)]
+    return out

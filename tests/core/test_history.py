@@ -1,0 +1,264 @@
+"""Feed back across training: verdicts, best checkpoint and alarms on real MLflow stores.
+
+Episodes come from the real runner on the planted ``Courier`` env (``tests.core.courier``);
+each "evaluation" is stage 7's history step (``pipeline.with_history``) followed by the real
+MLflow logging (``tracking.log_evaluation``) into a SQLite store in a temporary folder, with a
+real episode cache: what the flow does, without the cluster.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from mlflow.tracking import MlflowClient
+
+import tests.core.courier as courier
+from evalfleet.cache import EpisodeCache
+from evalfleet.cli import EXIT_OK, EXIT_REGRESSION, gate, history_table, run_history
+from evalfleet.envspec import env_thunk, resolve_env
+from evalfleet.history import (
+    ACTION_TV_THRESHOLD,
+    LENGTH_SHIFT_RATIO,
+    checkpoints,
+    curve_row,
+    drift_alarms,
+)
+from evalfleet.models import EvalReport, EvalRequest
+from evalfleet.pipeline import mlflow_params, with_history
+from evalfleet.policy import load_policy, receive_policy
+from evalfleet.records import EpisodeRecord, records_to_table
+from evalfleet.report import aggregate
+from evalfleet.runner import EpisodeContext, run_shard
+from evalfleet.sandbox.base import InProcessSlots
+from evalfleet.seeds import SeedLedger
+from evalfleet.storage import write_episodes
+from evalfleet.tracking import log_evaluation
+
+EPISODES = 40
+
+
+
+def _episodes(policy_name: str, seed: int = 0) -> object:
+    resolved = resolve_env(courier.ENV_ID, {}, None)
+    ref = f"tests.core.courier:{policy_name}"
+    art = receive_policy(ref, None, resolved.observation_space, resolved.action_space)
+    policy = load_policy(art.format, art.payload, None, art.source, resolved.action_space)
+    ledger = SeedLedger(seed)
+    backend = InProcessSlots(env_thunk(courier.ENV_ID, {}, None), 8)
+    try:
+        records = run_shard([(i, ledger.seed(i)) for i in range(EPISODES)], backend, policy,
+                            EpisodeContext("r", policy_name, courier.ENV_ID, "spec", "w0"))
+    finally:
+        backend.close()
+    return records_to_table(records).sort_by("episode_index")
+
+
+_TABLES: dict[tuple[str, int], object] = {}
+
+
+def _table(policy_name: str, seed: int = 0):
+    if (policy_name, seed) not in _TABLES:
+        _TABLES[(policy_name, seed)] = _episodes(policy_name, seed)
+    return _TABLES[(policy_name, seed)]
+
+
+def evaluate_checkpoint(tmp: Path, policy_name: str, step: int, *, seed: int = 0,
+                        outcome_metric: str | None = None, run: str) -> EvalReport:
+    """Stage 6 and 7 of one evaluation of ``policy_name`` at ``step``, on the real stores."""
+    table = _table(policy_name, seed)
+    request = EvalRequest(env=courier.ENV_ID, policy=f"tests.core.courier:{policy_name}",
+                          episodes=EPISODES, seed=seed, output=tmp, training_run_id=run,
+                          step=step, outcome_metric=outcome_metric, cache_dir=tmp / "cache",
+                          request_id=f"{run}-{policy_name}-{step}-{seed}")
+    sha = f"{policy_name}-{step}".encode().hex().ljust(64, "0")[:64]  # same weights, same hash
+    key = hashlib.sha256(f"{run}/{policy_name}/{step}/{seed}".encode()).hexdigest()
+    EpisodeCache(tmp / "cache").store(key, table, {"policy": {"sha256": sha}})
+    report = aggregate(request, table, env_spec={"env_id": courier.ENV_ID}, env_spec_hash="spec",
+                       policy={"sha256": sha}, isolation="inprocess", timings={"run": 1.0},
+                       cache={"status": "miss", "key": key}, run_seconds=1.0)
+    report = with_history(request, report, table)
+    folder = tmp / "runs" / request.request_id
+    parquet = write_episodes(table, folder / "episodes.parquet")
+    log_evaluation(f"sqlite:///{tmp / 'mlflow.db'}", "evalfleet", report.model_dump(mode="json"),
+                   mlflow_params(request, report), [parquet], run_name=request.request_id)
+    return report
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One MLflow store and cache for the module (a new SQLite store costs seconds to create);
+    every test keeps to training run ids of its own."""
+    return tmp_path_factory.mktemp("history")
+
+
+def test_first_checkpoint_then_an_honest_improvement_is_new_best_and_raises_nothing(store):
+    first = evaluate_checkpoint(store, "careless", 100, run="honest")
+    assert first.verdict == "first"
+    assert first.history["best_step"] == 100 and first.history["alarms"] == []
+    better = evaluate_checkpoint(store, "careful", 200, run="honest")
+    h = better.history
+    assert h["verdict"] == "new_best"
+    assert h["compared_with"]["step"] == 100
+    c = h["comparison"]
+    assert c["n"] == EPISODES and c["ci"]["low"] > 0 and c["p_improvement"] > 0.5
+    assert c["mean_diff"] == pytest.approx(better.mean - first.mean)
+    assert h["best_step"] == 200 and h["best_policy_sha256"] == better.policy_sha256
+    assert h["alarms"] == [], h["alarms"]
+    assert not [a for a in better.alarms if ":" in a and a.split(":")[0] in (
+        "reward_outcome_divergence", "action_distribution_shift", "episode_length_shift",
+        "failure_rate_jump")]
+    # The curve so far holds the earlier step; MLflow tags make both findable by run and step.
+    assert [r["step"] for r in h["curve"]] == [100]
+    found = checkpoints(f"sqlite:///{store / 'mlflow.db'}", "honest")
+    assert [(c.step, c.verdict, c.best) for c in found] == [(100, "first", True),
+                                                           (200, "new_best", True)]
+
+
+def test_a_gamed_reward_raises_reward_outcome_divergence_with_its_statistic(store):
+    evaluate_checkpoint(store, "careless", 100, run="gamed")
+    gamed = evaluate_checkpoint(store, "tip_farmer", 200, run="gamed")
+    assert gamed.mean > 13.0  # the reward went up...
+    assert gamed.success["rate"] == 0.0  # ...and nothing was delivered
+    alarms = {a["alarm"]: a for a in gamed.history["alarms"]}
+    div = alarms["reward_outcome_divergence"]
+    assert div["steps"] == [100, 200] and div["outcome"] == "success rate"
+    assert div["value"] == pytest.approx(-0.75)  # success 0.75 -> 0.0, paired over 40 episodes
+    assert div["return_ci"][0] > 0 and div["outcome_ci"][1] < 0
+    assert "threshold" in div and "falls" in div["message"]
+    shift = alarms["action_distribution_shift"]
+    assert shift["value"] == pytest.approx(1.0) and shift["value"] > ACTION_TV_THRESHOLD
+    assert shift["shares"][1] == [0.0, 0.0, 1.0]
+    # The string alarms carry it to the summary, MLflow tags and the callback.
+    assert any(a.startswith("reward_outcome_divergence: return rose") for a in gamed.alarms)
+    run = MlflowClient(f"sqlite:///{store / 'mlflow.db'}").search_runs(
+        [MlflowClient(f"sqlite:///{store / 'mlflow.db'}").get_experiment_by_name("evalfleet")
+         .experiment_id], "tags.`evalfleet.step` = '200'")[0]
+    assert run.data.tags["evalfleet.alarm.reward_outcome_divergence"] == "true"
+    assert run.data.metrics["eval/history_alarms"] == 2.0
+
+
+def test_a_named_info_outcome_metric_is_watched_instead_of_success(store):
+    evaluate_checkpoint(store, "careless", 1, outcome_metric="progress", run="info-metric")
+    gamed = evaluate_checkpoint(store, "tip_farmer", 2, outcome_metric="progress", run="info-metric")
+    div = next(a for a in gamed.history["alarms"] if a["alarm"] == "reward_outcome_divergence")
+    assert div["outcome"] == "progress"
+    careless = _table("careless")
+    progress = [dict(m)["progress"] for m in careless.column("metrics").to_pylist()]
+    assert div["value"] == pytest.approx(-float(np.mean(progress)))
+    assert gamed.history["current"]["outcome"] == {"name": "progress", "mean": 0.0, "n": EPISODES}
+
+
+def test_regression_is_judged_against_the_best_checkpoint_and_gates(store, capsys):
+    evaluate_checkpoint(store, "careful", 10, run="regress")
+    worse = evaluate_checkpoint(store, "careless", 20, run="regress")
+    assert worse.verdict == "regression"
+    assert worse.history["comparison"]["ci"]["high"] < 0
+    assert worse.history["best_step"] == 10
+    # Step 30 (the same weights as 20) is compared with the best (10), not the previous (20).
+    again = evaluate_checkpoint(store, "careless", 30, run="regress")
+    assert again.verdict == "regression" and again.history["compared_with"]["step"] == 10
+    assert again.history["previous_step"] == 20 and again.history["alarms"] == []
+    assert gate(again) == EXIT_REGRESSION
+    assert "regression against the best checkpoint (step 10)" in capsys.readouterr().err
+    best = evaluate_checkpoint(store, "careful", 40, run="regress")
+    assert best.verdict == "not_distinguishable"  # the same returns as step 10, pair by pair
+    assert gate(best) == EXIT_OK
+
+
+def test_other_seeds_are_another_protocol_and_never_paired(store):
+    evaluate_checkpoint(store, "careful", 10, seed=0, run="seeds")
+    other = evaluate_checkpoint(store, "careless", 20, seed=1, run="seeds")
+    assert other.verdict == "first"  # nothing earlier on the same seeds
+
+
+def test_earlier_episodes_come_from_mlflow_when_the_cache_lost_them(store):
+    evaluate_checkpoint(store, "careless", 10, run="lost-cache")
+    key = hashlib.sha256(b"lost-cache/careless/10/0").hexdigest()
+    assert EpisodeCache(store / "cache").remove(key)
+    better = evaluate_checkpoint(store, "careful", 20, run="lost-cache")
+    assert better.verdict == "new_best" and better.history["comparison"]["n"] == EPISODES
+
+
+def test_eval_metrics_land_in_the_trainers_own_run_at_the_step(store):
+    uri = f"sqlite:///{store / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    exp = client.create_experiment("training")
+    trainer = client.create_run(exp).info.run_id
+    evaluate_checkpoint(store, "careless", 100, run=trainer)
+    evaluate_checkpoint(store, "careful", 200, run=trainer)
+    history = client.get_metric_history(trainer, "eval/reward")
+    assert [(m.step, m.value) for m in sorted(history, key=lambda m: m.step)] == [
+        (100, pytest.approx(float(np.mean(_table("careless").column("return").to_numpy())))),
+        (200, pytest.approx(float(np.mean(_table("careful").column("return").to_numpy())))),
+    ]
+    assert [m.value for m in client.get_metric_history(trainer, "eval/verdict")] == [1.0, 1.0]
+
+
+def test_history_command_prints_the_rows_and_saves_a_plot(store, capsys):
+    evaluate_checkpoint(store, "careless", 100, run="cli")
+    evaluate_checkpoint(store, "careful", 200, run="cli")
+    evaluate_checkpoint(store, "tip_farmer", 300, run="cli")
+    evaluate_checkpoint(store, "careless", 50, run="another-run")
+    import argparse
+
+    plot = store / "h.png"
+    args = argparse.Namespace(training_run_id="cli", output=str(store), mlflow_uri=None,
+                              plot=str(plot), json=False)
+    assert run_history(args) == EXIT_OK
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].split()[:3] == ["step", "return", "95%"]
+    rows = [line.split() for line in out[1:4]]
+    assert [r[0] for r in rows] == ["100", "200", "300"]
+    assert rows[0][1] == format(np.mean(_table("careless").column("return").to_numpy()), ".4g")
+    assert [r[4] for r in rows] == ["0.750", "1.000", "0.000"]  # success rate
+    assert rows[0][7:9] == ["first", "*"] and rows[1][7:9] == ["new_best", "*"]
+    assert out[3].endswith("action_distribution_shift, reward_outcome_divergence")
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    args.json, args.training_run_id = True, "another-run"
+    assert run_history(args) == EXIT_OK
+    assert [r["step"] for r in json.loads(capsys.readouterr().out)] == [50]
+
+
+def _rows(lengths, reasons=None, counts=None):
+    reasons = reasons or ["terminated"] * len(lengths)
+    return records_to_table([
+        EpisodeRecord("r", "p", "e", "s", i, 1000 + i, float(n), int(n), reasons[i], None, True,
+                      0.0, "w", "b", "inprocess", action_counts=counts)
+        for i, n in enumerate(lengths)])
+
+
+def test_length_shift_and_failure_jump_have_thresholds_and_steps():
+    old = _rows([10 + i % 3 for i in range(60)])
+    new = _rows([30 + i % 3 for i in range(60)])
+    alarms = {a["alarm"]: a for a in drift_alarms(new, old, (5, 6), seed=0)}
+    length = alarms["episode_length_shift"]
+    assert length["value"] == pytest.approx(20 / 11) and length["value"] > LENGTH_SHIFT_RATIO
+    assert length["steps"] == [5, 6]
+    failing = _rows([10 + i % 3 for i in range(60)],
+                    reasons=["policy_error" if i % 4 == 0 else "terminated" for i in range(60)])
+    jump = {a["alarm"]: a for a in drift_alarms(failing, old, (5, 6), seed=0)}["failure_rate_jump"]
+    assert jump["value"] == pytest.approx(0.25) and jump["threshold"].startswith("> 0.05")
+    slight = _rows([10 + i % 3 for i in range(60)],
+                   reasons=["policy_error" if i == 0 else "terminated" for i in range(60)])
+    assert drift_alarms(slight, old, (5, 6), seed=0) == []
+
+
+def test_entropy_collapse_without_a_large_distance():
+    old = _rows([10] * 20, counts=[1, 1, 8])
+    new = _rows([10] * 20, counts=[0, 0, 10])
+    alarm = drift_alarms(new, old, (1, 2), seed=0)[0]
+    assert alarm["alarm"] == "action_distribution_shift"
+    assert alarm["statistic"] == "action entropy (nats)" and alarm["value"] == 0.0
+
+
+def test_curve_row_and_table_of_a_checkpoint_without_success(store):
+    evaluate_checkpoint(store, "careless", 7, run="curve")
+    [cp] = checkpoints(f"sqlite:///{store / 'mlflow.db'}", "curve")
+    row = curve_row(cp)
+    assert row["step"] == 7 and row["verdict"] == "first" and row["episodes"] == EPISODES
+    text = history_table([dict(row, success_rate=None)])
+    assert text.splitlines()[1].split()[4] == "-"
