@@ -86,6 +86,21 @@ def result_from_report(report: EvalReport, step: int | None) -> Result:
         "eval/failure_rate": report.failure_rate,
         "eval/policy_failure_rate": report.policy_failure_rate,
         "report": report,
+        **history_result(report),
+    }
+
+
+def history_result(report: EvalReport) -> Result:
+    """The history's keys of a result: verdict, best checkpoint's step and weights hash, alarms.
+
+    ``eval/verdict`` is None for an evaluation without a training run id and step.
+    """
+    h = report.history or {}
+    return {
+        "eval/verdict": h.get("verdict"),
+        "eval/best_step": h.get("best_step"),
+        "eval/best_policy_sha256": h.get("best_policy_sha256"),
+        "eval/alarms": [a["alarm"] for a in h.get("alarms") or []],
     }
 
 
@@ -161,6 +176,10 @@ class Evaluator:
         self.on_result = on_result
         self.metrics_fn = metrics_fn
         self.skipped = 0
+        self.best_step: int | None = None
+        """Training step of the best checkpoint so far (paired verdicts; needs training_run_id)."""
+        self.best_policy_sha256: str | None = None
+        """Weights hash of that checkpoint."""
         self._runner: Runner | None = runner
         # Found now (metadata only, nothing imported) so a missing runner fails before any thread.
         self._default_runner = find_runner() if runner is None else None
@@ -324,6 +343,9 @@ class Evaluator:
             self._runner = load_runner(entry, request.workers, request.dask_address)
         report = self._runner(request)
         result = result_from_report(report, request.step)
+        if result["eval/best_step"] is not None:  # the training run's best checkpoint so far
+            self.best_step = result["eval/best_step"]
+            self.best_policy_sha256 = result["eval/best_policy_sha256"]
         if self.metrics_fn is not None:
             table = read_episodes(Path(report.outputs["episodes"]))
             result.update(self.metrics_fn(table))
@@ -372,6 +394,7 @@ __all__ = [
     "Result",
     "Runner",
     "factory_ref",
+    "history_result",
     "result_from_report",
     "snapshot_weights",
 ]

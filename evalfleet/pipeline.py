@@ -28,7 +28,7 @@ from evalfleet.envspec import resolve_env
 from evalfleet.errors import RequestError
 from evalfleet.models import EvalReport, EvalRequest, PolicyHandle, Shard, ShardPlan
 from evalfleet.planning import plan_shards
-from evalfleet.plots import render_plots
+from evalfleet.plots import HISTORY_FILE, render_history, render_plots
 from evalfleet.policy import (
     INFERENCE_DTYPE,
     PolicyArtifact,
@@ -47,7 +47,7 @@ from evalfleet.replay import (
     record_episodes,
     replay_inputs,
 )
-from evalfleet.report import aggregate, versions
+from evalfleet.report import aggregate, curve_so_far, versions
 from evalfleet.review import choose_episodes, cluster_failures, report_page
 from evalfleet.sandbox.isolation import resolve_isolation
 from evalfleet.seeds import SeedLedger
@@ -460,6 +460,10 @@ def review(
                          ci=report.ci if report.scored else None,
                          target_halfwidth=adaptive.get("target_halfwidth"))
     report = report.model_copy(update={"failure_clusters": clusters})
+    curve = curve_so_far(report)
+    if curve:  # the training run's curve so far, on the page (and in MLflow with the plots)
+        plots = dict(plots, history=render_history(curve, folder / "plots" / HISTORY_FILE,
+                                                   title=f"training run {report.training_run_id}"))
     page = report_page(report, clusters, plots, folder / "report.html", videos=videos, notes=notes)
     return report, [*files, *plots.values(), page]
 

@@ -210,3 +210,17 @@ def aggregate(
         outputs={},
         manifest=manifest,
     )
+
+
+def curve_so_far(report: EvalReport) -> list[dict[str, Any]]:
+    """The training run's curve up to this evaluation: earlier checkpoints' rows, then this one.
+
+    Empty without a history (no training run id and step) or when it could not be read.
+    """
+    from evalfleet.history import report_curve_row
+
+    history = report.history or {}
+    if not history or "curve" not in history:
+        return []
+    rows = [*history["curve"], report_curve_row(report.model_dump(mode="json"))]
+    return sorted(rows, key=lambda r: int(r["step"]))

@@ -19,6 +19,18 @@ def _device(report: EvalReport) -> str:
     return f"{device} (fallback: {fallback})" if fallback else device
 
 
+def _history(h: dict[str, object]) -> str:
+    c = h.get("comparison")
+    text = str(h["verdict"])
+    if isinstance(c, dict) and "ci" in c:
+        text += (f": {_fmt(c['mean_diff'])}  [{_fmt(c['ci']['low'])}, {_fmt(c['ci']['high'])}] "
+                 f"paired over {c['n']} episodes against step {c['baseline'].removeprefix('step ')}; "
+                 f"P(improvement) {c['p_improvement']:.3f}")
+    elif h.get("note"):
+        text += f" ({h['note']})"
+    return text + f"; best checkpoint: step {h.get('best_step')}"
+
+
 def summary_rows(report: EvalReport) -> list[dict[str, str]]:
     """The summary as (metric, value) rows."""
     r = report.returns
@@ -57,6 +69,8 @@ def summary_rows(report: EvalReport) -> list[dict[str, str]]:
                                         f"{_dropped(c)}"))
         else:
             rows.append(("vs baseline", f"{c['verdict']} ({c.get('note', '')})"))
+    if report.history and report.history.get("verdict"):
+        rows.append(("vs best checkpoint", _history(report.history)))
     if report.audit is not None:
         rows.append(("determinism audit", f"{report.audit['checked']} re-run, "
                                           f"{len(report.audit['mismatches'])} mismatches"))

@@ -78,6 +78,19 @@ class ReceiverConfig:
     """Extra ``EvalRequest`` fields for every evaluation (e.g. concurrency)."""
 
 
+def history_fields(report: dict[str, Any]) -> dict[str, Any]:
+    """Verdict, best checkpoint and alarms of a completed evaluation, at the top of a GET answer.
+
+    The same values are in ``report['history']``; a trainer polling for a promotion decision
+    reads them here without knowing the report's layout.
+    """
+    h = report.get("history") or {}
+    return {"verdict": h.get("verdict"), "best_step": h.get("best_step"),
+            "best_policy_sha256": h.get("best_policy_sha256"),
+            "alarms": list(report.get("alarms") or []),
+            "history_alarms": [a.get("alarm") for a in h.get("alarms") or []]}
+
+
 def _tag(kind: str, value: str) -> str:
     # Tags are how any receiver finds a run in Prefect; delivery ids are hashed (any text).
     return f"evalfleet-{kind}:{value}"
@@ -186,6 +199,8 @@ class Receiver:
                 out["report"] = json.loads(path.read_text())
             except (OSError, json.JSONDecodeError) as err:
                 out["message"] = f"completed, but the report cannot be read from {path}: {err}"
+            else:
+                out.update(history_fields(out["report"]))
         return out
 
     def healthy(self) -> dict[str, bool]:
@@ -250,7 +265,7 @@ class Receiver:
             output=cfg.output.resolve(), mlflow_uri=cfg.mlflow_uri,
             experiment=body.experiment or cfg.experiment, training_run_id=body.training_run_id,
             step=body.step, callback_url=str(body.callback_url) if body.callback_url else None,
-            request_id=evaluation_id,
+            request_id=evaluation_id, outcome_metric=body.outcome_metric,
         )
         fields.update(cfg.request_overrides)
         try:

@@ -57,6 +57,9 @@ class EvaluationCreate(_Strict):
     step: int | None = Field(None, ge=0, description="Training step of these weights.")
     callback_url: AnyHttpUrl | None = Field(None, description="Where the signed report is POSTed.")
     experiment: str | None = Field(None, max_length=256, description="MLflow experiment override.")
+    outcome_metric: str | None = Field(
+        None, max_length=128, description="Final-info key of the task outcome the history's "
+        "reward-hacking alarm watches across checkpoints (default: the success rate).")
 
 
 def idempotency_key(body: EvaluationCreate) -> str:
@@ -78,6 +81,8 @@ def idempotency_key(body: EvaluationCreate) -> str:
         "max_steps": body.protocol.max_steps,
         "deterministic": body.protocol.deterministic,
     }
+    if body.outcome_metric is not None:  # another outcome is another history (keys stay as they were)
+        doc["outcome_metric"] = body.outcome_metric
     return hashlib.sha256(canonical_json(doc)).hexdigest()
 
 

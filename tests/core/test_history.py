@@ -262,3 +262,24 @@ def test_curve_row_and_table_of_a_checkpoint_without_success(store):
     assert row["step"] == 7 and row["verdict"] == "first" and row["episodes"] == EPISODES
     text = history_table([dict(row, success_rate=None)])
     assert text.splitlines()[1].split()[4] == "-"
+
+
+def test_report_page_shows_the_curve_so_far_verdict_and_alarm_table(store, tmp_path):
+    from evalfleet.plots import render_history
+    from evalfleet.report import curve_so_far
+    from evalfleet.review import report_page
+
+    evaluate_checkpoint(store, "careless", 1, run="page")
+    gamed = evaluate_checkpoint(store, "tip_farmer", 2, run="page")
+    rows = curve_so_far(gamed)
+    assert [(r["step"], r["verdict"]) for r in rows] == [(1, "first"), (2, "new_best")]
+    assert rows[1]["alarms"] == ["reward_outcome_divergence", "action_distribution_shift"]
+    plot = render_history(rows, tmp_path / "history.png")
+    page = report_page(gamed, [], {"history": plot}, tmp_path / "report.html").read_text()
+    assert "Training run so far" in page and 'alt="history"' in page
+    assert "<strong>new best</strong>" in page and "(step 1)" in page
+    assert "<td>reward_outcome_divergence</td>" in page and "<td>1 → 2</td>" in page
+    failed = gamed.model_copy(update={"history": {"error": "OSError: gone", "verdict": None,
+                                                  "alarms": []}})
+    text = report_page(failed, [], {}, tmp_path / "r2.html").read_text()
+    assert "history could not be read: OSError: gone" in text

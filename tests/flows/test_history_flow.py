@@ -1,0 +1,97 @@
+"""History through the whole flow: three checkpoints of one training run on the planted Courier.
+
+Step 1 (honest, careful) is the first; step 2 games the reward (tip farming): a new best by
+return, with the reward-hacking and action-shift alarms in the callback body, report.json, the
+page and MLflow; step 3 (honest but careless) is a significant regression against the best
+checkpoint, and ``--gate`` exits ``EXIT_REGRESSION``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from evalfleet.cli import EXIT_OK, EXIT_REGRESSION, run_cli
+from evalfleet.models import EvalRequest
+from flows.eval import evaluate
+from tests.core.courier import ENV_ID
+
+pytestmark = pytest.mark.slow
+
+EPISODES = 30
+
+
+@pytest.fixture
+def trainer() -> Iterator[tuple[str, list[dict[str, Any]]]]:
+    """A loopback endpoint recording the callback bodies it receives."""
+    bodies: list[dict[str, Any]] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802 - the http.server API
+            bodies.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/eval", bodies
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def _args(tmp_path: Any, policy: str, step: int) -> list[str]:
+    return ["--env", ENV_ID, "--policy", f"tests.core.courier:{policy}", "--episodes",
+            str(EPISODES), "--concurrency", "10", "--isolation", "inprocess", "--output",
+            str(tmp_path / "out"), "--training-run-id", "courier-run", "--step", str(step),
+            "--gate", "--quiet", "--no-audit"]
+
+
+def test_gamed_checkpoint_alarms_everywhere_and_a_regression_gates(
+    prefect_server, tmp_path, trainer, monkeypatch, capsys
+):
+    url, bodies = trainer
+    monkeypatch.setenv("EVALFLEET_CALLBACK_SECRET", "history-test-secret")
+    monkeypatch.setenv("EVALFLEET_ALLOWED_HOSTS", "127.0.0.1")  # the trainer listens on loopback
+    assert run_cli(evaluate, _args(tmp_path, "careful", 1)) == EXIT_OK
+    assert re.search(r"\nvs best checkpoint +first \(first evaluated checkpoint", capsys.readouterr().out)
+
+    request = EvalRequest.build(env=ENV_ID, policy="tests.core.courier:tip_farmer",
+                                episodes=EPISODES, concurrency=10, isolation="inprocess",
+                                output=tmp_path / "out", training_run_id="courier-run", step=2,
+                                callback_url=url, audit=False)
+    gamed = evaluate(request)
+    assert gamed.verdict == "new_best"  # by return alone it is the best yet...
+    names = [a["alarm"] for a in gamed.history["alarms"]]
+    assert names == ["reward_outcome_divergence", "action_distribution_shift"]  # ...but gamed
+    [body] = bodies
+    assert body["history"]["verdict"] == "new_best" and body["history"]["best_step"] == 2
+    assert [a["alarm"] for a in body["history"]["alarms"]] == names
+    assert any(a.startswith("reward_outcome_divergence:") for a in body["alarms"])
+    saved = json.loads(open(gamed.outputs["report"]).read())
+    assert saved["history"]["alarms"][0]["steps"] == [1, 2]
+    page = open(gamed.outputs["report_html"]).read()
+    assert "Training run so far" in page and 'alt="history"' in page
+    run = MlflowClient(gamed.outputs["mlflow_uri"]).get_run(gamed.outputs["mlflow_run_id"])
+    assert run.data.tags["evalfleet.verdict"] == "new_best"
+    assert run.data.tags["evalfleet.alarm.reward_outcome_divergence"] == "true"
+    assert "history.png" in {a.path for a in MlflowClient(gamed.outputs["mlflow_uri"])
+                             .list_artifacts(run.info.run_id)}
+
+    capsys.readouterr()
+    assert run_cli(evaluate, _args(tmp_path, "careless", 3)) == EXIT_REGRESSION
+    err = capsys.readouterr().err
+    assert "gate: step 3 is a regression against the best checkpoint (step 2)" in err
+    assert f"(exit {EXIT_REGRESSION})" in err
