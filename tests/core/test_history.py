@@ -283,3 +283,21 @@ def test_report_page_shows_the_curve_so_far_verdict_and_alarm_table(store, tmp_p
                                                   "alarms": []}})
     text = report_page(failed, [], {}, tmp_path / "r2.html").read_text()
     assert "history could not be read: OSError: gone" in text
+
+
+def test_evaluator_result_carries_verdict_alarms_and_the_best_checkpoint(store, tmp_path):
+    import torch
+
+    from evalfleet.client import Evaluator
+
+    first = evaluate_checkpoint(store, "careful", 1, run="client")
+    gamed = evaluate_checkpoint(store, "tip_farmer", 2, run="client")
+    worse = evaluate_checkpoint(store, "careless", 3, run="client")
+    reports = iter([first, gamed, worse])
+    with Evaluator(env="CartPole-v1", num_episodes=4, output=tmp_path,
+                   runner=lambda request: next(reports)) as ev:
+        results = [ev.evaluate(torch.nn.Linear(4, 2), step=s) for s in (1, 2, 3)]
+    assert [r["eval/verdict"] for r in results] == ["first", "new_best", "regression"]
+    assert [r["eval/best_step"] for r in results] == [1, 2, 2]
+    assert results[1]["eval/alarms"] == ["reward_outcome_divergence", "action_distribution_shift"]
+    assert (ev.best_step, ev.best_policy_sha256) == (2, gamed.policy_sha256)

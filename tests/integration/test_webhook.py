@@ -77,11 +77,15 @@ def test_webhook_to_signed_callback(service: Service, trainer: TrainerEndpoint) 
     assert report["request_id"] == accepted["id"] and report["policy_sha256"] == SHA
     assert report["training_run_id"] == "trainer-run-7" and report["step"] == 101
     assert report["episodes"] == 12 and report["outputs"]["mlflow_run_id"]
+    # The run's first checkpoint on this protocol: the verdict says so, in the body and the GET.
+    assert report["history"]["verdict"] == "first" and report["history"]["best_step"] == 101
 
     status = service.wait_final(accepted["status_url"])
     assert status["state"] == "COMPLETED"
     assert status["report"]["returns"]["mean"] == report["returns"]["mean"]
     assert status["report"]["outputs"]["callback"].startswith("delivered: HTTP 200")
+    assert (status["verdict"], status["best_step"], status["best_policy_sha256"]) == ("first", 101, SHA)
+    assert status["alarms"] == report["alarms"] and status["history_alarms"] == []
     assert len(trainer.calls) == 1  # exactly one report: no second run, no duplicate POST
     run = httpx.get(f"{service.urls['prefect_api']}/flow_runs/{accepted['flow_run_id']}").json()
     assert run["state"]["type"] == "COMPLETED"
