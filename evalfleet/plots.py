@@ -442,7 +442,10 @@ def history_figure(rows: Sequence[Mapping[str, Any]], title: str = "") -> Figure
                 transform=ax.transAxes, color=_GREY)
     ax.set_title("success rate")
     ax = axes[1][0]
-    ax.plot(steps, _nums(rows, "failure_rate"), color=_RED, marker="o")
+    fails = _nums(rows, "failure_rate")
+    ax.plot(steps, fails, color=_RED, marker="o")
+    top = float(np.nanmax(fails)) if np.isfinite(fails).any() else 0.0
+    ax.set_ylim(0.0, max(0.05, 1.1 * top))  # a rate: never below 0, 5% visible when all is well
     ax.yaxis.set_major_formatter(PercentFormatter(1.0))
     ax.set_title("failure rate")
     ax.set_xlabel("training step")

@@ -301,3 +301,21 @@ def test_evaluator_result_carries_verdict_alarms_and_the_best_checkpoint(store, 
     assert [r["eval/best_step"] for r in results] == [1, 2, 2]
     assert results[1]["eval/alarms"] == ["reward_outcome_divergence", "action_distribution_shift"]
     assert (ev.best_step, ev.best_policy_sha256) == (2, gamed.policy_sha256)
+
+
+def test_history_figure_plots_the_rows_it_is_given():
+    from evalfleet.plots import history_figure
+
+    rows = [dict(step=10, reward=1.0, reward_ci_low=0.5, reward_ci_high=1.5, success_rate=0.5,
+                 success_ci_low=0.3, success_ci_high=0.7, failure_rate=0.0, episode_length=20.0,
+                 verdict="first", alarms=[]),
+            dict(step=20, reward=3.0, reward_ci_low=2.0, reward_ci_high=4.0, success_rate=None,
+                 success_ci_low=None, success_ci_high=None, failure_rate=0.1, episode_length=35.0,
+                 verdict="regression", alarms=["episode_length_shift"])]
+    ret, success, fails, length = history_figure(rows).axes
+    assert list(ret.lines[0].get_ydata()) == [1.0, 3.0]
+    assert {t.get_text() for t in ret.get_legend().get_texts()} >= {"first", "regression", "alarm"}
+    assert list(fails.lines[0].get_ydata()) == [0.0, 0.1] and fails.get_ylim()[0] == 0.0
+    assert list(length.lines[0].get_xdata()) == [10.0, 20.0]
+    assert list(length.lines[0].get_ydata()) == [20.0, 35.0]
+    assert success.lines[0].get_ydata()[0] == 0.5
