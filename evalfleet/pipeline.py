@@ -605,6 +605,8 @@ def baseline_request(request: EvalRequest, episodes: int) -> EvalRequest:
         "policy": request.baseline, "policy_factory": request.baseline_factory, "baseline": None,
         "episodes": episodes, "target_ci_halfwidth": None, "max_episodes": None,
         "request_id": f"{request.request_id}-baseline", "callback_url": None,
+        # Not a checkpoint of the training run: no history of its own, nothing in the trainer's run.
+        "step": None,
     })
 
 

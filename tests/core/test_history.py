@@ -319,3 +319,16 @@ def test_history_figure_plots_the_rows_it_is_given():
     assert list(length.lines[0].get_xdata()) == [10.0, 20.0]
     assert list(length.lines[0].get_ydata()) == [20.0, 35.0]
     assert success.lines[0].get_ydata()[0] == 0.5
+
+
+def test_a_baseline_evaluation_is_no_checkpoint_of_the_training_run(tmp_path):
+    from evalfleet.pipeline import baseline_request
+
+    request = EvalRequest(env=courier.ENV_ID, policy="tests.core.courier:careful", output=tmp_path,
+                          training_run_id="t", step=5, baseline="tests.core.courier:careless")
+    other = baseline_request(request, 10)
+    assert (other.training_run_id, other.step) == ("t", None)
+    table = _table("careless")
+    report = aggregate(other, table, env_spec={}, env_spec_hash="spec", policy={"sha256": "b" * 64},
+                       isolation="inprocess", timings={}, cache={}, run_seconds=1.0)
+    assert with_history(other, report, table).history is None  # no MLflow read, no verdict
