@@ -63,7 +63,7 @@ class EvaluationCreate(_Strict):
 
 
 def idempotency_key(body: EvaluationCreate) -> str:
-    """sha256 over what the trainer said fixes an evaluation's numbers (episodes included).
+    """sha256 over what the trainer said fixes an evaluation and its feed-back (episodes included).
 
     Two deliveries with the same key are the same evaluation. It is computed from the body
     alone, so the receiver needs neither torch nor the env's package. ``evalfleet.cache``'s key
@@ -83,6 +83,13 @@ def idempotency_key(body: EvaluationCreate) -> str:
     }
     if body.outcome_metric is not None:  # another outcome is another history (keys stay as they were)
         doc["outcome_metric"] = body.outcome_metric
+    # The same weights at another step of a training run are another checkpoint: its history row,
+    # the trainer's curve at that step and its callback must exist (the flow's cache still answers
+    # the episodes). A redelivery carries the same step, so it stays one evaluation.
+    if body.training_run_id is not None:
+        doc["training_run_id"] = body.training_run_id
+    if body.step is not None:
+        doc["step"] = body.step
     return hashlib.sha256(canonical_json(doc)).hexdigest()
 
 

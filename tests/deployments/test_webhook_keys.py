@@ -1,0 +1,42 @@
+"""Which deliveries are one evaluation: the idempotency key over the body."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+from deployments.webhook.schema import idempotency_key, parse_body
+from evalfleet.callback import canonical_json
+
+
+def body(**extra: Any) -> dict[str, Any]:
+    doc: dict[str, Any] = {
+        "policy": {"uri": "file:///policies/p.pt", "sha256": "ab" * 32},
+        "env": {"id": "CartPole-v1"},
+        "protocol": {"episodes": 12, "seed": 3, "max_steps": 200},
+    }
+    doc.update(extra)
+    return doc
+
+
+def key(doc: dict[str, Any]) -> str:
+    return idempotency_key(parse_body(json.dumps(doc).encode()))
+
+
+def test_the_same_weights_at_another_step_are_another_checkpoint() -> None:
+    # Same weights, same protocol, later step: its own history row and callback, not step 10's.
+    at_10 = key(body(training_run_id="run-7", step=10))
+    assert key(body(training_run_id="run-7", step=10)) == at_10  # a redelivery is one evaluation
+    assert key(body(training_run_id="run-7", step=20)) != at_10
+    assert key(body(training_run_id="run-8", step=10)) != at_10
+
+
+def test_a_body_without_training_fields_keeps_its_key() -> None:
+    # Keys of bodies that name no training run are what they were (no needless new flow runs).
+    before = {"policy_sha256": "ab" * 32, "policy_factory": None, "env": "CartPole-v1",
+              "env_kwargs": {}, "seed": 3, "episodes": 12, "max_steps": 200,
+              "deterministic": True}
+    assert key(body()) == hashlib.sha256(canonical_json(before)).hexdigest()
+    assert key(body()) != key(body(step=0))
+    assert key(body(callback_url=None)) == key(body())
