@@ -154,4 +154,10 @@ def suite_feed_back(report: SuiteReport, base: EvalRequest) -> SuiteReport:
     final = report.model_copy(update={"outputs": outputs,
                                       "seconds": report.seconds + time.perf_counter() - t0})
     write_json(final.model_dump(mode="json"), path)
+    if base.callback_url:  # last, so the trainer gets the MLflow run id; never raises
+        from evalfleet.callback import send_report_callback
+
+        outcome = send_report_callback(base.callback_url, final.model_dump(mode="json"))
+        final = final.model_copy(update={"outputs": {**final.outputs, "callback": outcome}})
+        write_json(final.model_dump(mode="json"), path)
     return final

@@ -57,6 +57,9 @@ class EvaluationCreate(_Strict):
     step: int | None = Field(None, ge=0, description="Training step of these weights.")
     callback_url: AnyHttpUrl | None = Field(None, description="Where the signed report is POSTed.")
     experiment: str | None = Field(None, max_length=256, description="MLflow experiment override.")
+    suite: dict[str, Any] | None = Field(
+        None, description="A suite: suite.toml's structure as JSON ({'suite': {...}, 'task': "
+        "[...]}, see evalfleet.suite); every task is evaluated and aggregated ('env' is unused).")
 
 
 def idempotency_key(body: EvaluationCreate) -> str:
@@ -78,6 +81,8 @@ def idempotency_key(body: EvaluationCreate) -> str:
         "max_steps": body.protocol.max_steps,
         "deterministic": body.protocol.deterministic,
     }
+    if body.suite is not None:  # only then: the keys of single evaluations stay as they were
+        doc["suite"] = body.suite
     return hashlib.sha256(canonical_json(doc)).hexdigest()
 
 
