@@ -123,6 +123,11 @@ class EvalRequest(_Frozen):
     record_video: int = Field(0, description="Render K chosen episodes to MP4/GIF (envs that render).")
     callback_url: str | None = Field(None, description="URL the report is POSTed to (HMAC-signed).")
     request_id: str = Field(default_factory=lambda: uuid.uuid4().hex[:16])
+    review: bool = Field(
+        True, description="Stage 7 replays episodes and writes plots and report.html; False "
+        "writes only Parquet, report.json, MLflow and Prefect artifacts (suite tasks by default: "
+        "the suite's page shows them), unless recordings are asked for."
+    )
 
     @field_validator("env_kwargs", mode="before")
     @classmethod

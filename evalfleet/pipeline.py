@@ -497,6 +497,8 @@ def feed_back(
         # A full cache hit was reviewed when it was computed; re-plotting it costs ~1.5 s per request.
         if collected.fresh.num_rows == 0 and not (request.record_trajectories or request.record_video):
             raise _SkipReview("cache hit: no new episodes to review")
+        if not request.review and not (request.record_trajectories or request.record_video):
+            raise _SkipReview("review off for this request (review=False)")
         report, review_files = review(request, received, report, collected.table, folder)
         artifacts += review_files
         outputs.update({k: str(v.resolve()) for k, v in review_files_by_name(review_files).items()})

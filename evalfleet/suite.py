@@ -7,6 +7,7 @@ A suite file::
     episodes = 200              # optional defaults for every task
     max_steps = 500
     gamma = 1.0                 # optimality-gap target of normalised scores
+    task_review = false         # each task's replays, plots and report.html (default: off)
 
     [[task]]
     name = "connect-four"       # optional; default: the env id's name
@@ -57,7 +58,7 @@ __all__ = [
     "task_scores",
 ]
 
-_SUITE_KEYS: Final = ("name", "episodes", "max_steps", "gamma", "reps")
+_SUITE_KEYS: Final = ("name", "episodes", "max_steps", "gamma", "reps", "task_review")
 _TASK_KEYS: Final = ("name", "env", "kwargs", "grid", "episodes", "max_steps", "normalise")
 _NORMALISE_KEYS: Final = ({"random", "reference"}, {"min", "max"})
 #: Most tasks a grid may expand into (a typo like 1000 values should not spawn 1000 evaluations).
@@ -95,6 +96,10 @@ class Suite(_Frozen):
     gamma: float = Field(1.0, description="Optimality-gap target of the (normalised) scores.")
     reps: int = Field(2000, description="Bootstrap replicates of every aggregate interval.")
     source: str = Field("", description="Where the suite was read from.")
+    task_review: bool = Field(
+        False, description="Each task's own replays, plots and report.html (stage 7's review); "
+        "off by default: the suite's page shows every task, and a review costs ~1-2 s per task."
+    )
 
     @property
     def normalised(self) -> bool:
@@ -232,8 +237,11 @@ def parse_suite(data: dict[str, Any], source: str = "<suite>") -> Suite:
         raise _fail(source, f"{len(tasks)} tasks after grid expansion, more than {MAX_TASKS}; "
                     "split the suite or shrink its grids.")
     reps = _positive_int(head.get("reps", 2000), f"{source} [suite]", "reps")
+    review = head.get("task_review", False)
+    if not isinstance(review, bool):
+        raise _fail(source, f"[suite] 'task_review' must be true or false (got {review!r}).")
     return Suite(name=str(head.get("name") or Path(source).stem), tasks=tasks, gamma=float(gamma),
-                 reps=reps, source=source)
+                 reps=reps, source=source, task_review=review)
 
 
 def load_suite(path: str | Path) -> Suite:
@@ -260,7 +268,8 @@ def task_requests(suite: Suite, base: EvalRequest) -> list[EvalRequest]:
         fields = dict(base.model_dump(), env=task.env, env_kwargs=task.env_kwargs,
                       episodes=task.episodes, max_steps=task.max_steps,
                       request_id=f"{base.request_id}-t{i:02d}", target_ci_halfwidth=None,
-                      max_episodes=None, baseline=None, baseline_factory=None, callback_url=None)
+                      max_episodes=None, baseline=None, baseline_factory=None, callback_url=None,
+                      review=suite.task_review)
         try:
             out.append(EvalRequest.build(**fields))
         except RequestError as err:
