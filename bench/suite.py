@@ -79,7 +79,8 @@ def main(argv: list[str] | None = None) -> int:
             assert sum(t["scored"] for t in report.tasks) == args.episodes * len(SCALES)
             return time.perf_counter() - t0
 
-        single()  # warm-up: imports on the workers, the first Prefect flow run
+        single()  # warm-up: imports on the workers, the first flow runs, each side's MLflow store
+        suite_run()
         for rep in range(args.reps):
             order = [("single", single), ("suite", suite_run)]
             if rep % 2:

@@ -56,19 +56,26 @@ def run_tasks(suite: Suite, requests: list[EvalRequest], address: str | None
               ) -> tuple[list[EvalReport], list[pa.Table]]:
     """Stages 1-7 of each task (as ``eval_flow``); the policy is distributed once for them all.
 
-    Every task's shards are submitted before the first task is collected, so the cluster stays
-    busy while finished tasks are aggregated and written. A task's ``run_episodes`` time is
-    therefore from its submission to its collection, queueing behind earlier tasks included.
+    Pipelined: task k's shards are submitted, then every earlier task whose shards have all
+    finished is collected, aggregated and written, while the cluster runs the rest. A task's
+    ``run_episodes`` time is therefore from its submission to its collection.
     """
     handle: PolicyHandle | None = None
-    reports, tables, started = [], [], []
+    reports: list[EvalReport] = []
+    tables: list[pa.Table] = []
+    started: list[tuple[Any, ...]] = []
+    warmed: set[tuple[str, str]] = set()  # (env id, isolation) whose sandbox origin is up
     with ExitStack() as keep:
         try:
             for item, request in zip(suite.tasks, requests, strict=True):
                 stage = _named(item.name)
                 received = stage(receive_weights)(request)                                 # 1
                 keep.enter_context(episode_cache(request).exclusive(received.cache_key))
-                planned = stage(spawn_sandboxes)(request, received, address, request.episodes)  # 2
+                origin = (request.env, received.isolation)
+                planned = stage(spawn_sandboxes)(request, received, address, request.episodes,
+                                                 warm=origin not in warmed)                 # 2
+                if planned.shards:
+                    warmed.add(origin)
                 if handle is None or (planned.shards and address and handle.plugin_name is None):
                     handle = keep.enter_context(installed(
                         stage(distribute_policy)(request, received, planned, address), address))  # 3
@@ -77,13 +84,10 @@ def run_tasks(suite: Suite, requests: list[EvalRequest], address: str | None
                     shards = stage(run_episodes).map(planned.shards, unmapped(mine), unmapped(request),
                                                      unmapped(received.isolation))          # 4
                 started.append((item, request, received, planned, mine, shards))
-            for item, request, received, planned, mine, shards in started:
-                stage = _named(item.name)
-                collected = stage(collect_rewards)(shard_tables(shards), mine, planned)   # 5
-                store_in_cache(request, received, collected)
-                report = stage(aggregate)(request, received, RoundSchedule(request), collected)  # 6
-                reports.append(stage(feed_back)(request, received, report, collected))   # 7
-                tables.append(collected.table)
+                while len(reports) < len(started) - 1 and _finished(started[len(reports)][-1]):
+                    _finish(*started[len(reports)], reports, tables)
+            while len(reports) < len(started):
+                _finish(*started[len(reports)], reports, tables)
         except BaseException:
             for *_, shards in started:  # none may outlive the policy's release
                 for future in shards:
@@ -92,6 +96,22 @@ def run_tasks(suite: Suite, requests: list[EvalRequest], address: str | None
                         wrapped.cancel()
             raise
     return reports, tables
+
+
+def _finished(shards: Any) -> bool:
+    """True when every shard future of a task is done (without waiting)."""
+    return all(getattr(getattr(f, "wrapped_future", None), "done", lambda: False)() for f in shards)
+
+
+def _finish(item: Any, request: EvalRequest, received: Received, planned: Any, mine: PolicyHandle,
+            shards: Any, reports: list[EvalReport], tables: list[pa.Table]) -> None:
+    """Stages 5-7 of one task whose shards were submitted."""
+    stage = _named(item.name)
+    collected = stage(collect_rewards)(shard_tables(shards), mine, planned)               # 5
+    store_in_cache(request, received, collected)
+    report = stage(aggregate)(request, received, RoundSchedule(request), collected)      # 6
+    reports.append(stage(feed_back)(request, received, report, collected))               # 7
+    tables.append(collected.table)
 
 
 def _named(task_name: str) -> Callable[[T], T]:
