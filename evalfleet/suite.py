@@ -263,6 +263,13 @@ def task_requests(suite: Suite, base: EvalRequest) -> list[EvalRequest]:
     cached exactly as the same single evaluation. Adaptive mode and a paired baseline belong to the
     suite as a whole: the tasks run a fixed number of episodes and no nested baseline.
     """
+    if base.target_ci_halfwidth is not None:
+        raise SuiteError("a suite runs each task's fixed number of episodes; adaptive mode "
+                         "(--target-ci-halfwidth) is for single evaluations: drop it, or set the "
+                         "tasks' 'episodes' in the suite file.")
+    if base.baseline is not None and base.baseline.startswith("sha256:"):
+        raise SuiteError(f"a suite's baseline must be a policy file or 'module:function' (got "
+                         f"{base.baseline!r}): it is evaluated on every task, under its own keys.")
     out = []
     for i, task in enumerate(suite.tasks):
         fields = dict(base.model_dump(), env=task.env, env_kwargs=task.env_kwargs,

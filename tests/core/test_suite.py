@@ -117,3 +117,15 @@ def test_a_task_the_request_model_rejects_names_the_task(tmp_path) -> None:
     bad = suite.model_copy(update={"tasks": [suite.tasks[0].model_copy(update={"episodes": -1})]})
     with pytest.raises(SuiteError, match="suite task 'big': 'episodes' must be a positive integer"):
         task_requests(bad, EvalRequest.build(policy="envs.suite_policies:heuristic", output=tmp_path))
+
+
+def test_options_a_suite_cannot_honour_are_refused(tmp_path) -> None:
+    suite = _suite()
+    adaptive = EvalRequest.build(policy="envs.suite_policies:heuristic", output=tmp_path,
+                                 target_ci_halfwidth=1.0, max_episodes=1000)
+    with pytest.raises(SuiteError, match="adaptive mode"):
+        task_requests(suite, adaptive)
+    hashed = EvalRequest.build(policy="envs.suite_policies:heuristic", output=tmp_path,
+                               baseline="sha256:abc")
+    with pytest.raises(SuiteError, match="baseline must be a policy file"):
+        task_requests(suite, hashed)
