@@ -79,8 +79,11 @@ def _estimate(est: Mapping[str, Any]) -> str:
     return f"{_fmt(est['point'])} [{_fmt(est['ci'][0])}, {_fmt(est['ci'][1])}]"
 
 
-def suite_markdown(report: SuiteReport) -> str:
-    """The suite's aggregates and tasks as Markdown (the Prefect artifact)."""
+def suite_markdown(report: SuiteReport, *, pictures: bool = False) -> str:
+    """The suite's aggregates and tasks as Markdown; ``pictures`` embeds the plots (PNG data URIs).
+
+    The Prefect artifact has the pictures; the terminal summary does not.
+    """
     lines = [f"# Suite `{report.suite}`: {len(report.tasks)} tasks",
              "", "| policy | " + " | ".join(_LABELS.values()) + " |", "|---" * (len(_LABELS) + 1) + "|"]
     rows = [("policy", report.aggregates)]
@@ -96,6 +99,11 @@ def suite_markdown(report: SuiteReport) -> str:
         lines.append(f"| {t['name']} | {t['episodes']} | {_fmt(t['mean_return'])} [{_fmt(t['ci'][0])}, "
                      f"{_fmt(t['ci'][1])}] | {_fmt(t['score_mean'])} | {t['cache']} |")
     lines += [f"- ALARM {a}" for a in report.alarms]
+    if pictures:
+        for key, caption in _CAPTIONS.items():
+            path = report.outputs.get(f"plot_{key}")
+            if path and Path(path).exists():
+                lines += ["", f"![{caption}]({_data_uri(Path(path), 'image/png')})"]
     return "\n".join(lines) + "\n"
 
 

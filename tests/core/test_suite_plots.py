@@ -55,4 +55,7 @@ def test_page_and_markdown(tmp_path) -> None:
     assert "a&lt;b&gt;" in page and "a<b>" not in page
     assert "0.900" in page  # probability of improvement
     md = suite_markdown(_report(baseline=False))
-    assert "| policy |" in md and "baseline" not in md
+    assert "| policy |" in md and "baseline" not in md and "data:image" not in md
+    outputs = {f"plot_{k}": str(v) for k, v in plots.items()}
+    pictured = suite_markdown(report.model_copy(update={"outputs": outputs}), pictures=True)
+    assert pictured.count("](data:image/png;base64,") == 3
