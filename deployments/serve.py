@@ -22,7 +22,9 @@ from deployments import DASK_ADDRESS_ENV, DEPLOYMENT_NAME, FLOW_NAME, resolve_se
 from evalfleet.callback import CALLBACK_SECRET_ENV, send_report_callback
 from evalfleet.errors import RequestError
 from evalfleet.models import EvalReport, EvalRequest
+from evalfleet.suite import Suite, SuiteReport
 from flows.eval import evaluate
+from flows.suite import evaluate_suite
 
 logger = logging.getLogger("evalfleet.serve")
 
@@ -52,14 +54,19 @@ def notify_failure(flow: Any, flow_run: Any, state: Any) -> None:
 
 @flow(name=FLOW_NAME, flow_run_name="{request.env}-{request.request_id}", log_prints=False,
       on_failure=[notify_failure], on_crashed=[notify_failure])
-def service_flow(request: EvalRequest) -> EvalReport:
-    """Evaluate ``request`` on the service's Dask cluster (``$EVALFLEET_DASK_ADDRESS``)."""
+def service_flow(request: EvalRequest, suite: Suite | None = None) -> EvalReport | SuiteReport:
+    """Evaluate ``request`` on the service's Dask cluster (``$EVALFLEET_DASK_ADDRESS``).
+
+    With a ``suite``, every task of it with ``request``'s policy and protocol (``flows.suite``).
+    """
     address = request.dask_address or os.environ.get(DASK_ADDRESS_ENV)
     if not address:
         raise RequestError(
             f"no Dask cluster for the service: set {DASK_ADDRESS_ENV}=tcp://HOST:8786 where the "
             "deployment is served (evalfleet serve does), or put dask_address in the request."
         )
+    if suite is not None:
+        return evaluate_suite(suite, request.model_copy(update={"dask_address": address}))
     return evaluate(request.model_copy(update={"dask_address": address}))
 
 

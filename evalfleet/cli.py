@@ -12,8 +12,9 @@ from contextlib import contextmanager
 from importlib.resources import files
 from pathlib import Path
 from types import FrameType
+from typing import Any
 
-from evalfleet.errors import EvalfleetError, Stopped
+from evalfleet.errors import EvalfleetError, RequestError, Stopped
 from evalfleet.models import EvalReport, EvalRequest
 from evalfleet.summary import summary_text
 
@@ -121,6 +122,10 @@ def add_eval_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gate", action="store_true",
                    help=f"exit {EXIT_REGRESSION} when the evaluation is a significant regression "
                    "against the best earlier checkpoint of --training-run-id (paired, same seeds)")
+    p.add_argument("--suite", default=None, metavar="SUITE_TOML",
+                   help="evaluate on every task of a suite file (envs, kwargs grids, episodes, "
+                   "normalisation; see examples/suite.toml) and aggregate across tasks; --env, "
+                   "--env-kwargs, --episodes and --max-steps then come from the suite")
 
 
 def request_from_args(args: argparse.Namespace) -> EvalRequest:
@@ -247,19 +252,62 @@ def stop_on_sigterm() -> Iterator[None]:
 
 
 def run_cli(
-    evaluate: Callable[[EvalRequest], EvalReport], argv: Sequence[str] | None = None
+    evaluate: Callable[[EvalRequest], EvalReport], argv: Sequence[str] | None = None,
+    evaluate_suite: SuiteEvaluator | None = None,
 ) -> int:
     """Parse ``argv``, evaluate, print the summary; returns the exit code.
 
     SIGTERM ends a waiting evaluation like Ctrl-C does: it unwinds and exits with 143.
+    ``evaluate_suite`` runs ``--suite`` (``flows.suite.evaluate_suite``).
     """
-    return run_eval(evaluate, build_parser().parse_args(argv))
+    return run_eval(evaluate, build_parser().parse_args(argv), evaluate_suite)
 
 
-def run_eval(evaluate: Callable[[EvalRequest], EvalReport], args: argparse.Namespace) -> int:
+#: ``flows.suite.evaluate_suite``'s shape: (suite, base request) -> suite report.
+SuiteEvaluator = Callable[[Any, EvalRequest], Any]
+
+
+def run_suite(evaluate_suite: SuiteEvaluator | None, args: argparse.Namespace) -> int:
+    """Evaluate ``--suite``: every task, then the aggregates across tasks; returns the exit code."""
+    from evalfleet.suite import load_suite
+
+    try:
+        with stop_on_sigterm():
+            suite = load_suite(args.suite)
+            base = request_from_args(args)
+            if evaluate_suite is None:
+                raise RequestError("--suite needs the suite flow: run python flows/eval.py or "
+                                   "evalfleet eval.")
+            report = evaluate_suite(suite, base)
+    except EvalfleetError as err:
+        print(f"evalfleet: error: {err}", file=sys.stderr)
+        return EXIT_BAD_REQUEST
+    except (Stopped, KeyboardInterrupt) as err:
+        signum = err.signum if isinstance(err, Stopped) else signal.SIGINT
+        print(f"evalfleet: stopped by {signal.Signals(signum).name}; finished tasks stay in the cache",
+              file=sys.stderr)
+        return 128 + signum
+    from evalfleet.suite_report import suite_markdown
+
+    if args.report:
+        Path(args.report).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.report).write_text(json.dumps(report.model_dump(mode="json"), indent=2) + "\n")
+    print(suite_markdown(report))
+    print(f"suite report: {report.outputs.get('report_html') or report.outputs.get('report')}")
+    if report.harness_fault and not args.allow_failures:
+        print("evalfleet: harness fault in a suite task: more than 5% of its episodes failed in the "
+              "harness (pass --allow-failures to exit 0 anyway)", file=sys.stderr)
+        return EXIT_HARNESS_FAULT
+    return EXIT_OK
+
+
+def run_eval(evaluate: Callable[[EvalRequest], EvalReport], args: argparse.Namespace,
+             evaluate_suite: SuiteEvaluator | None = None) -> int:
     """Evaluate parsed arguments (``build_parser``'s options) and print the summary (``run_cli``)."""
     logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if getattr(args, "suite", None):
+        return run_suite(evaluate_suite, args)
     try:
         with stop_on_sigterm():
             request = request_from_args(args)

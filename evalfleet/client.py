@@ -104,6 +104,23 @@ def history_result(report: EvalReport) -> Result:
     }
 
 
+def suite_result(report: Any, step: int | None) -> Result:
+    """A suite's result dict: ``eval/suite/<aggregate>`` with its interval, IQM as ``eval/reward``.
+
+    Also the probability of improvement over a baseline when there is one, and the suite report
+    under ``report``.
+    """
+    out: Result = {"eval/reward": report.aggregates["iqm"]["point"], "eval/step": step,
+                   "eval/suite/tasks": len(report.tasks)}
+    for key, est in report.aggregates.items():
+        out[f"eval/suite/{key}"] = est["point"]
+        out[f"eval/suite/{key}_ci_low"], out[f"eval/suite/{key}_ci_high"] = est["ci"]
+    if report.probability_of_improvement:
+        out["eval/suite/p_improvement"] = report.probability_of_improvement["point"]
+    out["report"] = report
+    return out
+
+
 @dataclass
 class _Job:
     request: EvalRequest
@@ -130,6 +147,10 @@ class Evaluator:
         training_run_id: The trainer's run id (an MLflow run id nests the evaluation runs under it).
         runner: ``runner(request) -> EvalReport``; default: the ``local`` runner registered in
             the ``evalfleet.runners`` entry point group (the flow on a local cluster).
+        suite: A suite file (``suite.toml``, see ``evalfleet.suite``): each evaluation runs every
+            task of the suite (``env`` and ``num_episodes`` are then unused) and the result holds
+            the suite's aggregates (``eval/suite/iqm``, ...; ``eval/reward`` is the IQM). Needs a
+            runner with a ``suite(suite, request)`` method, as the default one has.
         **request_fields: Any other ``EvalRequest`` field (``seed``, ``env_kwargs``, ``workers``,
             ``dask_address``, ``output``, ``mlflow_uri``, ``experiment``, ``max_steps``, ...).
     """
@@ -146,6 +167,7 @@ class Evaluator:
         device: str = "cpu",
         training_run_id: str | None = None,
         runner: Runner | None = None,
+        suite: str | Path | None = None,
         **request_fields: Any,
     ) -> None:
         if not isinstance(env, str):
@@ -172,6 +194,9 @@ class Evaluator:
             env=env, episodes=num_episodes, device=device, training_run_id=training_run_id,
             policy="(set per evaluation)", policy_factory=self.factory, **fields,
         )
+        from evalfleet.suite import load_suite
+
+        self.suite = load_suite(suite) if suite is not None else None  # a bad suite fails here
         self.busy_policy = busy_policy
         self.on_result = on_result
         self.metrics_fn = metrics_fn
@@ -341,6 +366,8 @@ class Evaluator:
         if self._runner is None:
             entry = self._default_runner or find_runner()
             self._runner = load_runner(entry, request.workers, request.dask_address)
+        if self.suite is not None:
+            return self._run_suite(request)
         report = self._runner(request)
         result = result_from_report(report, request.step)
         if result["eval/best_step"] is not None:  # the training run's best checkpoint so far
@@ -350,6 +377,15 @@ class Evaluator:
             table = read_episodes(Path(report.outputs["episodes"]))
             result.update(self.metrics_fn(table))
         return result
+
+    def _run_suite(self, request: EvalRequest) -> Result:
+        run_suite = getattr(self._runner, "suite", None)
+        if not callable(run_suite):
+            raise EvaluationFailed(
+                f"the runner {self._runner!r} cannot run suites: it has no suite(suite, request) "
+                "method; use the default runner or drop 'suite'."
+            )
+        return suite_result(run_suite(self.suite, request), request.step)
 
     def _work(self) -> None:
         try:
@@ -397,4 +433,5 @@ __all__ = [
     "history_result",
     "result_from_report",
     "snapshot_weights",
+    "suite_result",
 ]

@@ -5,7 +5,8 @@ Hierarchy::
     EvalfleetError
     ├── RequestError          a request field is invalid (raised before anything is spawned)
     │   ├── EnvSpecError      the environment cannot be made or does not fit the protocol
-    │   └── PolicyError       the policy cannot be loaded or does not fit the env's spaces
+    │   ├── PolicyError       the policy cannot be loaded or does not fit the env's spaces
+    │   └── SuiteError        a suite file, or a score matrix given to ``aggregates``, is invalid
     ├── IsolationUnavailable  the requested sandbox level cannot be had on this machine
     ├── PolicyIntegrityError  a worker received policy bytes whose sha256 does not match
     ├── CacheCorruptError     a stored cache entry failed verification
@@ -34,6 +35,10 @@ class EnvSpecError(RequestError):
 
 class PolicyError(RequestError):
     """The policy cannot be loaded, or its outputs do not fit the action space."""
+
+
+class SuiteError(RequestError):
+    """A suite (``suite.toml``) or a score matrix for ``evalfleet.aggregates`` cannot be used."""
 
 
 class IsolationUnavailable(EvalfleetError):

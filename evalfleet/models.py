@@ -129,6 +129,11 @@ class EvalRequest(_Frozen):
         None, description="Task outcome the history's reward-hacking alarm watches: a numeric key "
         "of the env's final info (e.g. 'profit', 'win'); None = the success rate."
     )
+    review: bool = Field(
+        True, description="Stage 7 replays episodes and writes plots and report.html; False "
+        "writes only Parquet, report.json, MLflow and Prefect artifacts (suite tasks by default: "
+        "the suite's page shows them), unless recordings are asked for."
+    )
 
     @field_validator("env_kwargs", mode="before")
     @classmethod

@@ -157,12 +157,12 @@ def lookup(request: EvalRequest, received: Received, indices: Sequence[int] | No
 
 def plan(
     request: EvalRequest, received: Received, address: str | None, episodes: int,
-    prior: Collected | None = None,
+    prior: Collected | None = None, max_shards: int | None = None,
 ) -> Planned:
     """Stage 2: fix episodes ``0..episodes-1`` by index and shard what remains to run.
 
     Rows that the cache or earlier rounds hold are reused; the rest is split over the worker
-    slots, plus one determinism-audit shard.
+    slots (at most ``max_shards`` shards), plus one determinism-audit shard.
     """
     t0 = time.perf_counter()
     have = set(prior.table.column("episode_index").to_pylist()) if prior is not None else set()
@@ -173,6 +173,7 @@ def plan(
     audit = audit_sample(round_indices, request.seed) if request.audit and found.missing else []
     work = len(found.missing) + len(audit)
     slots = cluster.worker_slots(address) if work and address else 1
+    slots = min(slots, max_shards) if max_shards else slots
     if work and address is None:
         raise RuntimeError("episodes are missing from the cache but no Dask cluster was given")
     shard_plan = plan_shards(
@@ -502,6 +503,8 @@ def feed_back(
         # A full cache hit was reviewed when it was computed; re-plotting it costs ~1.5 s per request.
         if collected.fresh.num_rows == 0 and not (request.record_trajectories or request.record_video):
             raise _SkipReview("cache hit: no new episodes to review")
+        if not request.review and not (request.record_trajectories or request.record_video):
+            raise _SkipReview("review off for this request (review=False)")
         report, review_files = review(request, received, report, collected.table, folder)
         artifacts += review_files
         outputs.update({k: str(v.resolve()) for k, v in review_files_by_name(review_files).items()})

@@ -25,8 +25,8 @@ from matplotlib.ticker import MaxNLocator, PercentFormatter
 from evalfleet.review import failed_mask
 from evalfleet.scoring import outcomes
 
-__all__ = ["HISTORY_FILE", "PLOT_FILES", "history_figure", "plot_figures", "render_history",
-           "render_plots"]
+__all__ = ["HISTORY_FILE", "PLOT_FILES", "SUITE_PLOT_FILES", "history_figure", "plot_figures",
+           "render_history", "render_plots", "render_suite_plots", "suite_figures"]
 
 logger = logging.getLogger(__name__)
 
@@ -467,3 +467,92 @@ def render_history(rows: Sequence[Mapping[str, Any]], path: Path, title: str = "
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     return _save(history_figure(rows, title), path)
+
+
+#: File name of each suite plot, by the key ``render_suite_plots`` returns it under.
+SUITE_PLOT_FILES = {
+    "performance_profile": "suite_performance_profile.png",
+    "aggregate_intervals": "suite_aggregate_intervals.png",
+    "task_scores": "suite_task_scores.png",
+}
+_AGGREGATE_LABELS = {"mean": "Mean", "median": "Median", "iqm": "IQM", "optimality_gap": "Optimality gap"}
+
+
+def _profile(curves: Mapping[str, Mapping[str, Any]], score: str) -> Figure:
+    """Fraction of runs x tasks scores above each threshold, with 95% bands (one per policy)."""
+    fig, ax = _figure()
+    for (name, profile), colour in zip(curves.items(), (_BLUE, _ORANGE), strict=False):
+        taus = np.asarray(profile["taus"], dtype=np.float64)
+        ax.plot(taus, profile["point"], color=colour, label=name)
+        ax.fill_between(taus, profile["low"], profile["high"], color=colour, alpha=0.25,
+                        label=f"{name}: 95% CI")
+    ax.set_ylim(-0.02, 1.02)
+    ax.yaxis.set_major_formatter(PercentFormatter(1.0))
+    ax.set_xlabel(f"{score} threshold τ")
+    ax.set_ylabel("fraction of episodes with score > τ")
+    ax.set_title("Performance profile (run-score distribution)")
+    _legend(fig, ax)
+    return fig
+
+
+def _intervals(aggregates: Mapping[str, Mapping[str, Any]]) -> Figure:
+    """One panel per aggregate: the point and its 95% interval, one row per policy."""
+    fig = Figure(figsize=(10.0, 2.2 + 0.4 * len(aggregates)), dpi=_DPI, layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(1, len(_AGGREGATE_LABELS), sharey=True)
+    names = list(aggregates)
+    for ax, (key, label) in zip(axes, _AGGREGATE_LABELS.items(), strict=True):
+        ax.grid(True, axis="x", alpha=0.3)
+        for row, (name, colour) in enumerate(zip(names, (_BLUE, _ORANGE), strict=False)):
+            est = aggregates[name][key]
+            low, high = est["ci"]
+            ax.barh(row, high - low, left=low, height=0.6, color=colour, alpha=0.6)
+            ax.plot([est["point"]] * 2, [row - 0.3, row + 0.3], color="black", lw=2)
+        ax.set_title(label)
+        ax.set_yticks(range(len(names)), names)
+    fig.supxlabel("score (95% stratified-bootstrap CI; black: point estimate)")
+    return fig
+
+
+def _task_bars(tasks: Sequence[Mapping[str, Any]], score: str) -> Figure:
+    """Each task's mean score with its 95% CI, tasks in suite order."""
+    fig, ax = _figure((max(6.0, 0.6 * len(tasks) + 2), 4.8))
+    x = np.arange(len(tasks))
+    means = np.asarray([t["score_mean"] if t["score_mean"] is not None else np.nan for t in tasks])
+    lows = np.asarray([t["score_ci"][0] for t in tasks], dtype=np.float64)
+    highs = np.asarray([t["score_ci"][1] for t in tasks], dtype=np.float64)
+    err = np.vstack([np.maximum(means - lows, 0), np.maximum(highs - means, 0)])
+    ax.bar(x, means, color=_BLUE, alpha=0.8, label="mean score")
+    ax.errorbar(x, means, yerr=err, fmt="none", ecolor="black", capsize=4, label="95% CI")
+    ax.set_xticks(x, [str(t["name"]) for t in tasks], rotation=30, ha="right", fontsize=8)
+    ax.set_ylabel(score)
+    ax.set_title("Per-task scores")
+    _legend(fig, ax)
+    return fig
+
+
+def suite_figures(report: Mapping[str, Any]) -> dict[str, Figure]:
+    """The suite's figures (a ``SuiteReport`` as a dict), by ``SUITE_PLOT_FILES`` key.
+
+    ``performance_profile``: the policy's (and the baseline's) run-score distribution with 95%
+    bands; ``aggregate_intervals``: mean, median, IQM and optimality gap with their intervals;
+    ``task_scores``: per-task mean scores with 95% CIs.
+    """
+    score = "normalised score" if report["normalised"] else "return (not normalised)"
+    curves = {"policy": report["profile"]}
+    aggregates = {"policy": report["aggregates"]}
+    if report.get("baseline"):
+        curves["baseline"] = report["baseline"]["profile"]
+        aggregates["baseline"] = report["baseline"]["aggregates"]
+    return {
+        "performance_profile": _profile(curves, score),
+        "aggregate_intervals": _intervals(aggregates),
+        "task_scores": _task_bars(report["tasks"], score),
+    }
+
+
+def render_suite_plots(report: Mapping[str, Any], out_dir: Path) -> dict[str, Path]:
+    """Write :func:`suite_figures` to ``out_dir``; returns ``{key: path}``."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    return {key: _save(fig, out_dir / SUITE_PLOT_FILES[key]) for key, fig in suite_figures(report).items()}

@@ -216,3 +216,73 @@ def log_evaluation(
     client.set_terminated(run_id, "FAILED" if report["harness_fault"] else "FINISHED")
     del mlflow
     return run_id
+
+
+def _experiment_id(client: Any, tracking_uri: str, experiment: str) -> str:
+    """The experiment's id, created (artifacts next to a SQLite store) when it does not exist."""
+    exp = client.get_experiment_by_name(experiment)
+    if exp is not None:
+        return str(exp.experiment_id)
+    location = None
+    if tracking_uri.startswith("sqlite:///"):
+        location = (Path(tracking_uri.removeprefix("sqlite:///")).parent / "mlartifacts").resolve().as_uri()
+    return str(client.create_experiment(experiment, artifact_location=location))
+
+
+def suite_metrics(report: dict[str, Any]) -> dict[str, float]:
+    """A suite report's aggregates as ``suite/`` metrics (point, ci_low, ci_high each)."""
+    m: dict[str, float] = {"suite/tasks": float(len(report["tasks"]))}
+    for key, est in report["aggregates"].items():
+        m[f"suite/{key}"], m[f"suite/{key}_ci_low"], m[f"suite/{key}_ci_high"] = (
+            est["point"], est["ci"][0], est["ci"][1])
+    if report.get("probability_of_improvement"):
+        poi = report["probability_of_improvement"]
+        m["suite/p_improvement"] = poi["point"]
+        m["suite/p_improvement_ci_low"], m["suite/p_improvement_ci_high"] = poi["ci"]
+    for i, task in enumerate(report["tasks"]):
+        if task.get("score_mean") is not None:
+            m[f"suite/task_{i:02d}_score"] = task["score_mean"]
+    return {k: float(v) for k, v in m.items()}
+
+
+def log_suite(
+    tracking_uri: str,
+    experiment: str,
+    report: dict[str, Any],
+    params: dict[str, Any],
+    artifacts: list[Path],
+    run_name: str,
+) -> str:
+    """Log a suite as one MLflow parent run; each task's own run becomes its nested child.
+
+    The tasks' runs (``report["tasks"][i]["mlflow_run_id"]``, logged by their own evaluations) get
+    the ``mlflow.parentRunId`` tag of the new run, which is how MLflow nests runs. Returns the
+    parent's run id.
+    """
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+    from mlflow.entities import Metric, Param
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=tracking_uri)
+    exp_id = _experiment_id(client, tracking_uri, experiment)
+    tags = {
+        "evalfleet.suite": report["suite"],
+        "evalfleet.policy_sha256": report["policy_sha256"],
+        "evalfleet.request_id": report["request_id"],
+        "evalfleet.harness_fault": str(report["harness_fault"]).lower(),
+        "mlflow.runName": run_name,
+    }
+    run = client.create_run(exp_id, tags=tags, run_name=run_name)
+    run_id: str = run.info.run_id
+    ts = int(run.info.start_time)
+    metrics = [Metric(k, v, ts, 0) for k, v in suite_metrics(report).items()]
+    client.log_batch(run_id, metrics=metrics,
+                     params=[Param(k, str(v)[:6000]) for k, v in params.items()])
+    for task in report["tasks"]:
+        if task.get("mlflow_run_id"):
+            client.set_tag(task["mlflow_run_id"], "mlflow.parentRunId", run_id)
+            client.set_tag(task["mlflow_run_id"], "evalfleet.suite_task", task["name"])
+    for path in artifacts:
+        client.log_artifact(run_id, str(path))
+    client.set_terminated(run_id, "FAILED" if report["harness_fault"] else "FINISHED")
+    return run_id

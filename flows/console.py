@@ -17,8 +17,9 @@ from evalfleet.cli import (
 def _eval(args: argparse.Namespace, rest: Sequence[str]) -> int:
     from evalfleet.cli import run_eval
     from flows.eval import evaluate
+    from flows.suite import evaluate_suite
 
-    return run_eval(evaluate, args)
+    return run_eval(evaluate, args, evaluate_suite)
 
 
 def _cache(args: argparse.Namespace, rest: Sequence[str]) -> int:

@@ -106,5 +106,6 @@ def evaluate(request: EvalRequest) -> EvalReport:
 
 if __name__ == "__main__":
     from evalfleet.cli import run_cli
+    from flows.suite import evaluate_suite
 
-    raise SystemExit(run_cli(evaluate))
+    raise SystemExit(run_cli(evaluate, evaluate_suite=evaluate_suite))

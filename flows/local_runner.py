@@ -10,8 +10,10 @@ from contextlib import ExitStack
 
 from evalfleet.cluster import fleet_cluster
 from evalfleet.models import EvalReport, EvalRequest
+from evalfleet.suite import Suite, SuiteReport
 from flows.eval import evaluate
 from flows.runtime import prefect_api
+from flows.suite import evaluate_suite
 
 
 class LocalFlowRunner:
@@ -44,6 +46,11 @@ class LocalFlowRunner:
         """Evaluate ``request`` on the kept cluster."""
         address = self._address or self._open()
         return evaluate(request.model_copy(update={"dask_address": address}))
+
+    def suite(self, suite: Suite, request: EvalRequest) -> SuiteReport:
+        """Evaluate every task of ``suite`` with ``request``'s policy and protocol on the kept cluster."""
+        address = self._address or self._open()
+        return evaluate_suite(suite, request.model_copy(update={"dask_address": address}))
 
     def close(self) -> None:
         """Stop the local cluster and API server this runner started (if any)."""

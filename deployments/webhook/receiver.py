@@ -138,6 +138,8 @@ class Receiver:
             raise Rejected(400, "invalid_request", "a unique delivery id (≤ 200 characters) is "
                            "required; retries must reuse it", field_name=DELIVERY_HEADER)
         body = parse_body(raw)
+        if body.suite is not None:
+            suite_parameter(body.suite)  # a bad suite is a 400 before the policy is fetched
         if body.callback_url is not None:
             try:
                 self.config.egress.check(str(body.callback_url))
@@ -161,6 +163,8 @@ class Receiver:
             [_tag("key", key)], RETRYABLE_STATES))
         proposed = uuid.uuid4().hex[:16]
         parameters = {"request": self._request(body, policy_path, proposed)}
+        if body.suite is not None:
+            parameters["suite"] = suite_parameter(body.suite)
         tags = ["evalfleet", "webhook", _tag("key", key), _tag("eval", proposed), delivery_tag]
         tags += [f"train:{body.training_run_id}"] if body.training_run_id else []
         run = self._prefect(lambda: self.prefect.create_flow_run(
@@ -195,6 +199,9 @@ class Receiver:
                    final=state_type in FINAL_STATES, report=None)
         if state_type == "COMPLETED":
             path = run_dir(Path(evaluation.request["output"]), evaluation.id) / "report.json"
+            suite = run_dir(Path(evaluation.request["output"]), f"suite-{evaluation.id}")
+            if not path.exists() and (suite / "suite_report.json").exists():
+                path = suite / "suite_report.json"
             try:
                 out["report"] = json.loads(path.read_text())
             except (OSError, json.JSONDecodeError) as err:
@@ -286,3 +293,13 @@ class Receiver:
             "step": evaluation.request.get("step"),
             "duplicate": duplicate,
         }
+
+
+def suite_parameter(data: dict[str, Any]) -> dict[str, Any]:
+    """The flow's ``suite`` parameter from a body's ``suite``; a bad suite is a 400 naming why."""
+    from evalfleet.suite import parse_suite
+
+    try:
+        return dict(parse_suite(data, "body.suite").model_dump(mode="json"))
+    except RequestError as err:
+        raise Rejected(400, "invalid_request", str(err), field_name="suite") from None

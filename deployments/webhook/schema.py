@@ -60,6 +60,9 @@ class EvaluationCreate(_Strict):
     outcome_metric: str | None = Field(
         None, max_length=128, description="Final-info key of the task outcome the history's "
         "reward-hacking alarm watches across checkpoints (default: the success rate).")
+    suite: dict[str, Any] | None = Field(
+        None, description="A suite: suite.toml's structure as JSON ({'suite': {...}, 'task': "
+        "[...]}, see evalfleet.suite); every task is evaluated and aggregated ('env' is unused).")
 
 
 def idempotency_key(body: EvaluationCreate) -> str:
@@ -90,6 +93,8 @@ def idempotency_key(body: EvaluationCreate) -> str:
         doc["training_run_id"] = body.training_run_id
     if body.step is not None:
         doc["step"] = body.step
+    if body.suite is not None:  # only then: the keys of single evaluations stay as they were
+        doc["suite"] = body.suite
     return hashlib.sha256(canonical_json(doc)).hexdigest()
 
 

@@ -1,0 +1,171 @@
+"""A suite's result: aggregates over its tasks, plots, the report page, JSON and MLflow.
+
+Called once every task's own evaluation finished (each wrote its own report, Parquet and MLflow
+run, as a single evaluation does). Prefect-free; ``flows/suite.py`` wires it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from evalfleet.models import EvalReport, EvalRequest
+from evalfleet.plots import render_suite_plots
+from evalfleet.review import _data_uri, _templates
+from evalfleet.storage import run_dir, write_json
+from evalfleet.suite import (
+    Suite,
+    SuiteReport,
+    improvement,
+    suite_aggregates,
+    task_row,
+    task_scores,
+)
+from evalfleet.tracking import default_tracking_uri, log_suite
+
+__all__ = ["build_suite_report", "suite_feed_back", "suite_markdown", "suite_page"]
+
+logger = logging.getLogger(__name__)
+
+_LABELS = {"mean": "mean", "median": "median", "iqm": "IQM", "optimality_gap": "optimality gap"}
+_CAPTIONS = {
+    "performance_profile": "Performance profile: fraction of all episodes (over every task) whose "
+    "score is above each threshold, with 95% bands.",
+    "aggregate_intervals": "Aggregate metrics with 95% stratified-bootstrap intervals.",
+    "task_scores": "Per-task mean scores with their 95% CIs.",
+}
+
+
+def build_suite_report(
+    suite: Suite, base: EvalRequest, reports: Sequence[EvalReport], tables: Sequence[pa.Table],
+    baseline_tables: Sequence[pa.Table] | None = None, seconds: float = 0.0,
+) -> SuiteReport:
+    """Aggregate the tasks' scored episodes (and the baseline's, on the same tasks and seeds)."""
+    scores = [task_scores(t, table) for t, table in zip(suite.tasks, tables, strict=True)]
+    summary = suite_aggregates(suite, scores, base.seed)
+    baseline, poi = None, None
+    if baseline_tables is not None:
+        theirs = [task_scores(t, table) for t, table in zip(suite.tasks, baseline_tables, strict=True)]
+        baseline = {"policy": base.baseline, **suite_aggregates(suite, theirs, base.seed),
+                    "task_means": [float(s.mean()) for s in theirs]}
+        poi = improvement(scores, theirs, base.seed, suite.reps)
+    alarms = [f"{r.request_id}: {a}" for r in reports for a in r.alarms]
+    if not suite.normalised:
+        alarms.append("suite_not_normalised: some tasks have no 'normalise'; raw returns of "
+                      "different scales are aggregated together")
+    return SuiteReport(
+        suite=suite.name, request_id=base.request_id,
+        policy_sha256=reports[0].policy_sha256 if reports else "",
+        normalised=suite.normalised,
+        tasks=[task_row(t, r, s) for t, r, s in zip(suite.tasks, reports, scores, strict=True)],
+        aggregates=summary["aggregates"], profile=summary["profile"], gamma=suite.gamma,
+        baseline=baseline, probability_of_improvement=poi, alarms=alarms,
+        harness_fault=any(r.harness_fault for r in reports), seconds=seconds,
+    )
+
+
+def _fmt(x: float | None) -> str:
+    return "n/a" if x is None or not np.isfinite(x) else f"{x:.3f}"
+
+
+def _estimate(est: Mapping[str, Any]) -> str:
+    return f"{_fmt(est['point'])} [{_fmt(est['ci'][0])}, {_fmt(est['ci'][1])}]"
+
+
+def suite_markdown(report: SuiteReport, *, pictures: bool = False) -> str:
+    """The suite's aggregates and tasks as Markdown; ``pictures`` embeds the plots (PNG data URIs).
+
+    The Prefect artifact has the pictures; the terminal summary does not.
+    """
+    lines = [f"# Suite `{report.suite}`: {len(report.tasks)} tasks",
+             "", "| policy | " + " | ".join(_LABELS.values()) + " |", "|---" * (len(_LABELS) + 1) + "|"]
+    rows = [("policy", report.aggregates)]
+    if report.baseline:
+        rows.append(("baseline", report.baseline["aggregates"]))
+    for name, agg in rows:
+        lines.append(f"| {name} | " + " | ".join(_estimate(agg[k]) for k in _LABELS) + " |")
+    if report.probability_of_improvement:
+        lines += ["", f"P(improvement over baseline): {_estimate(report.probability_of_improvement)}"]
+    lines += ["", "| task | episodes | mean return [95% CI] | mean score | cache |",
+              "|---|---:|---|---:|---|"]
+    for t in report.tasks:
+        lines.append(f"| {t['name']} | {t['episodes']} | {_fmt(t['mean_return'])} [{_fmt(t['ci'][0])}, "
+                     f"{_fmt(t['ci'][1])}] | {_fmt(t['score_mean'])} | {t['cache']} |")
+    lines += [f"- ALARM {a}" for a in report.alarms]
+    if pictures:
+        for key, caption in _CAPTIONS.items():
+            path = report.outputs.get(f"plot_{key}")
+            if path and Path(path).exists():
+                lines += ["", f"![{caption}]({_data_uri(Path(path), 'image/png')})"]
+    return "\n".join(lines) + "\n"
+
+
+def suite_page(report: SuiteReport, plots: Mapping[str, Path], out_path: Path) -> Path:
+    """Write the suite's self-contained HTML page (plots embedded) to ``out_path``."""
+    rows = [("policy", report.aggregates)] + (
+        [("baseline", report.baseline["aggregates"])] if report.baseline else [])
+    tasks = [{"name": t["name"], "env": t["env"], "kwargs": t["env_kwargs"], "episodes": t["episodes"],
+              "returns": f"{_fmt(t['mean_return'])} [{_fmt(t['ci'][0])}, {_fmt(t['ci'][1])}]",
+              "score": f"{_fmt(t['score_mean'])} [{_fmt(t['score_ci'][0])}, {_fmt(t['score_ci'][1])}]",
+              "cache": t["cache"], "report": t["report"]} for t in report.tasks]
+    page = _templates().get_template("suite.html.j2").render(
+        title=f"evalfleet suite — {report.suite}", report=report,
+        metrics=[{"label": v} for v in _LABELS.values()],
+        aggregate_rows=[{"name": n, "cells": [_estimate(a[k]) for k in _LABELS]} for n, a in rows],
+        tasks=tasks,
+        plots=[{"key": k, "caption": _CAPTIONS[k], "src": _data_uri(Path(p), "image/png")}
+               for k, p in plots.items()],
+    )
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_path.with_name(f".{out_path.name}.tmp")
+    tmp.write_text(page, encoding="utf-8")
+    os.replace(tmp, out_path)
+    return out_path
+
+
+def suite_feed_back(report: SuiteReport, base: EvalRequest) -> SuiteReport:
+    """Plots, report.html, suite_report.json, then the MLflow parent run (a failing sink is noted)."""
+    t0 = time.perf_counter()
+    folder = run_dir(base.output, f"suite-{base.request_id}")
+    outputs = {"folder": str(folder.resolve())}
+    files: list[Path] = []
+    try:
+        plots = render_suite_plots(report.model_dump(mode="json"), folder / "plots")
+        page = suite_page(report, plots, folder / "report.html")
+        files += [*plots.values(), page]
+        outputs["report_html"] = str(page.resolve())
+        outputs.update({f"plot_{k}": str(p.resolve()) for k, p in plots.items()})
+    except Exception as err:  # pictures must never cost the numbers
+        logger.error("suite plots failed (%s); results are in %s", err, folder)
+        outputs["review_error"] = f"{type(err).__name__}: {err}"
+    path = folder / "suite_report.json"
+    outputs["report"] = str(path.resolve())
+    write_json(report.model_copy(update={"outputs": outputs}).model_dump(mode="json"), path)
+    uri = base.mlflow_uri or default_tracking_uri(base.output)
+    try:
+        outputs["mlflow_run_id"] = log_suite(
+            uri, base.experiment, report.model_dump(mode="json"),
+            params={"suite": report.suite, "tasks": len(report.tasks), "seed": base.seed,
+                    "policy": base.policy, "baseline": base.baseline, "gamma": report.gamma},
+            artifacts=[*files, path], run_name=f"suite-{report.suite}-{report.policy_sha256[:12]}")
+        outputs["mlflow_uri"] = uri
+    except Exception as err:  # a failing sink never loses the files already written
+        logger.error("MLflow logging of the suite failed (%s); results are in %s", err, folder)
+        outputs["mlflow_error"] = f"{type(err).__name__}: {err}"
+    final = report.model_copy(update={"outputs": outputs,
+                                      "seconds": report.seconds + time.perf_counter() - t0})
+    write_json(final.model_dump(mode="json"), path)
+    if base.callback_url:  # last, so the trainer gets the MLflow run id; never raises
+        from evalfleet.callback import send_report_callback
+
+        outcome = send_report_callback(base.callback_url, final.model_dump(mode="json"))
+        final = final.model_copy(update={"outputs": {**final.outputs, "callback": outcome}})
+        write_json(final.model_dump(mode="json"), path)
+    return final

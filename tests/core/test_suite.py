@@ -1,0 +1,131 @@
+"""Suite files: parsing, grid expansion, normalisation, per-task requests, clear errors."""
+
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from evalfleet.errors import RequestError, SuiteError
+from evalfleet.models import EvalRequest
+from evalfleet.records import EPISODE_SCHEMA
+from evalfleet.suite import load_suite, parse_suite, task_requests, task_scores
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "suite.toml"
+
+
+def _suite(**task):
+    return parse_suite({"suite": {"episodes": 10}, "task": [{"env": "CartPole-v1", **task}]}, "s.toml")
+
+
+def test_grid_expands_into_named_tasks_with_merged_kwargs() -> None:
+    suite = parse_suite({
+        "suite": {"name": "c4", "episodes": 50, "max_steps": 42},
+        "task": [{"name": "c4", "env": "evalfleet/ConnectFour-v0", "kwargs": {"opponent": "negamax"},
+                  "grid": {"opponent_depth": [1, 2, 3], "agent_first": [True, False]}},
+                 {"env": "CartPole-v1", "episodes": 7, "max_steps": 100}],
+    })
+    assert [t.name for t in suite.tasks] == [
+        "c4[opponent_depth=1,agent_first=true]", "c4[opponent_depth=1,agent_first=false]",
+        "c4[opponent_depth=2,agent_first=true]", "c4[opponent_depth=2,agent_first=false]",
+        "c4[opponent_depth=3,agent_first=true]", "c4[opponent_depth=3,agent_first=false]",
+        "CartPole-v1"]
+    assert suite.tasks[3].env_kwargs == {"opponent": "negamax", "opponent_depth": 2, "agent_first": False}
+    assert (suite.tasks[0].episodes, suite.tasks[0].max_steps) == (50, 42)
+    assert (suite.tasks[-1].episodes, suite.tasks[-1].max_steps) == (7, 100)
+    assert suite.name == "c4" and not suite.normalised
+
+
+def test_normalisation_random_reference_min_max_and_per_grid_point() -> None:
+    suite = parse_suite({"suite": {"episodes": 5}, "task": [
+        {"env": "CartPole-v1", "normalise": {"random": 20, "reference": 500}},
+        {"name": "p", "env": "Pendulum-v1", "normalise": {"min": -1600, "max": 0}},
+        {"name": "g", "env": "CartPole-v1", "grid": {"max_episode_steps": [100, 200]},
+         "normalise": [{"random": 10, "reference": 100}, {"random": 10, "reference": 200}]},
+    ]})
+    assert suite.normalised
+    assert [(t.normalisation.low, t.normalisation.high) for t in suite.tasks] == [
+        (20, 500), (-1600, 0), (10, 100), (10, 200)]
+    assert suite.tasks[1].normalisation.kind == "min/max"
+    table = EPISODE_SCHEMA.empty_table()
+    rows = {name: [] for name in table.column_names}
+    for i, ret in enumerate([20.0, 500.0, 260.0]):
+        for name in rows:
+            rows[name].append(None)
+        rows["return"][-1], rows["end_reason"][-1], rows["episode_index"][-1] = ret, "truncated", i
+    scores = task_scores(suite.tasks[0], pa.Table.from_pydict(rows, schema=EPISODE_SCHEMA))
+    np.testing.assert_allclose(scores, [0.0, 1.0, 0.5])
+
+
+def test_task_requests_are_single_evaluations_with_the_base_protocol(tmp_path) -> None:
+    suite = _suite(grid={"max_episode_steps": [50, 60]})
+    base = EvalRequest.build(policy="envs.suite_policies:heuristic", seed=7, output=tmp_path,
+                             request_id="abc", baseline="x.pt")
+    requests = task_requests(suite, base)
+    assert [r.request_id for r in requests] == ["abc-t00", "abc-t01"]
+    assert [r.env_kwargs for r in requests] == [{"max_episode_steps": 50}, {"max_episode_steps": 60}]
+    assert all(r.seed == 7 and r.episodes == 10 and r.baseline is None for r in requests)
+
+
+def test_the_shipped_example_parses() -> None:
+    suite = load_suite(EXAMPLE)
+    envs = {t.env for t in suite.tasks}
+    assert envs == {"evalfleet/Recommend-v0", "evalfleet/Inventory-v0", "evalfleet/ConnectFour-v0"}
+    assert len(suite.tasks) == 6 and suite.normalised
+
+
+@pytest.mark.parametrize(("data", "match"), [
+    ({"task": []}, "no tasks"),
+    ({"tasks": [{"env": "CartPole-v1"}]}, r"unknown top-level key\(s\) \['tasks'\]"),
+    ({"suite": {"episodes": 5, "epsiodes": 5}, "task": [{"env": "CartPole-v1"}]},
+     r"\[suite\] has unknown key\(s\) \['epsiodes'\]"),
+    ({"task": [{"env": "CartPole-v1"}]}, "'episodes' is missing"),
+    ({"task": [{"env": "CartPole-v1", "episodes": 0}]}, r"task 1 \(CartPole-v1\): 'episodes' must be a "
+     r"positive integer \(got 0\)"),
+    ({"task": [{"env": "CartPole-v1", "episodes": 5, "kwarg": {}}]}, r"unknown key\(s\) \['kwarg'\]"),
+    ({"task": [{"episodes": 5}]}, "'env' must be a Gymnasium id"),
+    ({"task": [{"env": "CartPole-v1", "episodes": 5, "grid": {"a": []}}]},
+     "'grid.a' must be a non-empty list"),
+    ({"task": [{"env": "CartPole-v1", "episodes": 5, "grid": {"a": [1]}, "kwargs": {"a": 2}}]},
+     "both in 'kwargs' and 'grid'"),
+    ({"task": [{"env": "CartPole-v1", "episodes": 5, "normalise": {"random": 1}}]},
+     r"'normalise' must be a table \{ random = R, reference = S \}"),
+    ({"task": [{"env": "CartPole-v1", "episodes": 5, "normalise": {"min": 3, "max": 3}}]},
+     "needs min != max"),
+    ({"task": [{"env": "CartPole-v1", "episodes": 5, "grid": {"a": [1, 2]},
+                "normalise": [{"min": 0, "max": 1}]}]}, "list of 1 tables but the grid expands into 2"),
+    ({"task": [{"env": "CartPole-v1", "episodes": 5}, {"env": "CartPole-v1", "episodes": 6}]},
+     r"task names \['CartPole-v1'\] appear twice"),
+])
+def test_bad_suites_say_what_is_wrong(data, match) -> None:
+    with pytest.raises(SuiteError, match=match) as info:
+        parse_suite(data, "bad.toml")
+    assert isinstance(info.value, RequestError) and "bad.toml" in str(info.value)
+
+
+def test_bad_files(tmp_path) -> None:
+    with pytest.raises(SuiteError, match="does not exist"):
+        load_suite(tmp_path / "nope.toml")
+    broken = tmp_path / "broken.toml"
+    broken.write_text("[[task]\nenv = 1\n")
+    with pytest.raises(SuiteError, match="is not valid TOML"):
+        load_suite(broken)
+
+
+def test_a_task_the_request_model_rejects_names_the_task(tmp_path) -> None:
+    suite = _suite(name="big", max_steps=5)
+    bad = suite.model_copy(update={"tasks": [suite.tasks[0].model_copy(update={"episodes": -1})]})
+    with pytest.raises(SuiteError, match="suite task 'big': 'episodes' must be a positive integer"):
+        task_requests(bad, EvalRequest.build(policy="envs.suite_policies:heuristic", output=tmp_path))
+
+
+def test_options_a_suite_cannot_honour_are_refused(tmp_path) -> None:
+    suite = _suite()
+    adaptive = EvalRequest.build(policy="envs.suite_policies:heuristic", output=tmp_path,
+                                 target_ci_halfwidth=1.0, max_episodes=1000)
+    with pytest.raises(SuiteError, match="adaptive mode"):
+        task_requests(suite, adaptive)
+    hashed = EvalRequest.build(policy="envs.suite_policies:heuristic", output=tmp_path,
+                               baseline="sha256:abc")
+    with pytest.raises(SuiteError, match="baseline must be a policy file"):
+        task_requests(suite, hashed)

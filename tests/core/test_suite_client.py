@@ -1,0 +1,53 @@
+"""The Evaluator with a suite: the suite is checked at construction and runs through runner.suite."""
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from evalfleet.client import EvaluationFailed, Evaluator
+from evalfleet.errors import SuiteError
+from evalfleet.suite import Suite, SuiteReport
+
+SUITE = '[suite]\nepisodes = 3\n[[task]]\nenv = "CartPole-v1"\ngrid = { max_episode_steps = [20, 30] }\n'
+EST = {"point": 0.5, "ci": [0.25, 0.75]}
+
+
+class SuiteRunner:
+    def __init__(self) -> None:
+        self.calls: list[tuple[Suite, Any]] = []
+
+    def __call__(self, request: Any) -> Any:
+        raise AssertionError("a suite must not run as a single evaluation")
+
+    def suite(self, suite: Suite, request: Any) -> SuiteReport:
+        self.calls.append((suite, request))
+        return SuiteReport(suite=suite.name, request_id=request.request_id, policy_sha256="ab" * 32,
+                           normalised=False, tasks=[{}, {}], gamma=1.0, profile={},
+                           aggregates={k: EST for k in ("mean", "median", "iqm", "optimality_gap")})
+
+
+def test_suite_goes_to_the_runner_suite_method(tmp_path: Path) -> None:
+    path = tmp_path / "suite.toml"
+    path.write_text(SUITE)
+    runner = SuiteRunner()
+    with Evaluator(output=tmp_path, runner=runner, suite=path) as ev:
+        result = ev.evaluate(torch.nn.Sequential(torch.nn.Linear(4, 2)), step=7, timeout=120)
+    assert result["eval/reward"] == 0.5 and result["eval/step"] == 7
+    assert result["eval/suite/iqm_ci_low"] == 0.25 and result["eval/suite/tasks"] == 2
+    suite, request = runner.calls[0]
+    assert [t.name for t in suite.tasks] == ["CartPole-v1[max_episode_steps=20]",
+                                             "CartPole-v1[max_episode_steps=30]"]
+    assert request.step == 7 and request.policy.endswith(".pt")
+
+
+def test_bad_suite_fails_at_construction_and_plain_runners_are_refused(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[[task]]\nenv = 'CartPole-v1'\n")
+    with pytest.raises(SuiteError, match="'episodes' is missing"):
+        Evaluator(output=tmp_path, runner=lambda r: None, suite=bad)
+    bad.write_text(SUITE)
+    with Evaluator(output=tmp_path, runner=lambda r: None, suite=bad) as ev, \
+            pytest.raises(EvaluationFailed, match="cannot run suites"):
+        ev.evaluate(torch.nn.Sequential(torch.nn.Linear(4, 2)), timeout=120)

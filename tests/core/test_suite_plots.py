@@ -1,0 +1,61 @@
+"""Suite figures and page: the plotted data is the report's, names are escaped."""
+
+import numpy as np
+import pytest
+
+from evalfleet.aggregates import summary
+from evalfleet.plots import suite_figures
+from evalfleet.suite import SuiteReport
+from evalfleet.suite_report import suite_markdown, suite_page
+
+
+def _report(baseline: bool = True) -> SuiteReport:
+    rng = np.random.default_rng(0)
+    scores = [rng.normal(0.5, 0.2, 20), rng.normal(0.9, 0.1, 30)]
+    mine = summary(scores, reps=200)
+    theirs = summary([s - 0.4 for s in scores], reps=200, taus=mine["profile"]["taus"])
+    tasks = [{"name": name, "env": "CartPole-v1", "env_kwargs": {}, "episodes": len(s), "scored": len(s),
+              "mean_return": float(s.mean()), "ci": [float(s.mean()) - 0.1, float(s.mean()) + 0.1],
+              "normalisation": None, "score_mean": float(s.mean()),
+              "score_ci": [float(s.mean()) - 0.1, float(s.mean()) + 0.1], "cache": "miss",
+              "harness_fault": False, "request_id": "r", "report": "", "mlflow_run_id": ""}
+             for name, s in zip(["a<b>", "c"], scores, strict=True)]
+    return SuiteReport(suite="s", request_id="r", policy_sha256="ab" * 32, normalised=True, tasks=tasks,
+                       aggregates=mine["aggregates"], profile=mine["profile"], gamma=1.0,
+                       baseline={"policy": "b", **theirs} if baseline else None,
+                       probability_of_improvement={"point": 0.9, "ci": [0.8, 1.0]} if baseline else None)
+
+
+def test_figures_plot_the_report() -> None:
+    report = _report()
+    figs = suite_figures(report.model_dump(mode="json"))
+    assert set(figs) == {"performance_profile", "aggregate_intervals", "task_scores"}
+    ax = figs["performance_profile"].axes[0]
+    lines = ax.get_lines()
+    assert len(lines) == 2  # policy and baseline
+    np.testing.assert_allclose(lines[0].get_ydata(), report.profile["point"])
+    np.testing.assert_allclose(lines[0].get_xdata(), report.profile["taus"])
+    assert len(ax.collections) == 2  # one CI band each
+    panels = figs["aggregate_intervals"].axes
+    assert [p.get_title() for p in panels] == ["Mean", "Median", "IQM", "Optimality gap"]
+    iqm_bar = [b for b in panels[2].patches][0]  # policy row: [low, high]
+    assert iqm_bar.get_x() == pytest.approx(report.aggregates["iqm"]["ci"][0])
+    assert iqm_bar.get_x() + iqm_bar.get_width() == pytest.approx(report.aggregates["iqm"]["ci"][1])
+    bars = figs["task_scores"].axes[0].patches
+    assert [b.get_height() for b in bars] == pytest.approx([t["score_mean"] for t in report.tasks])
+
+
+def test_page_and_markdown(tmp_path) -> None:
+    from evalfleet.plots import render_suite_plots
+
+    report = _report()
+    plots = render_suite_plots(report.model_dump(mode="json"), tmp_path / "plots")
+    page = suite_page(report, plots, tmp_path / "report.html").read_text()
+    assert page.count("data:image/png;base64,") == 3
+    assert "a&lt;b&gt;" in page and "a<b>" not in page
+    assert "0.900" in page  # probability of improvement
+    md = suite_markdown(_report(baseline=False))
+    assert "| policy |" in md and "baseline" not in md and "data:image" not in md
+    outputs = {f"plot_{k}": str(v) for k, v in plots.items()}
+    pictured = suite_markdown(report.model_copy(update={"outputs": outputs}), pictures=True)
+    assert pictured.count("](data:image/png;base64,") == 3
