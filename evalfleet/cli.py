@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import signal
 import sys
+import traceback
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from importlib.resources import files
 from pathlib import Path
 from types import FrameType
 
+from evalfleet.console import configure_console
 from evalfleet.errors import EvalfleetError, Stopped
 from evalfleet.models import EvalReport, EvalRequest
 from evalfleet.summary import summary_text
@@ -21,6 +22,8 @@ from evalfleet.summary import summary_text
 EXAMPLE_POLICY = str(files("evalfleet") / "data" / "cartpole_mlp.pt")
 
 EXIT_OK, EXIT_HARNESS_FAULT, EXIT_BAD_REQUEST = 0, 3, 2
+#: Exit code of an evaluation that failed for a reason other than its request (a crash, a bug).
+EXIT_FAILED = 1
 
 
 #: What ``python flows/eval.py --help`` and ``evalfleet eval --help`` say first.
@@ -112,6 +115,8 @@ def add_eval_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--allow-failures", action="store_true",
                    help="exit 0 even when > 5%% of episodes failed in the harness (harness fault)")
     p.add_argument("-q", "--quiet", action="store_true", help="only print the summary")
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="also print Prefect's, Dask's and MLflow's INFO logs, and tracebacks")
 
 
 def request_from_args(args: argparse.Namespace) -> EvalRequest:
@@ -203,6 +208,17 @@ def run_cache(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def failure_paragraph(err: BaseException, verbose: bool = False) -> str:
+    """One paragraph for an unexpected failure: what failed, the error, where to see more."""
+    text = " ".join(str(err).split()) or "(no message)"
+    if len(text) > 600:
+        text = text[:600] + " ..."
+    notes = "; ".join(_notes(err))
+    more = "" if verbose else " Run again with -v for the traceback and the Prefect and Dask logs."
+    return (f"evalfleet: error: the evaluation failed: {type(err).__name__}: {text}"
+            + (f" ({notes})" if notes else "") + "." + more)
+
+
 def _notes(err: BaseException | None) -> list[str]:
     """Notes of ``err`` and of the exceptions it was raised while handling (Prefect re-raises)."""
     notes: list[str] = []
@@ -248,8 +264,8 @@ def run_cli(
 
 def run_eval(evaluate: Callable[[EvalRequest], EvalReport], args: argparse.Namespace) -> int:
     """Evaluate parsed arguments (``build_parser``'s options) and print the summary (``run_cli``)."""
-    logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    verbose = bool(getattr(args, "verbose", False))
+    configure_console(verbose)
     try:
         with stop_on_sigterm():
             request = request_from_args(args)
@@ -264,6 +280,11 @@ def run_eval(evaluate: Callable[[EvalRequest], EvalReport], args: argparse.Names
               + (f" {where}" if where else "") + "; episodes stored so far stay in the cache",
               file=sys.stderr)
         return 128 + signum
+    except Exception as err:  # anything else: one paragraph, the traceback only with -v
+        if verbose:
+            traceback.print_exc()
+        print(failure_paragraph(err, verbose), file=sys.stderr)
+        return EXIT_FAILED
     if args.report:
         Path(args.report).parent.mkdir(parents=True, exist_ok=True)
         Path(args.report).write_text(json.dumps(report.model_dump(mode="json"), indent=2) + "\n")

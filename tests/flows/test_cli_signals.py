@@ -35,7 +35,7 @@ def test_sigterm_while_the_run_stage_waits(tmp_path):
     with open(log, "w") as out:
         proc = subprocess.Popen(
             [sys.executable, "flows/eval.py", "--env", "tests.flows.render_envs:Slow-v0",
-             "--policy", "tests.flows.user_envs:toward_goal", "--episodes", "40", "--concurrency",
+             "--policy", "tests.flows.user_envs:toward_goal", "--episodes", "40", "-v", "--concurrency",
              "2", "--workers", "1", "--no-cache", "--output", str(tmp_path / "out")],
             cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
     try:
