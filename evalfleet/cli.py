@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
 import traceback
@@ -16,6 +17,7 @@ from types import FrameType
 from evalfleet.console import configure_console
 from evalfleet.errors import EvalfleetError, Stopped
 from evalfleet.models import EvalReport, EvalRequest
+from evalfleet.server import SERVER_MODE_ENV
 from evalfleet.summary import summary_text
 
 #: The bundled example policy: a 4-64-64-2 TorchScript MLP that balances CartPole-v1.
@@ -115,6 +117,9 @@ def add_eval_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--allow-failures", action="store_true",
                    help="exit 0 even when > 5%% of episodes failed in the harness (harness fault)")
     p.add_argument("-q", "--quiet", action="store_true", help="only print the summary")
+    p.add_argument("--ephemeral-server", action="store_true",
+                   help="with no PREFECT_API_URL, start a Prefect server for this run only instead "
+                   "of the shared local one (evalfleet server status|stop)")
     p.add_argument("-v", "--verbose", action="store_true",
                    help="also print Prefect's, Dask's and MLflow's INFO logs, and tracebacks")
 
@@ -266,6 +271,8 @@ def run_eval(evaluate: Callable[[EvalRequest], EvalReport], args: argparse.Names
     """Evaluate parsed arguments (``build_parser``'s options) and print the summary (``run_cli``)."""
     verbose = bool(getattr(args, "verbose", False))
     configure_console(verbose)
+    if getattr(args, "ephemeral_server", False):
+        os.environ[SERVER_MODE_ENV] = "ephemeral"
     try:
         with stop_on_sigterm():
             request = request_from_args(args)

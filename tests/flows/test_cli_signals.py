@@ -31,7 +31,8 @@ def test_sigterm_while_the_run_stage_waits(tmp_path):
     home = tmp_path / "prefect-home"
     log = tmp_path / "cli.log"
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
-    env.update(PREFECT_HOME=str(home), PYTHONPATH=str(ROOT), PREFECT_SERVER_ANALYTICS_ENABLED="false")
+    env.update(PREFECT_HOME=str(home), PYTHONPATH=str(ROOT), PREFECT_SERVER_ANALYTICS_ENABLED="false",
+               EVALFLEET_SERVER="ephemeral")  # the evaluation's own server, which must go with it
     with open(log, "w") as out:
         proc = subprocess.Popen(
             [sys.executable, "flows/eval.py", "--env", "tests.flows.render_envs:Slow-v0",
