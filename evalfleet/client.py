@@ -247,13 +247,22 @@ class Evaluator:
                 if job.future.done() and self._triggered and self._triggered[0] is job:
                     self._triggered.popleft()
 
+    def final_report(self, request_id: str) -> Future[EvalReport] | None:
+        """The future final report of ``request_id``: with its files written and MLflow run id.
+
+        Results come back as soon as their numbers are known: the Parquet is written by then, and
+        ``result['report'].outputs`` says where report.json, the plots and page, and the MLflow
+        run will be (``outputs['feed_back'] == 'pending'``) once the runner's background step has
+        run. None for a runner that returns only finished reports (its report is final).
+        """
+        final = getattr(self._runner, "final_report", None)
+        found = final(request_id) if callable(final) else None
+        return found if isinstance(found, Future) else None
+
     def flush(self, timeout: float | None = None) -> None:
         """Block until the files and records of every returned result are complete.
 
-        Results come back as soon as their numbers are known; the Parquet is written by then, and
-        ``result['report'].outputs`` says where report.json, the plots and page, and the MLflow
-        run will be once the runner's background step has run (``result['final_report']``, a
-        future of the final report, where the runner has one). ``shutdown`` flushes too.
+        ``shutdown`` flushes too (its runner's ``close`` waits for the background step).
         """
         drain = getattr(self._runner, "drain", None)
         if callable(drain):
@@ -336,12 +345,6 @@ class Evaluator:
             self._runner = load_runner(entry, request.workers, request.dask_address)
         report = self._runner(request)
         result = result_from_report(report, request.step)
-        # A runner that finishes the report's files and records after returning the numbers
-        # (the local runner's fast path) hands out their future: the final report.
-        final = getattr(self._runner, "final_report", None)
-        pending = final(request.request_id) if callable(final) else None
-        if pending is not None:
-            result["final_report"] = pending
         if self.metrics_fn is not None:
             table = read_episodes(Path(report.outputs["episodes"]))
             result.update(self.metrics_fn(table))

@@ -57,7 +57,9 @@ def test_result_first_then_the_whole_report(prefect_server, tmp_path):
         assert fast["eval/episodes"] == 8 and fast["eval/step"] == 1
         assert hit["report"].cache["status"] == "hit" and hit["eval/reward"] == fast["eval/reward"]
     # shutdown (the with block) waited for every background stage 7.
-    final = fast["final_report"].result(timeout=0)
+    future = ev.final_report(fast["report"].request_id)
+    assert future is not None and ev.final_report(full["report"].request_id) is None
+    final = future.result(timeout=0)
     assert final.mean == fast["eval/reward"] and final.request_id == fast["report"].request_id
     on_disk = json.loads(Path(pending["report"]).read_text())
     assert on_disk["outputs"]["mlflow_run_id"] == final.outputs["mlflow_run_id"]
@@ -66,7 +68,7 @@ def test_result_first_then_the_whole_report(prefect_server, tmp_path):
 
     # Nothing of the full flow's report is missing: the same files, outputs, MLflow run.
     full_report = full["report"].model_dump(mode="json")
-    assert "feed_back" not in full_report["outputs"] and "final_report" not in full
+    assert "feed_back" not in full_report["outputs"]
     assert _files(Path(pending["folder"])) == _files(Path(full_report["outputs"]["folder"]))
     assert set(on_disk["outputs"]) == set(full_report["outputs"])
     assert set(on_disk["timings"]) == set(full_report["timings"])
