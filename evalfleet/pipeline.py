@@ -28,7 +28,6 @@ from evalfleet.envspec import resolve_env
 from evalfleet.errors import RequestError
 from evalfleet.models import EvalReport, EvalRequest, PolicyHandle, Shard, ShardPlan
 from evalfleet.planning import plan_shards
-from evalfleet.plots import render_plots
 from evalfleet.policy import (
     INFERENCE_DTYPE,
     PolicyArtifact,
@@ -456,6 +455,8 @@ def review(
         report = report.model_copy(update={"alarms": [*report.alarms, *alarms],
                                            "harness_fault": report.harness_fault or bool(shortfall)})
     adaptive = report.adaptive or {}
+    from evalfleet.plots import render_plots  # matplotlib: imported by the review step only
+
     plots = render_plots(table, folder / "plots", actions=actions, rounds=adaptive.get("rounds"),
                          ci=report.ci if report.scored else None,
                          target_halfwidth=adaptive.get("target_halfwidth"))
