@@ -76,3 +76,12 @@ def test_concurrent_first_runs_share_one_server_that_replaces_a_hung_one(home, c
     finally:
         if hung.poll() is None:
             hung.kill()
+
+
+def test_the_evalfleet_command_has_server_status(home, capsys):
+    from flows.console import main
+
+    assert main(["server", "status"]) == 1
+    assert f"no local Prefect server recorded in {home / 'server.json'}" in capsys.readouterr().out
+    assert main(["server", "stop"]) == 0
+    assert "no local Prefect server recorded" in capsys.readouterr().out
