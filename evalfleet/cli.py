@@ -14,7 +14,7 @@ from importlib.resources import files
 from pathlib import Path
 from types import FrameType
 
-from evalfleet.console import configure_console
+from evalfleet.console import configure_console, quiet_environment
 from evalfleet.errors import EvalfleetError, Stopped
 from evalfleet.models import EvalReport, EvalRequest
 from evalfleet.server import SERVER_MODE_ENV
@@ -267,8 +267,31 @@ def run_cli(
     return run_eval(evaluate, build_parser().parse_args(argv))
 
 
+@contextmanager
+def restored_environment(keys: Sequence[str]) -> Iterator[None]:
+    """Put ``keys`` of ``os.environ`` back as they were when the block ends."""
+    saved = {k: os.environ.get(k) for k in keys}
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
 def run_eval(evaluate: Callable[[EvalRequest], EvalReport], args: argparse.Namespace) -> int:
-    """Evaluate parsed arguments (``build_parser``'s options) and print the summary (``run_cli``)."""
+    """Evaluate parsed arguments (``build_parser``'s options) and print the summary (``run_cli``).
+
+    The console and server settings it exports for the evaluation's processes are undone after,
+    so a caller that runs it in-process (a test, a script) keeps its own environment.
+    """
+    with restored_environment([*quiet_environment(), SERVER_MODE_ENV]):
+        return _run_eval(evaluate, args)
+
+
+def _run_eval(evaluate: Callable[[EvalRequest], EvalReport], args: argparse.Namespace) -> int:
     verbose = bool(getattr(args, "verbose", False))
     configure_console(verbose)
     if getattr(args, "ephemeral_server", False):
