@@ -108,6 +108,16 @@ def alive(pid: int) -> bool:
         return True
 
 
+def is_prefect_server(pid: int) -> bool:
+    """Whether ``pid`` runs ``prefect server start`` (a recycled pid must never be signalled)."""
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    words = [a.decode(errors="replace") for a in argv]
+    return "prefect" in words and "server" in words
+
+
 @contextmanager
 def _locked() -> Iterator[None]:
     """Hold the home's lock: one process at a time reads, starts or stops the server."""
@@ -184,7 +194,8 @@ def claim_server() -> tuple[ServerState, bool]:
                 return state, True
             if state.uptime_s < START_TIMEOUT_S:  # another process started it: still booting
                 return state, False
-            _terminate(state)
+            if is_prefect_server(state.pid):  # hung: replace it (a recycled pid is left alone)
+                _terminate(state)
         return _spawn(), False
 
 
@@ -217,7 +228,7 @@ def stop_server() -> ServerState | None:
         state = read_state()
         if state is None:
             return None
-        if alive(state.pid):
+        if alive(state.pid) and is_prefect_server(state.pid):
             _terminate(state)
         state_path().unlink(missing_ok=True)
         return state

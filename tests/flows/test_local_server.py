@@ -32,6 +32,17 @@ def _record(home: Path, pid: int, port: int, started: float) -> None:
          "prefect_home": str(home / "prefect")}))
 
 
+def test_a_recycled_pid_is_never_signalled(home):
+    other = subprocess.Popen(["sleep", "600"], start_new_session=True)
+    try:
+        _record(home, other.pid, 9, time.time() - 3600)
+        assert stop_server() is not None and read_state() is None  # the record goes ...
+        assert other.poll() is None  # ... the process that now has its pid stays
+    finally:
+        other.kill()
+        other.wait()
+
+
 def test_a_record_of_a_dead_process_is_reported_stale(home):
     proc = subprocess.Popen(["true"])
     proc.wait()
@@ -43,8 +54,10 @@ def test_a_record_of_a_dead_process_is_reported_stale(home):
 
 @pytest.mark.slow
 def test_concurrent_first_runs_share_one_server_that_replaces_a_hung_one(home, capsys):
-    # A recorded "server" that is alive but has not answered for far longer than a start takes.
-    hung = subprocess.Popen(["sleep", "600"], start_new_session=True)
+    # A recorded "server" that is alive but has not answered for far longer than a start takes
+    # (its command line says "prefect server", as a real one's does).
+    hung = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)", "prefect",
+                             "server", "start"], start_new_session=True)
     _record(home, hung.pid, 9, time.time() - 3600)
     env = dict(os.environ, PYTHONPATH=str(ROOT), EVALFLEET_HOME=str(home))
     env.pop("PREFECT_API_URL", None)
