@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
+import os
 import signal
 import sys
+import traceback
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from importlib.resources import files
@@ -14,8 +15,10 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from evalfleet.console import configure_console, quiet_environment
 from evalfleet.errors import EvalfleetError, RequestError, Stopped
 from evalfleet.models import EvalReport, EvalRequest
+from evalfleet.server import SERVER_MODE_ENV
 from evalfleet.summary import summary_text
 
 #: The bundled example policy: a 4-64-64-2 TorchScript MLP that balances CartPole-v1.
@@ -25,6 +28,8 @@ EXIT_OK, EXIT_HARNESS_FAULT, EXIT_BAD_REQUEST = 0, 3, 2
 #: ``--gate``: the evaluation is a significant regression against the training run's best
 #: earlier checkpoint (paired 95% CI of the return difference below 0).
 EXIT_REGRESSION = 4
+#: Exit code of an evaluation that failed for a reason other than its request (a crash, a bug).
+EXIT_FAILED = 1
 
 
 #: What ``python flows/eval.py --help`` and ``evalfleet eval --help`` say first.
@@ -126,6 +131,11 @@ def add_eval_arguments(p: argparse.ArgumentParser) -> None:
                    help="evaluate on every task of a suite file (envs, kwargs grids, episodes, "
                    "normalisation; see examples/suite.toml) and aggregate across tasks; --env, "
                    "--env-kwargs, --episodes and --max-steps then come from the suite")
+    p.add_argument("--ephemeral-server", action="store_true",
+                   help="with no PREFECT_API_URL, start a Prefect server for this run only instead "
+                   "of the shared local one (evalfleet server status|stop)")
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="also print Prefect's, Dask's and MLflow's INFO logs, and tracebacks")
 
 
 def request_from_args(args: argparse.Namespace) -> EvalRequest:
@@ -218,6 +228,17 @@ def run_cache(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def failure_paragraph(err: BaseException, verbose: bool = False) -> str:
+    """One paragraph for an unexpected failure: what failed, the error, where to see more."""
+    text = " ".join(str(err).split()) or "(no message)"
+    if len(text) > 600:
+        text = text[:600] + " ..."
+    notes = "; ".join(_notes(err))
+    more = "" if verbose else " Run again with -v for the traceback and the Prefect and Dask logs."
+    return (f"evalfleet: error: the evaluation failed: {type(err).__name__}: {text}"
+            + (f" ({notes})" if notes else "") + "." + more)
+
+
 def _notes(err: BaseException | None) -> list[str]:
     """Notes of ``err`` and of the exceptions it was raised while handling (Prefect re-raises)."""
     notes: list[str] = []
@@ -301,11 +322,37 @@ def run_suite(evaluate_suite: SuiteEvaluator | None, args: argparse.Namespace) -
     return EXIT_OK
 
 
+@contextmanager
+def restored_environment(keys: Sequence[str]) -> Iterator[None]:
+    """Put ``keys`` of ``os.environ`` back as they were when the block ends."""
+    saved = {k: os.environ.get(k) for k in keys}
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
 def run_eval(evaluate: Callable[[EvalRequest], EvalReport], args: argparse.Namespace,
              evaluate_suite: SuiteEvaluator | None = None) -> int:
-    """Evaluate parsed arguments (``build_parser``'s options) and print the summary (``run_cli``)."""
-    logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    """Evaluate parsed arguments (``build_parser``'s options) and print the summary (``run_cli``).
+
+    The console and server settings it exports for the evaluation's processes are undone after,
+    so a caller that runs it in-process (a test, a script) keeps its own environment.
+    """
+    with restored_environment([*quiet_environment(), SERVER_MODE_ENV]):
+        return _run_eval(evaluate, args, evaluate_suite)
+
+
+def _run_eval(evaluate: Callable[[EvalRequest], EvalReport], args: argparse.Namespace,
+              evaluate_suite: SuiteEvaluator | None) -> int:
+    verbose = bool(getattr(args, "verbose", False))
+    configure_console(verbose)
+    if getattr(args, "ephemeral_server", False):
+        os.environ[SERVER_MODE_ENV] = "ephemeral"
     if getattr(args, "suite", None):
         return run_suite(evaluate_suite, args)
     try:
@@ -322,6 +369,11 @@ def run_eval(evaluate: Callable[[EvalRequest], EvalReport], args: argparse.Names
               + (f" {where}" if where else "") + "; episodes stored so far stay in the cache",
               file=sys.stderr)
         return 128 + signum
+    except Exception as err:  # anything else: one paragraph, the traceback only with -v
+        if verbose:
+            traceback.print_exc()
+        print(failure_paragraph(err, verbose), file=sys.stderr)
+        return EXIT_FAILED
     if args.report:
         Path(args.report).parent.mkdir(parents=True, exist_ok=True)
         Path(args.report).write_text(json.dumps(report.model_dump(mode="json"), indent=2) + "\n")

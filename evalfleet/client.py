@@ -291,6 +291,27 @@ class Evaluator:
                 if job.future.done() and self._triggered and self._triggered[0] is job:
                     self._triggered.popleft()
 
+    def final_report(self, request_id: str) -> Future[EvalReport] | None:
+        """The future final report of ``request_id``: with its files written and MLflow run id.
+
+        Results come back as soon as their numbers are known: the Parquet is written by then, and
+        ``result['report'].outputs`` says where report.json, the plots and page, and the MLflow
+        run will be (``outputs['feed_back'] == 'pending'``) once the runner's background step has
+        run. None for a runner that returns only finished reports (its report is final).
+        """
+        final = getattr(self._runner, "final_report", None)
+        found = final(request_id) if callable(final) else None
+        return found if isinstance(found, Future) else None
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Block until the files and records of every returned result are complete.
+
+        ``shutdown`` flushes too (its runner's ``close`` waits for the background step).
+        """
+        drain = getattr(self._runner, "drain", None)
+        if callable(drain):
+            drain(timeout)
+
     def shutdown(self, wait: bool = True, timeout: float | None = 600.0) -> None:
         """Stop accepting work, optionally let pending evaluations finish, release the cluster.
 

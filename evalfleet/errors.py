@@ -10,7 +10,8 @@ Hierarchy::
     ├── IsolationUnavailable  the requested sandbox level cannot be had on this machine
     ├── PolicyIntegrityError  a worker received policy bytes whose sha256 does not match
     ├── CacheCorruptError     a stored cache entry failed verification
-    └── CacheLockTimeout      a cache key stayed locked by another evaluation for too long
+    ├── CacheLockTimeout      a cache key stayed locked by another evaluation for too long
+    └── ServerError           the shared local Prefect server could not be started or stopped
 
     Stopped (a BaseException, like KeyboardInterrupt: no ``except Exception`` swallows it)
                               the process was asked to stop (SIGTERM) while it worked or waited
@@ -55,6 +56,10 @@ class CacheCorruptError(EvalfleetError):
 
 class CacheLockTimeout(EvalfleetError, TimeoutError):
     """Another evaluation held a cache key's lock for longer than the wait allows."""
+
+
+class ServerError(EvalfleetError):
+    """The shared local Prefect server could not be started, reached or stopped."""
 
 
 class Stopped(BaseException):

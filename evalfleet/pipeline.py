@@ -28,7 +28,6 @@ from evalfleet.envspec import resolve_env
 from evalfleet.errors import RequestError
 from evalfleet.models import EvalReport, EvalRequest, PolicyHandle, Shard, ShardPlan
 from evalfleet.planning import plan_shards
-from evalfleet.plots import HISTORY_FILE, render_history, render_plots
 from evalfleet.policy import (
     INFERENCE_DTYPE,
     PolicyArtifact,
@@ -457,6 +456,9 @@ def review(
         report = report.model_copy(update={"alarms": [*report.alarms, *alarms],
                                            "harness_fault": report.harness_fault or bool(shortfall)})
     adaptive = report.adaptive or {}
+    # matplotlib: imported by the review step only
+    from evalfleet.plots import HISTORY_FILE, render_history, render_plots
+
     plots = render_plots(table, folder / "plots", actions=actions, rounds=adaptive.get("rounds"),
                          ci=report.ci if report.scored else None,
                          target_halfwidth=adaptive.get("target_halfwidth"))

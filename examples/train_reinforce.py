@@ -27,12 +27,15 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import gymnasium as gym
 import numpy as np
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from evalfleet.client import Evaluator
 
 HIDDEN = 64
 
@@ -150,6 +153,12 @@ def eval_line(result: dict[str, Any]) -> str:
             f"({result['eval/fps']:.0f} env steps/s)")
 
 
+def final_outputs(evaluator: Evaluator, result: dict[str, Any]) -> dict[str, str]:
+    """Where an evaluation's files and MLflow run are, once its background step finished."""
+    final = evaluator.final_report(result["report"].request_id)
+    return dict((final.result() if final is not None else result["report"]).outputs)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -251,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
             "experiment": args.experiment, "train": train_curve,
             "evals": [{k: v for k, v in r.items() if k != "report"}
                       | {"request_id": r["report"].request_id,
-                         "mlflow_run_id": r["report"].outputs.get("mlflow_run_id")}
+                         "mlflow_run_id": final_outputs(evaluator, r).get("mlflow_run_id")}
                       for r in evals],
         }, indent=2) + "\n")
     return 0

@@ -1,4 +1,4 @@
-"""The ``evalfleet`` command: ``eval`` (the flow's CLI), ``cache ls|rm``, ``history``, ``serve``."""
+"""The ``evalfleet`` command: ``eval``, ``cache ls|rm``, ``history``, ``server``, ``serve``."""
 
 from __future__ import annotations
 
@@ -34,6 +34,12 @@ def _history(args: argparse.Namespace, rest: Sequence[str]) -> int:
     return run_history(args)
 
 
+def _server(args: argparse.Namespace, rest: Sequence[str]) -> int:
+    from evalfleet.server import server_command
+
+    return server_command(args.action)
+
+
 def _serve(args: argparse.Namespace, rest: Sequence[str]) -> int:
     # Imported only here: the service's modules take a second or more to import.
     from deployments.cli import main as serve_main
@@ -60,6 +66,14 @@ def build_parser() -> argparse.ArgumentParser:
         "evaluated step of a training run (read from MLflow), verdicts and alarms; saves a plot.")
     add_history_arguments(history)
     history.set_defaults(handler=_history)
+    server = commands.add_parser(
+        "server", help="the shared local Prefect server: status|start|stop",
+        description="The local Prefect server evaluations share when PREFECT_API_URL is unset: "
+        "started by the first evaluation, reused by later ones (state in $EVALFLEET_HOME, "
+        "default ~/.evalfleet).")
+    server.add_argument("action", choices=["status", "start", "stop"],
+                        help="status: url, pid, uptime (exit 1 if not running); start; stop")
+    server.set_defaults(handler=_server)
     # serve parses its own options (and --help): everything after the word goes to it.
     serve = commands.add_parser("serve", add_help=False,
                                 help="start the service: Prefect server, Dask cluster, deployment, "

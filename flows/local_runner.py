@@ -6,6 +6,7 @@ which is how the Prefect-free core finds it without importing this layer.
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from contextlib import ExitStack
 
 from evalfleet.cluster import fleet_cluster
@@ -14,6 +15,7 @@ from evalfleet.suite import Suite, SuiteReport
 from flows.eval import evaluate
 from flows.runtime import prefect_api
 from flows.suite import evaluate_suite
+from flows.warm import FeedBackLane, evaluate_warm
 
 
 class LocalFlowRunner:
@@ -23,13 +25,20 @@ class LocalFlowRunner:
     or a ``LocalCluster`` of ``workers`` processes started once) live until ``close()``: starting
     them per evaluation would cost seconds each time. Call it from one thread only (the
     ``Evaluator``'s worker thread does), since Prefect's settings context is per thread.
+
+    With ``warm=True`` (the default) an evaluation takes the fast path (``flows.warm``): its report
+    comes back after stage 6, and stage 7 (files, MLflow, Prefect artifacts) follows on a
+    background lane; ``final_report(request_id)`` is its future, ``drain()`` and ``close()`` wait
+    for it. ``warm=False`` runs the whole ``evaluate()`` flow per call.
     """
 
-    def __init__(self, workers: int = 2, dask_address: str | None = None) -> None:
+    def __init__(self, workers: int = 2, dask_address: str | None = None, warm: bool = True) -> None:
         self.workers = workers
         self.dask_address = dask_address
+        self.warm = warm
         self._stack: ExitStack | None = None
         self._address: str | None = None
+        self._lane = FeedBackLane()
 
     def _open(self) -> str:
         stack = ExitStack()
@@ -45,6 +54,9 @@ class LocalFlowRunner:
     def __call__(self, request: EvalRequest) -> EvalReport:
         """Evaluate ``request`` on the kept cluster."""
         address = self._address or self._open()
+        if self.warm:
+            return evaluate_warm(request.model_copy(update={"dask_address": address}), address,
+                                 self._lane)
         return evaluate(request.model_copy(update={"dask_address": address}))
 
     def suite(self, suite: Suite, request: EvalRequest) -> SuiteReport:
@@ -52,8 +64,19 @@ class LocalFlowRunner:
         address = self._address or self._open()
         return evaluate_suite(suite, request.model_copy(update={"dask_address": address}))
 
+    def final_report(self, request_id: str) -> Future[EvalReport] | None:
+        """The future report of ``request_id`` once its stage 7 ran (None: not a fast-path run)."""
+        return self._lane.result(request_id)
+
+    def drain(self, timeout: float | None = None) -> None:
+        """Wait until every evaluation's stage 7 (files, MLflow, artifacts) has finished."""
+        self._lane.drain(timeout)
+
     def close(self) -> None:
-        """Stop the local cluster and API server this runner started (if any)."""
-        stack, self._stack, self._address = self._stack, None, None
-        if stack is not None:
-            stack.close()
+        """Finish pending stage 7s, then stop the local cluster and API server this runner started."""
+        try:
+            self._lane.close()
+        finally:
+            stack, self._stack, self._address = self._stack, None, None
+            if stack is not None:
+                stack.close()

@@ -11,6 +11,8 @@ from contextlib import contextmanager
 
 from prefect.settings import PREFECT_API_URL, PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
 
+from evalfleet.errors import EvalfleetError
+from evalfleet.server import SERVER_MODE_ENV
 from flows import heartbeats
 
 logger = logging.getLogger(__name__)
@@ -29,6 +31,8 @@ class PrefectApi:
         if self._starting is not None:
             self._starting.join()
             self._starting = None
+        if isinstance(self.error, EvalfleetError):  # says itself what failed and what to do
+            raise self.error
         if self.error is not None:
             raise RuntimeError(f"the local Prefect server did not start: {self.error}") from self.error
         return self.url
@@ -44,15 +48,21 @@ def _free_port() -> int:
 def prefect_api(wait: bool = True) -> Iterator[PrefectApi]:
     """Yield the Prefect API every process of this evaluation uses.
 
-    With ``PREFECT_API_URL`` set, that server is used. Otherwise one local server subprocess is
-    started for this evaluation and its URL exported through the environment *before* any Dask
-    worker is spawned: Prefect's ephemeral mode would otherwise start one server per worker
-    process. The URL is fixed before the server starts, so with ``wait=False`` the caller can
-    start its cluster while the server boots, and call ``wait()`` before the first flow run.
+    With ``PREFECT_API_URL`` set, that server is used. Otherwise the shared local server
+    (``evalfleet.server``: started on first use, it stays up for later evaluations), or with
+    ``EVALFLEET_SERVER=ephemeral`` one server subprocess for this evaluation only. Either way its
+    URL is exported through the environment *before* any Dask worker is spawned: Prefect's
+    ephemeral mode would otherwise start one server per worker process. The URL is fixed before
+    the server answers, so with ``wait=False`` the caller can start its cluster while the server
+    boots, and call ``wait()`` before the first flow run.
     """
     url = PREFECT_API_URL.value()
     if url:
         yield PrefectApi(url)
+        return
+    if os.environ.get(SERVER_MODE_ENV, "local") != "ephemeral":
+        with shared_local_api(wait) as api:
+            yield api
         return
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     from prefect.server.api.server import SubprocessASGIServer
@@ -89,9 +99,44 @@ def prefect_api(wait: bool = True) -> Iterator[PrefectApi]:
         try:
             api.wait()
             flush_to_api()  # while the server still answers
-        except RuntimeError:
+        except (RuntimeError, EvalfleetError):
             pass  # already reported to the caller, or the caller failed first
         server.stop()
+
+
+@contextmanager
+def shared_local_api(wait: bool = True) -> Iterator[PrefectApi]:
+    """The shared local server's API for this block: found after a health check, or started."""
+    from evalfleet.server import claim_server, wait_healthy
+
+    state, ready = claim_server()
+    api = PrefectApi(state.url)
+    if not ready:
+        def boot() -> None:
+            try:
+                wait_healthy(state)
+            except BaseException as err:  # handed to the caller's wait()
+                api.error = err
+
+        api._starting = threading.Thread(target=boot, name="evalfleet-prefect-server", daemon=True)
+        api._starting.start()
+    saved = os.environ.get("PREFECT_API_URL")
+    os.environ["PREFECT_API_URL"] = state.url
+    try:
+        with temporary_settings(updates={PREFECT_API_URL: state.url}):
+            if wait:
+                api.wait()
+            yield api
+    finally:
+        if saved is None:
+            os.environ.pop("PREFECT_API_URL", None)
+        else:
+            os.environ["PREFECT_API_URL"] = saved
+        try:
+            api.wait()
+            flush_to_api()  # bounded, rather than at interpreter exit
+        except (RuntimeError, EvalfleetError):
+            pass  # already reported to the caller, or the caller failed first
 
 
 #: Seconds the flush of pending Prefect logs and events may take before the local server stops.

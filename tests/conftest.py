@@ -27,6 +27,25 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+@pytest.fixture(scope="session", autouse=True)
+def evalfleet_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """A private EVALFLEET_HOME: a run with no PREFECT_API_URL starts its shared local server
+    there (not in the user's ~/.evalfleet), and that server is stopped when the session ends."""
+    home = tmp_path_factory.mktemp("evalfleet-home")
+    saved = os.environ.get("EVALFLEET_HOME")
+    os.environ["EVALFLEET_HOME"] = str(home)
+    try:
+        yield home
+    finally:
+        from evalfleet.server import stop_server
+
+        stop_server()
+        if saved is None:
+            os.environ.pop("EVALFLEET_HOME", None)
+        else:
+            os.environ["EVALFLEET_HOME"] = saved
+
+
 @pytest.fixture(scope="session")
 def prefect_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A real `prefect server start` on 127.0.0.1; PREFECT_API_URL points every process at it."""

@@ -31,11 +31,12 @@ def test_sigterm_while_the_run_stage_waits(tmp_path):
     home = tmp_path / "prefect-home"
     log = tmp_path / "cli.log"
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
-    env.update(PREFECT_HOME=str(home), PYTHONPATH=str(ROOT), PREFECT_SERVER_ANALYTICS_ENABLED="false")
+    env.update(PREFECT_HOME=str(home), PYTHONPATH=str(ROOT), PREFECT_SERVER_ANALYTICS_ENABLED="false",
+               EVALFLEET_SERVER="ephemeral")  # the evaluation's own server, which must go with it
     with open(log, "w") as out:
         proc = subprocess.Popen(
             [sys.executable, "flows/eval.py", "--env", "tests.flows.render_envs:Slow-v0",
-             "--policy", "tests.flows.user_envs:toward_goal", "--episodes", "40", "--concurrency",
+             "--policy", "tests.flows.user_envs:toward_goal", "--episodes", "40", "-v", "--concurrency",
              "2", "--workers", "1", "--no-cache", "--output", str(tmp_path / "out")],
             cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
     try:

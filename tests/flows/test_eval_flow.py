@@ -160,22 +160,31 @@ def test_cli_run_and_bad_input(prefect_server, tmp_path):
     assert "'episodes' must be a positive integer (got 0)" in bad.stderr
 
 
-def test_cli_without_a_server_starts_one_api_for_every_process(tmp_path):
-    """`python flows/eval.py` with no PREFECT_API_URL: one local server, workers report to it."""
+def test_cli_without_a_server_starts_one_api_for_every_process(tmp_path, monkeypatch):
+    """`python flows/eval.py` with no PREFECT_API_URL: the shared local server, workers report to it."""
     import sqlite3
 
+    from evalfleet.server import read_state, stop_server
+
     home = tmp_path / "prefect-home"
+    monkeypatch.setenv("EVALFLEET_HOME", str(tmp_path / "efhome"))
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
     env.update(PREFECT_HOME=str(home), PREFECT_SERVER_ANALYTICS_ENABLED="false")
-    done = subprocess.run(
-        [sys.executable, "flows/eval.py", "--episodes", "10", "--concurrency", "6", "--output",
-         str(tmp_path / "out"), "--quiet", "--no-cache"],
-        capture_output=True, text=True, timeout=300, env=env,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "mean return ± 95% CI" in done.stdout
-    dbs = list(home.glob("*.db"))
-    assert len(dbs) == 1, dbs  # one database: no ephemeral server per worker
+    try:
+        done = subprocess.run(
+            [sys.executable, "flows/eval.py", "--episodes", "10", "--concurrency", "6", "--output",
+             str(tmp_path / "out"), "--quiet", "--no-cache"],
+            capture_output=True, text=True, timeout=300, env=env,
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert "mean return ± 95% CI" in done.stdout
+        server = read_state()
+        assert server is not None  # it stays up for the next evaluation
+    finally:
+        stop_server()
+    assert not list(home.glob("*.db"))  # no ephemeral server in the evaluation's processes
+    dbs = list((tmp_path / "efhome" / "prefect").glob("*.db"))
+    assert len(dbs) == 1, dbs  # one database: the shared server's
     with sqlite3.connect(dbs[0]) as db:
         flows = db.execute("SELECT state_type FROM flow_run").fetchall()
         tasks = dict(db.execute("SELECT name, state_type FROM task_run").fetchall())

@@ -1,0 +1,339 @@
+"""Issue 15's figures, side by side in one run: what a training loop and a newcomer wait for.
+
+``python -m bench.speed [--quick]`` from the repository root measures, in this order:
+
+1. the bare batched loop (CartPole and Acrobot, one core): the yardstick every ratio uses;
+2. the in-loop ``Evaluator``, 8 episodes, new weights each call, cluster and server warm: the fast
+   path (``LocalFlowRunner(warm=True)``, the default) and the whole flow (``warm=False``), and a
+   cache hit on each;
+3. ``python flows/eval.py --episodes 8`` as whole processes: the very first run (no local server
+   yet), a later run (the shared server up), and a full cache hit; and the peak RSS of the process
+   tree of a default evaluation (500 episodes, 2 workers), the shared server apart;
+4. Acrobot-v1 (no native vector path) through ``evaluate()``: the run stage's env steps/s against
+   the bare loop per core x workers;
+5. unique memory (USS) of ``process`` sandboxes while an evaluation runs.
+
+Results: ``bench/results/speed.json`` and ``bench/results/speed.md``. Absolute times depend on the
+machine and its load; compare ratios taken in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import psutil
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results"
+EXAMPLE = str(ROOT / "evalfleet" / "data" / "cartpole_mlp.pt")
+ACROBOT_POLICY = "bench.speed:acrobot_policy"
+
+
+def acrobot_policy(obs: np.ndarray) -> np.ndarray:
+    """Torque with the second joint's angular velocity (a deterministic energy pump)."""
+    return np.where(obs[:, 5] > 0, 2, 0).astype(np.int64)
+
+
+def bare_steps_per_s(env: str, policy: str, episodes: int, slots: int = 256) -> dict[str, Any]:
+    """The bare batched loop on one core: env steps/s and wall."""
+    from bench.contenders import bare
+
+    t0 = time.perf_counter()
+    out = bare({"env": env, "policy": policy, "slots": slots, "episodes": episodes, "procs": 1})
+    wall = time.perf_counter() - t0
+    steps = int(out.get("env_steps", 0))
+    return {"episodes": episodes, "env_steps": steps, "wall_s": wall,
+            "steps_per_s": steps / wall if wall else None, **{k: v for k, v in out.items()
+                                                               if k in ("steps_per_s_inner",)}}
+
+
+def _mlp() -> Any:
+    import torch
+
+    return torch.nn.Sequential(torch.nn.Linear(4, 64), torch.nn.Tanh(), torch.nn.Linear(64, 64),
+                               torch.nn.Tanh(), torch.nn.Linear(64, 2))
+
+
+def warm_evaluator(calls: int, out: Path) -> dict[str, Any]:
+    """Trigger-to-result seconds of 8-episode evaluations, fast path and whole flow."""
+    import torch
+
+    from evalfleet.client import Evaluator
+    from flows.local_runner import LocalFlowRunner
+
+    torch.manual_seed(0)
+    model = _mlp()
+    found: dict[str, Any] = {}
+    runner = LocalFlowRunner(workers=2)
+    with Evaluator(env="CartPole-v1", num_episodes=8, concurrency=8, output=out,
+                   runner=runner) as ev:
+        ev.evaluate(model, step=0)  # cold: the cluster starts, workers import
+        for warm in (True, False):
+            runner.warm = warm
+            label = "fast path" if warm else "whole flow"
+            new, hit = [], []
+            for i in range(calls):
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p.add_(0.01 * (1 + i))
+                ev.flush()  # the previous background step must not share the measured second
+                t0 = time.perf_counter()
+                ev.evaluate(model, step=i)
+                new.append(time.perf_counter() - t0)
+                ev.flush()
+                t0 = time.perf_counter()
+                r = ev.evaluate(model, step=i)
+                hit.append(time.perf_counter() - t0)
+                assert r["report"].cache["status"] == "hit", r["report"].cache
+            found[label] = {"new_weights_s": new, "cache_hit_s": hit,
+                            "new_weights_median_s": statistics.median(new),
+                            "cache_hit_median_s": statistics.median(hit)}
+            print(f"  warm evaluator, {label}: new weights {statistics.median(new):.3f} s, "
+                  f"cache hit {statistics.median(hit):.3f} s", flush=True)
+    return found
+
+
+def _cli(args: list[str], env: dict[str, str], sample: bool = False) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, "flows/eval.py", *args], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    peak, stop = [0], threading.Event()
+
+    def watch() -> None:
+        root = psutil.Process(proc.pid)
+        while not stop.wait(0.1):
+            total = 0
+            try:
+                for p in [root, *root.children(recursive=True)]:
+                    try:
+                        total += p.memory_info().rss
+                    except psutil.Error:
+                        continue
+            except psutil.Error:
+                return
+            peak[0] = max(peak[0], total)
+
+    thread = threading.Thread(target=watch, daemon=True)
+    if sample:
+        thread.start()
+    out, err = proc.communicate(timeout=900)
+    wall = time.perf_counter() - t0
+    stop.set()
+    if proc.returncode != 0:
+        raise RuntimeError(f"flows/eval.py {args} exited {proc.returncode}: {err[-2000:]}")
+    return {"wall_s": wall, "peak_tree_rss_mib": peak[0] / 2**20 if sample else None,
+            "stderr_lines": len(err.splitlines())}
+
+
+def cold_cli(tmp: Path) -> dict[str, Any]:
+    """Whole-process CLI runs: the first (server starts), a later one, a cache hit; peak RSS."""
+    from evalfleet import server
+
+    home = tmp / "efhome"
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+    env.update(EVALFLEET_HOME=str(home), PYTHONPATH=str(ROOT), PREFECT_SERVER_ANALYTICS_ENABLED="false")
+    os.environ["EVALFLEET_HOME"] = str(home)
+    try:
+        first = _cli(["--episodes", "8", "--output", str(tmp / "cli1")], env)
+        print(f"  CLI, very first run: {first['wall_s']:.1f} s", flush=True)
+        later = _cli(["--episodes", "8", "--output", str(tmp / "cli2")], env)
+        print(f"  CLI, server up: {later['wall_s']:.1f} s", flush=True)
+        hit = _cli(["--episodes", "8", "--output", str(tmp / "cli2")], env)
+        print(f"  CLI, cache hit: {hit['wall_s']:.1f} s", flush=True)
+        default = _cli(["--output", str(tmp / "cli3"), "--no-cache"], env, sample=True)
+        state = server.read_state()
+        server_rss = psutil.Process(state.pid).memory_info().rss / 2**20 if state else None
+        print(f"  CLI, default 500 episodes: {default['wall_s']:.1f} s, tree peak "
+              f"{default['peak_tree_rss_mib']:.0f} MiB (+ shared server {server_rss:.0f} MiB)",
+              flush=True)
+    finally:
+        server.stop_server()
+    return {"first_run": first, "server_up": later, "cache_hit": hit, "default_500": default,
+            "shared_server_rss_mib": server_rss}
+
+
+def acrobot_run_stage(episodes: int, tmp: Path) -> dict[str, Any]:
+    """Acrobot-v1 through ``evaluate()`` (2 workers): the run stage's env steps per second."""
+    from evalfleet.models import EvalRequest
+    from flows.eval import evaluate
+
+    request = EvalRequest.build(env="Acrobot-v1", policy=ACROBOT_POLICY, episodes=episodes,
+                                workers=2, output=tmp / "acrobot", cache="off", audit=False)
+    t0 = time.perf_counter()
+    report = evaluate(request)
+    wall = time.perf_counter() - t0
+    steps = float(report.lengths["mean"]) * report.episodes
+    run_s = report.timings["run_episodes"]
+    return {"episodes": episodes, "env_steps": steps, "run_stage_s": run_s,
+            "run_stage_steps_per_s": steps / run_s, "evaluate_wall_s": wall,
+            "whole_steps_per_s": steps / wall}
+
+
+def sandbox_uss(tmp: Path) -> dict[str, Any]:
+    """USS of ``process`` sandboxes, sampled while a CartPole evaluation runs in them."""
+    from evalfleet.models import EvalRequest
+    from flows.eval import evaluate
+
+    samples: list[float] = []
+    stop = threading.Event()
+    me = psutil.Process()
+
+    def watch() -> None:
+        while not stop.wait(0.2):
+            try:
+                procs = me.children(recursive=True)
+            except psutil.Error:
+                continue
+            for p in procs:
+                try:
+                    parent = p.parent()
+                    # A sandbox is a child of a worker's fork server (evalfleet.sandbox.forkserver).
+                    if parent is None or "evalfleet.sandbox.forkserver" not in " ".join(
+                            parent.cmdline()):
+                        continue
+                    samples.append(p.memory_full_info().uss / 2**20)
+                except psutil.Error:
+                    continue
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    request = EvalRequest.build(env="CartPole-v1", policy=EXAMPLE, episodes=400, concurrency=32,
+                                isolation="process", workers=2, output=tmp / "uss", cache="off",
+                                audit=False, max_steps=500)
+    try:
+        evaluate(request)
+    finally:
+        stop.set()
+        thread.join(2)
+    return {"sandboxes_sampled": len(samples),
+            "uss_median_mib": statistics.median(samples) if samples else None,
+            "uss_max_mib": max(samples) if samples else None}
+
+
+def markdown(result: dict[str, Any]) -> str:
+    """The table the README cites."""
+    cal = result["calibration"]
+    w = result.get("warm_evaluator")
+    c = result.get("cli", {})
+    a = result.get("acrobot", {})
+    u = result.get("sandbox_uss", {})
+    lines = [
+        "# Issue 15 speed and memory (one run, side by side)",
+        "",
+        f"Machine: {result['machine']}; run {result['when']}. Bare batched CartPole loop on one "
+        f"core this run: **{cal['cartpole']['steps_per_s']:,.0f} steps/s** (the issue's targets "
+        f"assume ~165k; scale absolute times by it). Load average at the start: "
+        f"{', '.join(f'{x:.1f}' for x in result['load_avg_at_start'])} on 2 cores (other jobs "
+        "shared the machine: the 2-worker rows got less than 2 cores).",
+        "",
+        "| what | measured | target |",
+        "|---|---:|---:|",
+    ]
+    if w:
+        lines += [
+        f"| warm Evaluator, 8 episodes, new weights (fast path, median) | "
+        f"{w['fast path']['new_weights_median_s']:.3f} s | <= 0.5 s |",
+        f"| warm Evaluator, cache hit (fast path, median) | "
+        f"{w['fast path']['cache_hit_median_s']:.3f} s | <= 0.3 s |",
+        f"| same, whole flow per call (before this change), new weights | "
+        f"{w['whole flow']['new_weights_median_s']:.3f} s | |",
+        f"| same, whole flow per call, cache hit | {w['whole flow']['cache_hit_median_s']:.3f} s | |",
+        ]
+    if c:
+        lines += [
+            f"| `python flows/eval.py --episodes 8`, very first run (starts the shared server) | "
+            f"{c['first_run']['wall_s']:.1f} s | <= 12 s |",
+            f"| same, shared server up | {c['server_up']['wall_s']:.1f} s | <= 6 s |",
+            f"| same, full cache hit (no cluster) | {c['cache_hit']['wall_s']:.1f} s | <= 3 s |",
+            f"| default evaluation (500 episodes, 2 workers): peak RSS of the process tree | "
+            f"{c['default_500']['peak_tree_rss_mib']:.0f} MiB | <= 1024 MiB |",
+            f"| the shared Prefect server (outside the tree, one per user) | "
+            f"{c['shared_server_rss_mib']:.0f} MiB | |",
+        ]
+    if a:
+        per_core = cal["acrobot"]["steps_per_s"]
+        lines += [
+            f"| Acrobot-v1 {a['episodes']} episodes, run stage, 2 workers | "
+            f"{a['run_stage_steps_per_s']:,.0f} steps/s = "
+            f"{a['run_stage_steps_per_s'] / (2 * per_core):.2f} x (bare {per_core:,.0f}/core x 2)"
+            " | >= 0.85 x |",
+            f"| same, whole evaluation | {a['whole_steps_per_s'] / (2 * per_core):.2f} x | >= 0.8 x |",
+        ]
+    if u and u.get("uss_median_mib") is not None:
+        lines.append(f"| unique memory (USS) of one `process` sandbox, median of "
+                     f"{u['sandboxes_sampled']} samples (max) | {u['uss_median_mib']:.1f} MiB "
+                     f"({u['uss_max_mib']:.1f}) | <= 15 MiB |")
+        if u.get("note"):
+            lines += ["", f"USS row: {u['note']}."]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the measurements and write ``bench/results/speed.{json,md}``."""
+    p = argparse.ArgumentParser(prog="python -m bench.speed", description=__doc__)
+    p.add_argument("--quick", action="store_true", help="fewer calls and episodes (a smoke run)")
+    p.add_argument("--skip", action="append", default=[], choices=["warm", "cli", "acrobot", "uss"])
+    p.add_argument("--output", default=str(RESULTS), help="where speed.json and speed.md go")
+    args = p.parse_args(argv)
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    calls, acro = (2, 200) if args.quick else (5, 1000)
+    result: dict[str, Any] = {
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
+        "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "load_avg_at_start": os.getloadavg(),
+    }
+    with tempfile.TemporaryDirectory(prefix="evalfleet-speed-") as tmp_name:
+        tmp = Path(tmp_name)
+        result["calibration"] = {
+            "cartpole": bare_steps_per_s("CartPole-v1", EXAMPLE, 400 if args.quick else 1000),
+            "acrobot": bare_steps_per_s("Acrobot-v1", ACROBOT_POLICY, acro // 2),
+        }
+        print(f"  bare loop/core: CartPole {result['calibration']['cartpole']['steps_per_s']:,.0f}, "
+              f"Acrobot {result['calibration']['acrobot']['steps_per_s']:,.0f} steps/s", flush=True)
+        # The Evaluator's runs need one Prefect API: the shared local server, in a private home.
+        os.environ["EVALFLEET_HOME"] = str(tmp / "efhome-warm")
+        os.environ.pop("PREFECT_API_URL", None)
+        from evalfleet import server
+
+        try:
+            if "warm" not in args.skip:
+                result["warm_evaluator"] = warm_evaluator(calls, tmp / "warm")
+            if "acrobot" not in args.skip:
+                from flows.runtime import prefect_api
+
+                with prefect_api():
+                    result["acrobot"] = acrobot_run_stage(acro, tmp)
+                print(f"  Acrobot run stage: {result['acrobot']['run_stage_steps_per_s']:,.0f} "
+                      "steps/s", flush=True)
+            if "uss" not in args.skip:
+                from flows.runtime import prefect_api
+
+                with prefect_api():
+                    result["sandbox_uss"] = sandbox_uss(tmp)
+                print(f"  sandbox USS: {result['sandbox_uss']}", flush=True)
+        finally:
+            server.stop_server()
+        if "cli" not in args.skip:
+            result["cli"] = cold_cli(tmp)
+    out = Path(args.output)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "speed.json").write_text(json.dumps(result, indent=2, default=float) + "\n")
+    (out / "speed.md").write_text(markdown(result))
+    print(markdown(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,160 @@
+"""The in-loop evaluation's fast path: the result first, the report's files and records after.
+
+``evaluate()`` runs the seven stages as a Prefect flow of Dask-mapped tasks: right for a CLI run
+or a deployment, but each task run costs tens of milliseconds of API calls and serialisation, and
+stage 7 (plots, the HTML page, replays, MLflow, Prefect artifacts) takes seconds. A training loop
+waits only for the numbers. ``evaluate_warm`` runs stages 1-6 in this process on the kept cluster
+(the run stage as raw Dask tasks, one per shard) and returns the report at once, with Parquet
+written and ``outputs`` saying where the rest will land; a ``FeedBackLane`` then runs stage 7 as
+the ``evalfleet-feed-back`` Prefect flow (its task writes the same files, MLflow run and Prefect
+artifacts as ``eval_flow``'s), in order, on one background thread. ``drain()`` waits for it.
+
+Adaptive and paired requests (rounds, a baseline) take ``evaluate()``, unchanged.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import logging
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import dask
+from prefect import flow
+
+from evalfleet.audit import RoundSchedule
+from evalfleet.cluster import client_for, installed
+from evalfleet.models import EvalReport, EvalRequest
+from evalfleet.pipeline import (
+    Collected,
+    Received,
+    collect,
+    distribute,
+    episode_cache,
+    plan,
+    receive,
+    scrubbed,
+    spawn,
+    store_in_cache,
+    summarize,
+)
+from evalfleet.records import stamp_evaluation
+from evalfleet.storage import run_dir, write_episodes
+from evalfleet.tracking import default_tracking_uri
+from evalfleet.worker import execute_shard
+from flows.eval import evaluate, gpu
+from tasks.feed_back import feed_back
+
+logger = logging.getLogger(__name__)
+
+#: Evaluations whose stage 7 the background flow run picks up, by request id (in-process only:
+#: the episode table never travels as a flow parameter).
+_waiting: dict[str, tuple[EvalRequest, Received, EvalReport, Collected]] = {}
+_waiting_lock = threading.Lock()
+
+
+def warm_eligible(request: EvalRequest) -> bool:
+    """Requests the fast path serves: a fixed episode count, no baseline."""
+    return request.target_ci_halfwidth is None and request.baseline is None
+
+
+def evaluate_warm(request: EvalRequest, address: str, lane: FeedBackLane) -> EvalReport:
+    """Stages 1-6 here and on the cluster at ``address``; stage 7 queued on ``lane``.
+
+    The returned report is the one ``evaluate()`` returns before its stage 7, with Parquet
+    written and ``outputs`` naming where report.json, the review files and the MLflow run will be
+    (``outputs['feed_back']`` is ``'pending'`` until the lane has run; ``lane.result(request_id)``
+    gives the final report).
+    """
+    if not warm_eligible(request):
+        return evaluate(request.model_copy(update={"dask_address": address}))
+    received = receive(request)                                                  # 1
+    schedule = RoundSchedule(request)
+    with episode_cache(request).exclusive(received.cache_key):
+        planned = plan(request, received, address, request.episodes)             # 2
+        planned = spawn(request, received, address, planned)
+        handle = distribute(request, received, address if planned.shards else None)  # 3
+        with installed(handle, address):
+            tables = []
+            if planned.shards:                                                   # 4
+                client = client_for(address)
+                with dask.annotate(resources=gpu(received)):
+                    futures = [client.submit(execute_shard, shard, handle, request,
+                                             received.isolation, pure=False)
+                               for shard in planned.shards]
+                try:
+                    tables = client.gather(futures)
+                except BaseException:
+                    client.cancel(futures)  # none may outlive the policy's release
+                    raise
+            collected = collect(tables, handle, planned)                         # 5
+        schedule.next_episodes(collected.table)
+        store_in_cache(request, received, collected)
+    report = summarize(request, received, schedule, collected)                   # 6
+    folder = run_dir(request.output, request.request_id)
+    parquet = write_episodes(stamp_evaluation(collected.table, request.training_run_id,
+                                              request.step), folder / "episodes.parquet")
+    outputs = {
+        "folder": str(folder.resolve()),
+        "episodes": str(parquet.resolve()),
+        "report": str((folder / "report.json").resolve()),
+        "mlflow_uri": request.mlflow_uri or default_tracking_uri(request.output),
+        "feed_back": "pending",
+    }
+    report = scrubbed(report.model_copy(update={"outputs": outputs}))
+    lane.submit(request, received, report, collected)                            # 7, after
+    return report
+
+
+@flow(name="evalfleet-feed-back", flow_run_name="{request.env}-{request.request_id}",
+      log_prints=False)
+def feed_back_flow(request: EvalRequest) -> EvalReport:
+    """Stage 7 of an evaluation whose stages 1-6 ran on the fast path: files, MLflow, artifacts."""
+    with _waiting_lock:
+        request, received, report, collected = _waiting.pop(request.request_id)
+    return feed_back(request, received, report, collected)
+
+
+class FeedBackLane:
+    """Runs queued stage-7 flows one at a time on a background thread, in submission order."""
+
+    def __init__(self) -> None:
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="evalfleet-feed-back")
+        self._futures: dict[str, Future[EvalReport]] = {}
+
+    def submit(self, request: EvalRequest, received: Received, report: EvalReport,
+               collected: Collected) -> Future[EvalReport]:
+        """Queue stage 7 of ``request``; the future gives the final report."""
+        with _waiting_lock:
+            _waiting[request.request_id] = (request, received, report, collected)
+        # The thread must see this caller's Prefect settings (API URL), not the process defaults.
+        context = contextvars.copy_context()
+        future = self._pool.submit(context.run, feed_back_flow, request)
+        self._futures[request.request_id] = future
+        future.add_done_callback(lambda f: self._log_failure(request, f))
+        return future
+
+    def result(self, request_id: str) -> Future[EvalReport] | None:
+        """The future final report of ``request_id`` (None if it never went through the lane)."""
+        return self._futures.get(request_id)
+
+    def drain(self, timeout: float | None = None) -> None:
+        """Wait until every queued stage 7 has finished."""
+        for future in list(self._futures.values()):
+            try:
+                future.result(timeout)
+            except Exception:  # logged by _log_failure
+                pass
+
+    def close(self) -> None:
+        """Finish what is queued, then stop the thread."""
+        self.drain()
+        self._pool.shutdown(wait=True)
+
+    @staticmethod
+    def _log_failure(request: EvalRequest, future: Future[EvalReport]) -> None:
+        err = future.exception()
+        if err is not None:
+            logger.error("feed back of %s failed: %s; the episodes are in %s", request.request_id,
+                         err, Path(run_dir(request.output, request.request_id)))

@@ -1,0 +1,83 @@
+"""The CLI's terminal: no library INFO lines by default, all of them with -v, failures in one paragraph."""
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from evalfleet.cli import EXIT_FAILED, build_parser, run_eval
+from evalfleet.console import quiet_environment
+
+ROOT = Path(__file__).resolve().parents[2]
+#: A log line of Prefect's console format, or of distributed's/mlflow's own, at INFO.
+INFO_LINE = re.compile(r"\|\s*INFO\s*\||\bINFO\b.*\b(distributed|prefect|mlflow)\b")
+
+
+def _cli(tmp_path: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), PREFECT_SERVER_ANALYTICS_ENABLED="false")
+    for key in ("PREFECT_LOGGING_SETTINGS_PATH", "DASK_LOGGING__DISTRIBUTED", "MLFLOW_LOGGING_LEVEL"):
+        env.pop(key, None)
+    return subprocess.run(
+        [sys.executable, "flows/eval.py", "--episodes", "4", "--concurrency", "4", "--workers", "1",
+         "--no-cache", "--no-audit", "--output", str(tmp_path / "out"), *extra],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.slow
+def test_default_run_prints_no_info_lines_and_verbose_does(prefect_server, tmp_path):
+    quiet = _cli(tmp_path)
+    assert quiet.returncode == 0, quiet.stderr[-3000:]
+    noisy = [line for line in (quiet.stdout + quiet.stderr).splitlines() if INFO_LINE.search(line)]
+    assert noisy == [], noisy[:10]
+    assert "mean return" in quiet.stdout and "episodes" in quiet.stdout  # the summary table
+
+    loud = _cli(tmp_path, "-v")
+    assert loud.returncode == 0, loud.stderr[-3000:]
+    lines = (loud.stdout + loud.stderr).splitlines()
+    assert any(re.search(r"INFO.*distributed\.", line) for line in lines), loud.stderr[-2000:]
+    assert any(re.search(r"INFO.*Task run 'run-episodes", line) for line in lines), loud.stderr[-2000:]
+
+
+@pytest.fixture
+def in_process_cli(monkeypatch):
+    """run_eval in this process: its environment and root logger level are put back after."""
+    import logging
+
+    for key in quiet_environment():
+        monkeypatch.delenv(key, raising=False)
+    level = logging.getLogger().level
+    yield
+    logging.getLogger().setLevel(level)
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    return build_parser().parse_args(list(argv))
+
+
+def _broken(request):
+    try:
+        raise KeyError("shard 3")
+    except KeyError as err:
+        raise RuntimeError("the run stage lost\n  its worker:\n\tconnection reset") from err
+
+
+def test_an_unexpected_failure_is_one_paragraph(capsys, in_process_cli):
+    code = run_eval(_broken, _args("--episodes", "4"))
+    err = capsys.readouterr().err
+    assert code == EXIT_FAILED
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert err.startswith("evalfleet: error: the evaluation failed: RuntimeError: "
+                          "the run stage lost its worker: connection reset."), err
+    assert "-v" in err
+
+
+def test_verbose_failure_adds_the_traceback(capsys, in_process_cli):
+    code = run_eval(_broken, _args("--episodes", "4", "-v"))
+    err = capsys.readouterr().err
+    assert code == EXIT_FAILED
+    assert "Traceback" in err and "KeyError: 'shard 3'" in err
+    assert err.rstrip().splitlines()[-1].startswith("evalfleet: error: the evaluation failed")
