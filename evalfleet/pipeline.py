@@ -492,7 +492,8 @@ def feed_back(
     """Stage 7: Parquet first (it must survive any other sink failing), cache, JSON, then MLflow."""
     t0 = time.perf_counter()
     report = scrubbed(report)
-    report = with_history(request, report, collected.table)
+    if report.history is None:  # the fast path computed it already, with the result
+        report = with_history(request, report, collected.table)
     folder = run_dir(request.output, request.request_id)
     stamped = stamp_evaluation(collected.table, request.training_run_id, request.step)
     parquet = write_episodes(stamped, folder / "episodes.parquet")

@@ -38,6 +38,7 @@ from evalfleet.pipeline import (
     spawn,
     store_in_cache,
     summarize,
+    with_history,
 )
 from evalfleet.records import stamp_evaluation
 from evalfleet.storage import run_dir, write_episodes
@@ -92,6 +93,11 @@ def evaluate_warm(request: EvalRequest, address: str, lane: FeedBackLane) -> Eva
         schedule.next_episodes(collected.table)
         store_in_cache(request, received, collected)
     report = summarize(request, received, schedule, collected)                   # 6
+    if request.training_run_id is not None and request.step is not None:
+        # The verdict and alarms are numbers training acts on: they come with the result. The
+        # run's earlier checkpoints are compared once their own stage 7 has logged them.
+        lane.drain()
+        report = with_history(request, report, collected.table)
     folder = run_dir(request.output, request.request_id)
     parquet = write_episodes(stamp_evaluation(collected.table, request.training_run_id,
                                               request.step), folder / "episodes.parquet")

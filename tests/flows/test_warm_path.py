@@ -88,3 +88,22 @@ def test_result_first_then_the_whole_report(prefect_server, tmp_path):
     import asyncio
 
     assert asyncio.run(runs()) == ["COMPLETED"]
+
+
+def test_the_verdict_comes_with_the_fast_result(prefect_server, tmp_path):
+    # A trainer acts on the verdict (promotion, best checkpoint): it must not arrive "later".
+    with Evaluator(env="CartPole-v1", policy_factory=mlp, num_episodes=8, concurrency=8,
+                   output=tmp_path / "out", runner=LocalFlowRunner(workers=1),
+                   training_run_id="warm-run") as ev:
+        first = ev.evaluate(_model(1), step=1)
+        second = ev.evaluate(_model(3), step=2)
+        assert first["report"].outputs["feed_back"] == "pending"
+        assert first["eval/verdict"] == "first"
+        # Compared with step 1, whose stage 7 had to log it first.
+        assert second["eval/verdict"] in {"new_best", "not_distinguishable", "regression"}
+        assert second["report"].history["best_step"] in (1, 2)
+    final = ev.final_report(second["report"].request_id)
+    assert final is not None
+    report = final.result(timeout=0)
+    assert report.history == second["report"].history  # computed once, not again in stage 7
+    assert [a for a in report.alarms if a in second["report"].alarms] == second["report"].alarms
