@@ -112,6 +112,9 @@ def add_eval_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--allow-failures", action="store_true",
                    help="exit 0 even when > 5%% of episodes failed in the harness (harness fault)")
     p.add_argument("-q", "--quiet", action="store_true", help="only print the summary")
+    p.add_argument("--retry-budget", type=int, default=d["retry_budget"].default, metavar="N",
+                   help="fresh-sandbox retries (same seed) of an episode ended by a harness "
+                   "failure (timeout, crashed, oom); 0 turns them off")
 
 
 def request_from_args(args: argparse.Namespace) -> EvalRequest:
@@ -150,6 +153,7 @@ def request_from_args(args: argparse.Namespace) -> EvalRequest:
         record_video=args.record_video,
         cache="off" if args.no_cache else "refresh" if args.refresh else "use",
         cache_dir=Path(args.cache_dir) if args.cache_dir else None,
+        retry_budget=getattr(args, "retry_budget", EvalRequest.model_fields["retry_budget"].default),
     )
 
 

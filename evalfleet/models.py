@@ -57,8 +57,12 @@ class EndReason(StrEnum):
 
     @property
     def is_infrastructural(self) -> bool:
-        """Failures caused by the sandbox rather than the env's logic (retried once, not cached)."""
+        """Failures caused by the sandbox rather than the env's logic (retried, never cached)."""
         return self in (EndReason.TIMEOUT, EndReason.CRASHED, EndReason.OOM)
+
+
+#: Most fresh-sandbox retries one episode may get (a crash loop must not run for ever).
+MAX_RETRY_BUDGET = 10
 
 
 class _Frozen(BaseModel):
@@ -123,6 +127,13 @@ class EvalRequest(_Frozen):
     record_video: int = Field(0, description="Render K chosen episodes to MP4/GIF (envs that render).")
     callback_url: str | None = Field(None, description="URL the report is POSTed to (HMAC-signed).")
     request_id: str = Field(default_factory=lambda: uuid.uuid4().hex[:16])
+    retry_budget: int = Field(
+        2, description="Fresh-sandbox retries (same seed) of an episode a harness failure ended "
+        "(timeout, crashed, oom); what still fails is left out and lowers coverage."
+    )
+    retry_backoff_s: float = Field(
+        0.2, description="Wait before an episode's first retry; doubles for each later one."
+    )
 
     @field_validator("env_kwargs", mode="before")
     @classmethod
@@ -195,6 +206,19 @@ class EvalRequest(_Frozen):
             )
         if not self.policy:
             raise RequestError("'policy' is empty: pass a policy file path or 'module:function'.")
+        return self
+
+    @model_validator(mode="after")
+    def _check_retries(self) -> EvalRequest:
+        if not 0 <= self.retry_budget <= MAX_RETRY_BUDGET:
+            raise RequestError(
+                f"'retry_budget' must be an integer from 0 to {MAX_RETRY_BUDGET} (got "
+                f"{self.retry_budget!r}); 0 turns infrastructure retries off."
+            )
+        if not 0 <= self.retry_backoff_s <= 60:
+            raise RequestError(
+                f"'retry_backoff_s' must be between 0 and 60 seconds (got {self.retry_backoff_s!r})."
+            )
         return self
 
     @classmethod

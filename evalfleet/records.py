@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass, field
 import pyarrow as pa
 
 #: Version of ``EPISODE_SCHEMA``; part of the cache key, so entries of another schema never hit.
-SCHEMA_VERSION = "3"
+SCHEMA_VERSION = "4"
 
 #: One row per episode, failures included. Declared once; every writer and reader uses it.
 EPISODE_SCHEMA = pa.schema(
@@ -28,7 +28,7 @@ EPISODE_SCHEMA = pa.schema(
         pa.field("worker", pa.string(), nullable=False),
         pa.field("sandbox", pa.string(), nullable=False),
         pa.field("isolation", pa.string(), nullable=False),
-        pa.field("retried", pa.bool_(), nullable=False),
+        pa.field("retried", pa.int64(), nullable=False),
         pa.field("metrics", pa.map_(pa.string(), pa.float64())),
         pa.field("nonfinal_reward_min", pa.float64()),
         pa.field("nonfinal_reward_max", pa.float64()),
@@ -36,6 +36,7 @@ EPISODE_SCHEMA = pa.schema(
         pa.field("nonfinal_steps_at_max", pa.int64(), nullable=False),
         pa.field("training_run_id", pa.string()),
         pa.field("step", pa.int64()),
+        pa.field("retry_reason", pa.string()),
     ],
     metadata={"evalfleet.schema_version": SCHEMA_VERSION},
 )
@@ -56,7 +57,9 @@ class EpisodeRecord:
     own kind) and ``nonfinal_steps_at_min``/``_max`` how many of those steps returned exactly
     those values: what the clip-boundary audit reads. ``training_run_id`` and ``step`` name the
     training checkpoint an evaluation's table was written for (``stamp_evaluation``); they are
-    not outcomes, so cached rows hold None and each evaluation stamps its own.
+    not outcomes, so cached rows hold None and each evaluation stamps its own. ``retried`` counts
+    the fresh-sandbox retries the episode took after harness failures (timeout, crashed, oom) and
+    ``retry_reason`` is the end reason of the last failed attempt (None when none failed).
     """
 
     request_id: str
@@ -74,7 +77,7 @@ class EpisodeRecord:
     worker: str
     sandbox: str
     isolation: str
-    retried: bool = False
+    retried: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
     nonfinal_reward_min: float | None = None
     nonfinal_reward_max: float | None = None
@@ -82,6 +85,7 @@ class EpisodeRecord:
     nonfinal_steps_at_max: int = 0
     training_run_id: str | None = None
     step: int | None = None
+    retry_reason: str | None = None
 
     def as_row(self) -> dict[str, object]:
         """The record as a row of ``EPISODE_SCHEMA``."""
