@@ -158,6 +158,7 @@ def fleet_cluster(address: str | None, workers: int) -> Iterator[str]:
         processes=True,
         dashboard_address=os.environ.get("EVALFLEET_DASHBOARD", ":0"),
         resources=resources,
+        preload=["evalfleet.lifeline"],  # workers die with this process, even on SIGKILL
     ) as cluster:
         logger.info("local Dask cluster at %s (dashboard %s)", cluster.scheduler_address,
                     cluster.dashboard_link)

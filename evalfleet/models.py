@@ -134,6 +134,11 @@ class EvalRequest(_Frozen):
     retry_backoff_s: float = Field(
         0.2, description="Wait before an episode's first retry; doubles for each later one."
     )
+    shard_episodes: int | None = Field(
+        None, description="Most episodes in one shard: finished shards persist at once, so a "
+        "killed evaluation loses at most the shards running. None: max(256, twice a shard's env "
+        "slots), which keeps one shard per worker for small evaluations."
+    )
 
     @field_validator("env_kwargs", mode="before")
     @classmethod
@@ -214,6 +219,10 @@ class EvalRequest(_Frozen):
             raise RequestError(
                 f"'retry_budget' must be an integer from 0 to {MAX_RETRY_BUDGET} (got "
                 f"{self.retry_budget!r}); 0 turns infrastructure retries off."
+            )
+        if self.shard_episodes is not None and self.shard_episodes <= 0:
+            raise RequestError(
+                f"'shard_episodes' must be a positive integer or None (got {self.shard_episodes!r})."
             )
         if not 0 <= self.retry_backoff_s <= 60:
             raise RequestError(
