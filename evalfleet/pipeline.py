@@ -52,7 +52,7 @@ from evalfleet.review import choose_episodes, cluster_failures, report_page
 from evalfleet.sandbox.isolation import resolve_isolation
 from evalfleet.seeds import SeedLedger
 from evalfleet.storage import run_dir, write_episodes, write_json, write_table
-from evalfleet.tracking import default_tracking_uri, log_evaluation
+from evalfleet.tracking import default_tracking_uri, flush_pending, log_or_queue, pending_dir
 from evalfleet.worker import warm_sandboxes
 
 logger = logging.getLogger(__name__)
@@ -541,20 +541,23 @@ def feed_back(
     write_json(report.model_dump(mode="json"), report_path)
     outputs["report"] = str(report_path.resolve())
     tracking_uri = request.mlflow_uri or default_tracking_uri(request.output)
-    try:
-        run_id = log_evaluation(
+    try:  # retried, then queued under the output folder: a failing sink never loses the result
+        outputs.update(log_or_queue(
+            request.output,
             tracking_uri,
             request.experiment,
             report.model_dump(mode="json"),
             params=mlflow_params(request, report),
             artifacts=[*artifacts, report_path],
             run_name=f"eval-{request.env.rsplit(':', 1)[-1]}-{report.policy_sha256[:12]}",
-        )
-        outputs["mlflow_uri"] = tracking_uri
-        outputs["mlflow_run_id"] = run_id
-    except Exception as err:  # a failing sink never loses the Parquet already written
+        ))
+    except Exception as err:  # even the queue failed (a full disk): the Parquet is written
         logger.error("MLflow logging failed (%s); results are in %s", err, folder)
         outputs["mlflow_error"] = f"{type(err).__name__}: {err}"
+    if "mlflow_run_id" in outputs:  # the store answers: log what earlier runs had to queue
+        flushed = flush_queued(request.output)
+        if flushed:
+            outputs["mlflow_flushed"] = flushed
     timings = dict(report.timings, feed_back=time.perf_counter() - t0)
     final = scrubbed(report.model_copy(update={"outputs": outputs, "timings": timings}))
     write_json(final.model_dump(mode="json"), report_path)
@@ -565,6 +568,17 @@ def feed_back(
         final = scrubbed(final.model_copy(update={"outputs": {**final.outputs, "callback": outcome}}))
         write_json(final.model_dump(mode="json"), report_path)
     return final
+
+
+def flush_queued(output: Path) -> str | None:
+    """Log MLflow runs earlier evaluations under ``output`` queued; a line saying what happened."""
+    if not any(pending_dir(output).glob("*.json")):
+        return None
+    results = flush_pending(output)
+    done = [r["request_id"] for r in results if "mlflow_run_id" in r]
+    left = len(results) - len(done)
+    logger.info("logged %d queued MLflow runs (%d still queued)", len(done), left)
+    return f"logged {len(done)} queued runs ({', '.join(done)}); {left} still queued"
 
 
 def store_in_cache(request: EvalRequest, received: Received, collected: Collected | None) -> int:

@@ -1,4 +1,4 @@
-"""The ``evalfleet`` command: ``eval`` (the flow's CLI), ``cache ls|rm``, ``serve``."""
+"""The ``evalfleet`` command: ``eval`` (the flow's CLI), ``cache ls|rm``, ``mlflow flush``, ``serve``."""
 
 from __future__ import annotations
 
@@ -22,6 +22,18 @@ def _cache(args: argparse.Namespace, rest: Sequence[str]) -> int:
     return run_cache(args)
 
 
+def _mlflow(args: argparse.Namespace, rest: Sequence[str]) -> int:
+    from evalfleet.tracking import flush_pending
+
+    results = flush_pending(args.output, args.mlflow_uri)
+    for r in results:
+        print(f"{r['pending']}: " + (f"logged as run {r['mlflow_run_id']}" if "mlflow_run_id" in r
+                                     else f"still queued ({r['error']})"))
+    left = sum("error" in r for r in results)
+    print(f"{len(results) - left} logged, {left} still queued")
+    return 1 if left else 0
+
+
 def _serve(args: argparse.Namespace, rest: Sequence[str]) -> int:
     # Imported only here: the service's modules take a second or more to import.
     from deployments.cli import main as serve_main
@@ -42,6 +54,13 @@ def build_parser() -> argparse.ArgumentParser:
                                 description="List or remove cache entries.")
     add_cache_commands(cache)
     cache.set_defaults(handler=_cache)
+    mlflow = commands.add_parser("mlflow", help="log MLflow runs queued while the store was down "
+                                 "(flush)", description="Log queued MLflow runs.")
+    mlflow.add_argument("action", choices=["flush"], help="log every queued run once")
+    mlflow.add_argument("--output", default="results", help="results folder whose queue to flush")
+    mlflow.add_argument("--mlflow-uri", default=None,
+                        help="log to this tracking URI instead of the one each run was queued with")
+    mlflow.set_defaults(handler=_mlflow)
     # serve parses its own options (and --help): everything after the word goes to it.
     serve = commands.add_parser("serve", add_help=False,
                                 help="start the service: Prefect server, Dask cluster, deployment, "

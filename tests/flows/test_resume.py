@@ -4,7 +4,9 @@ The first attempt is the CLI in a subprocess against the session Prefect server;
 about half of its shards have persisted (the test polls the cache folder). The re-run of the same
 request must reuse exactly the persisted episodes, compute the rest, and give the episode table
 (outcome columns, byte for byte) and statistics of an undisturbed run; the killed attempt's flow
-run must end Crashed, and no process the killed driver started may survive it.
+run must end Crashed, and no process the killed driver started may survive it. The re-run also
+meets an MLflow store it cannot write: its result is in Parquet and the cache, the MLflow run is
+queued, and a later flush logs it.
 """
 
 from __future__ import annotations
@@ -22,9 +24,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from evalfleet.cache import EpisodeCache
+from evalfleet.cluster import fleet_cluster
 from evalfleet.models import EvalRequest
 from evalfleet.pipeline import outcome_table
 from evalfleet.storage import read_episodes
+from evalfleet.summary import summary_text
+from evalfleet.tracking import flush_pending
 
 pytestmark = pytest.mark.slow
 
@@ -33,7 +39,7 @@ FIELDS: dict[str, Any] = {
     "env": "tests.sandbox.faulty_envs:evalfleet-test/SlowStep-v0",  # 2 ms steps: shards take ~1 s
     "policy": "tests.sandbox.faulty_envs:balance",
     "episodes": 64, "concurrency": 4, "max_steps": 60, "shard_episodes": 8,
-    "isolation": "inprocess", "seed": 7, "workers": 2,
+    "isolation": "process", "seed": 7, "workers": 2,  # fork servers and sandboxes must die too
 }
 SHARDS = len(range(0, 64, 8))
 
@@ -105,13 +111,29 @@ def test_killed_driver_resumes_to_the_undisturbed_table(prefect_server: str, tmp
         time.sleep(0.2)
     assert not left, [p.cmdline()[:4] for p in left]
 
-    resumed = evaluate(EvalRequest.build(**FIELDS, output=out))
+    # The re-run's MLflow store is unusable (a file where its folder should be): the result must
+    # still reach Parquet and the cache, with the MLflow run queued for a later flush.
+    blocker = tmp_path / "mlflow-down"
+    blocker.write_text("not a folder")
+    store = f"sqlite:///{blocker / 'mlflow.db'}"
+    with fleet_cluster(None, 2) as address:  # one cluster for the re-run and the clean run
+        resumed = evaluate(EvalRequest.build(**FIELDS, output=out, dask_address=address,
+                                             mlflow_uri=store))
+        clean = evaluate(EvalRequest.build(**FIELDS, output=tmp_path / "clean", cache="off",
+                                           dask_address=address))
     cache = resumed.cache
     assert (cache["status"], cache["reused"], cache["resumed"]) == ("partial", persisted, persisted)
     assert cache["computed"] == FIELDS["episodes"] - persisted
     assert list(out.glob("cache/*/*/shards/*.parquet")) == [], "shard files folded into the entry"
+    assert EpisodeCache(out / "cache").lookup(cache["key"], range(64)).status == "hit"
+    assert Path(resumed.outputs["episodes"]).exists() and "mlflow_run_id" not in resumed.outputs
+    assert Path(resumed.outputs["mlflow_queued"]).exists()
+    assert "mlflow_queued" in summary_text(resumed)
+    blocker.unlink()
+    blocker.mkdir()
+    [flushed] = flush_pending(out)
+    assert flushed["request_id"] == resumed.request_id and "mlflow_run_id" in flushed
 
-    clean = evaluate(EvalRequest.build(**FIELDS, output=tmp_path / "clean", cache="off"))
     got = outcome_table(read_episodes(resumed.outputs["episodes"]).sort_by("episode_index"))
     want = outcome_table(read_episodes(clean.outputs["episodes"]).sort_by("episode_index"))
     assert got.num_rows == FIELDS["episodes"]
