@@ -121,8 +121,7 @@ def main() -> int:
             try:
                 result = evaluator.evaluate(model, step=i, timeout=600)
                 report = result["report"]
-                table_rows = report["episodes"]
-                complete = table_rows == args.episodes and report["coverage"] == 1.0
+                complete = report.episodes == args.episodes and report.coverage == 1.0
             except Exception as err:  # a failed evaluation is a finding, not a crash of the soak
                 error, complete, report = f"{type(err).__name__}: {err}"[:300], False, None
             stop.set()

@@ -282,6 +282,21 @@ def release(handle: PolicyHandle, address: str | None) -> None:
             logger.warning("could not unregister %s: %s", handle.plugin_name, err)
 
 
+def scheduler_lost(err: BaseException) -> bool:
+    """True when ``err`` (or an exception it was raised from) says the Dask scheduler is gone."""
+    from distributed.client import FutureCancelledError
+    from distributed.comm.core import CommClosedError
+
+    seen: BaseException | None = err
+    while seen is not None:
+        if isinstance(seen, FutureCancelledError) and seen.reason == "scheduler-connection-lost":
+            return True
+        if isinstance(seen, CommClosedError):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
 def policy_on_worker(handle: PolicyHandle, source: str, action_space: Any) -> LoadedPolicy:
     """Fetch, verify by sha256 and load the policy once per worker process."""
     device = resolve_device(handle.device)

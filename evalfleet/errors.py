@@ -9,7 +9,8 @@ Hierarchy::
     ├── IsolationUnavailable  the requested sandbox level cannot be had on this machine
     ├── PolicyIntegrityError  a worker received policy bytes whose sha256 does not match
     ├── CacheCorruptError     a stored cache entry failed verification
-    └── CacheLockTimeout      a cache key stayed locked by another evaluation for too long
+    ├── CacheLockTimeout      a cache key stayed locked by another evaluation for too long
+    └── ClusterLost           the Dask scheduler went away during the run stage
 
     Stopped (a BaseException, like KeyboardInterrupt: no ``except Exception`` swallows it)
                               the process was asked to stop (SIGTERM) while it worked or waited
@@ -50,6 +51,10 @@ class CacheCorruptError(EvalfleetError):
 
 class CacheLockTimeout(EvalfleetError, TimeoutError):
     """Another evaluation held a cache key's lock for longer than the wait allows."""
+
+
+class ClusterLost(EvalfleetError):
+    """The Dask scheduler was lost mid-run; the shards that finished are persisted in the cache."""
 
 
 class Stopped(BaseException):

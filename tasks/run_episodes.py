@@ -7,6 +7,8 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 from prefect.futures import PrefectFutureList, as_completed
 
+from evalfleet.cluster import scheduler_lost
+from evalfleet.errors import ClusterLost
 from evalfleet.models import EvalRequest, PolicyHandle, Shard
 from evalfleet.worker import execute_shard
 
@@ -37,9 +39,17 @@ def shard_tables(shards: PrefectFutureList[pa.Table],
             tables[i] = table = future.result()
             persist(i, table)
         return [t for t in tables if t is not None]
-    except BaseException:
+    except BaseException as err:
         for future in shards:
             wrapped = getattr(future, "wrapped_future", None)
             if wrapped is not None and hasattr(wrapped, "cancel"):
                 wrapped.cancel()
+        if persist is not None and isinstance(err, Exception) and scheduler_lost(err):
+            done = [t for t in tables if t is not None]
+            raise ClusterLost(
+                f"the Dask scheduler was lost during the run stage, after {len(done)} of "
+                f"{len(shards)} shards finished; their {sum(t.num_rows for t in done)} episodes "
+                "are persisted in the cache. Bring the cluster back (or drop --dask-address) and "
+                "run the same request again: only the missing episodes run."
+            ) from err
         raise

@@ -53,6 +53,14 @@ def cli_args(output: Path) -> list[str]:
             "--output", str(output), "--quiet"]
 
 
+def free_loopback_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
 def ipc_bytes(table: pa.Table) -> bytes:
     sink = pa.BufferOutputStream()
     with pa.ipc.new_stream(sink, table.schema) as writer:
