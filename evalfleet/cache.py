@@ -412,6 +412,18 @@ class EpisodeCache:
                 "bytes": size,
                 "updated": m.get("updated"),
             })
+        listed = {str(e["key"]) for e in out}
+        for folder in sorted(self.root.glob(f"*/*/{SHARDS}")):
+            key = folder.parent.name
+            if key in listed or not self.shard_files(key):
+                continue  # an entry with a manifest counts its shard files' rows when stored
+            shards, files = self._read_shards(key)
+            out.append({  # only an interrupted evaluation's shards: a re-run resumes from them
+                "key": key, "env": None, "policy_sha256": None, "seed": None,
+                "rows": shards.num_rows if shards is not None else 0,
+                "bytes": sum(f.stat().st_size for f in files),
+                "updated": "interrupted (shard files only)",
+            })
         return out
 
 
