@@ -29,6 +29,14 @@ Each entry is ``<root>/<key[:2]>/<key>/episodes.parquet`` plus ``manifest.json``
 ingredients, the row count and the sha256 of the Parquet file; an entry whose file does not match
 its manifest is corrupt: it is removed and recomputed, never returned. An exclusive file lock per
 key makes concurrent identical requests compute once: the second waits and then hits.
+
+Episodes persist as their shard finishes, before the evaluation ends: each finished shard's
+cacheable rows go to ``<entry>/shards/<first-index>-<id>.parquet``, written to a temporary name,
+fsynced, renamed, and the folder fsynced, so a file under its final name is always whole (a
+killed writer leaves at most a ``.tmp`` file, which readers never open and the next write
+sweeps). A lookup reads the entry and every shard file: a request re-run after its driver was
+killed runs only the episodes no finished shard holds, and says how many it took from shard
+files (``Lookup.resumed``). The evaluation's final ``store`` folds the shard files into the entry.
 """
 
 from __future__ import annotations
@@ -40,6 +48,7 @@ import logging
 import os
 import shutil
 import time
+import uuid
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -49,10 +58,11 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.parquet as pq
 
 from evalfleet.errors import CacheCorruptError, CacheLockTimeout
 from evalfleet.records import EPISODE_SCHEMA, SCHEMA_VERSION
-from evalfleet.storage import read_episodes, write_episodes, write_json
+from evalfleet.storage import read_episodes, write_json
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +100,8 @@ class Lookup:
     stored: pa.Table
     missing: list[int]
     corrupt: bool = False
+    resumed: int = 0
+    """Stored rows read from shard files an unfinished evaluation persisted (see the module doc)."""
 
     @property
     def status(self) -> str:
@@ -105,6 +117,37 @@ def _lock_holder(lock_path: Path) -> str:
         return lock_path.read_text().strip() or "?"
     except OSError:
         return "?"
+
+
+#: The folder of an entry holding the shard files persisted while an evaluation runs.
+SHARDS = "shards"
+
+
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _durable_parquet(table: pa.Table, path: Path) -> Path:
+    """Write ``table`` to ``path``: temporary name, fsync, rename, fsync the folder."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+    try:
+        pq.write_table(table.cast(EPISODE_SCHEMA), tmp, compression="zstd")
+        with open(tmp, "rb+") as fh:
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
+    return path
+
+
+def _cacheable(table: pa.Table) -> pa.Table:
+    return table.filter(pc.is_in(table.column("end_reason"), value_set=pa.array(CACHEABLE_REASONS)))
 
 
 def _sha256_file(path: Path) -> str:
@@ -189,19 +232,99 @@ class EpisodeCache:
             raise CacheCorruptError(f"cache entry {key[:12]} is corrupt: {err}") from err
 
     def lookup(self, key: str, indices: Sequence[int]) -> Lookup:
-        """Stored rows among ``indices`` and the indices still to run; corrupt entries are dropped."""
+        """Stored rows among ``indices`` and the indices still to run; corrupt entries are dropped.
+
+        Rows come from the entry and from the shard files of evaluations that did not finish.
+        """
+        corrupt = False
         try:
             table = self._read(key)
         except CacheCorruptError as err:
             logger.warning("%s; removing it and recomputing", err)
-            self.remove(key)
-            return Lookup(key, EPISODE_SCHEMA.empty_table(), list(indices), corrupt=True)
-        if table is None:
-            return Lookup(key, EPISODE_SCHEMA.empty_table(), list(indices))
+            self._remove_entry_files(key)
+            table, corrupt = None, True
+        shards, _ = self._read_shards(key)
+        if table is None and shards is None:
+            return Lookup(key, EPISODE_SCHEMA.empty_table(), list(indices), corrupt=corrupt)
         wanted = pa.array(np.asarray(indices, dtype=np.int64))
-        stored = table.filter(pc.is_in(table.column("episode_index"), value_set=wanted))
+        resumed = 0
+        if shards is not None:
+            shards = shards.filter(pc.is_in(shards.column("episode_index"), value_set=wanted))
+            if table is not None:  # the entry's rows win: shard rows only add indices it lacks
+                shards = shards.filter(pc.invert(pc.is_in(
+                    shards.column("episode_index"), value_set=table.column("episode_index"))))
+            resumed = shards.num_rows
+        parts = [t.cast(EPISODE_SCHEMA) for t in (table, shards) if t is not None]
+        merged = pa.concat_tables(parts)
+        stored = merged.filter(pc.is_in(merged.column("episode_index"), value_set=wanted))
         have = set(stored.column("episode_index").to_pylist())
-        return Lookup(key, stored.sort_by("episode_index"), [i for i in indices if i not in have])
+        return Lookup(key, stored.sort_by("episode_index"), [i for i in indices if i not in have],
+                      corrupt=corrupt, resumed=resumed)
+
+    def persist_shard(self, key: str, table: pa.Table) -> int:
+        """Persist a finished shard's cacheable rows under ``key`` at once; returns rows written.
+
+        The file appears whole under its final name or not at all (see the module docstring).
+        """
+        keep = _cacheable(table)
+        if not keep.num_rows:
+            return 0
+        keep = keep.sort_by("episode_index")
+        folder = self.entry(key) / SHARDS
+        folder.mkdir(parents=True, exist_ok=True)
+        first = int(keep.column("episode_index")[0].as_py())
+        _durable_parquet(keep, folder / f"{first:010d}-{uuid.uuid4().hex[:12]}.parquet")
+        return int(keep.num_rows)
+
+    def shard_files(self, key: str) -> list[Path]:
+        """The key's persisted shard files (whole ones only: temporary files are never listed)."""
+        return sorted((self.entry(key) / SHARDS).glob("*.parquet"))
+
+    def _read_shards(self, key: str) -> tuple[pa.Table | None, list[Path]]:
+        """Rows of every readable shard file (a later file wins an index), and the files read.
+
+        An unreadable file (a disk fault: renamed files are whole) is deleted and its episodes
+        recomputed. Temporary files left by a killed writer are swept once they are a minute old.
+        """
+        folder = self.entry(key) / SHARDS
+        if not folder.is_dir():
+            return None, []
+        for tmp in folder.glob(".*.tmp"):
+            try:
+                if time.time() - tmp.stat().st_mtime > 60:
+                    tmp.unlink()
+            except OSError:
+                pass
+        tables, files = [], []
+        for path in self.shard_files(key):
+            try:
+                tables.append(read_episodes(path))
+                files.append(path)
+            except (OSError, pa.ArrowException) as err:
+                logger.warning("shard file %s is unreadable (%s); its episodes are recomputed",
+                               path, err)
+                path.unlink(missing_ok=True)
+        if not tables:
+            return None, files
+        merged = pa.concat_tables(tables[::-1])  # newest first, so its row is the one kept
+        _, first = np.unique(merged.column("episode_index").to_numpy(), return_index=True)
+        return merged.take(pa.array(np.sort(first))), files
+
+    def discard_shards(self, key: str) -> int:
+        """Delete the key's shard files (rows that must not be reused); returns files deleted."""
+        files = self.shard_files(key)
+        for path in files:
+            path.unlink(missing_ok=True)
+        return len(files)
+
+    def _remove_entry_files(self, key: str) -> None:
+        """Delete a corrupt entry's table and manifest, keeping shard files (whole by design)."""
+        if not self.shard_files(key):
+            self.remove(key)
+            return
+        folder = self.entry(key)
+        for name in ("episodes.parquet", "manifest.json"):
+            (folder / name).unlink(missing_ok=True)
 
     def store(self, key: str, table: pa.Table, ingredients: dict[str, Any], *, replace: bool = False,
               audit: dict[str, Any] | None = None) -> int:
@@ -209,20 +332,27 @@ class EpisodeCache:
 
         ``audit`` is the determinism audit that passed for these rows, reported again on a hit.
         """
-        keep = table.filter(pc.is_in(table.column("end_reason"), value_set=pa.array(CACHEABLE_REASONS)))
+        keep = _cacheable(table)
         old = None
+        shards, shard_files = self._read_shards(key)
         if not replace:
             try:
                 old = self._read(key)
             except CacheCorruptError:
                 old = None
+            if shards is not None:  # episodes persisted by shards (this or an interrupted run)
+                old = shards if old is None else pa.concat_tables([
+                    old.filter(pc.invert(pc.is_in(old.column("episode_index"),
+                                                  value_set=shards.column("episode_index")))),
+                    shards.cast(EPISODE_SCHEMA)])
         if old is not None and old.num_rows:
             new_idx = pa.array(keep.column("episode_index").to_numpy())
             old = old.filter(pc.invert(pc.is_in(old.column("episode_index"), value_set=new_idx)))
             keep = pa.concat_tables([old, keep.cast(EPISODE_SCHEMA)])
         keep = keep.sort_by("episode_index")
         folder = self.entry(key)
-        data_path = write_episodes(keep, folder / "episodes.parquet")
+        folder.mkdir(parents=True, exist_ok=True)
+        data_path = _durable_parquet(keep, folder / "episodes.parquet")
         write_json(
             {
                 "key": key,
@@ -234,6 +364,8 @@ class EpisodeCache:
             },
             folder / "manifest.json",
         )
+        for path in shard_files:  # folded into the entry just written
+            path.unlink(missing_ok=True)
         return int(keep.num_rows)
 
     def ingredients(self, key: str) -> dict[str, Any] | None:
@@ -279,6 +411,18 @@ class EpisodeCache:
                 "rows": m.get("rows"),
                 "bytes": size,
                 "updated": m.get("updated"),
+            })
+        listed = {str(e["key"]) for e in out}
+        for folder in sorted(self.root.glob(f"*/*/{SHARDS}")):
+            key = folder.parent.name
+            if key in listed or not self.shard_files(key):
+                continue  # an entry with a manifest counts its shard files' rows when stored
+            shards, files = self._read_shards(key)
+            out.append({  # only an interrupted evaluation's shards: a re-run resumes from them
+                "key": key, "env": None, "policy_sha256": None, "seed": None,
+                "rows": shards.num_rows if shards is not None else 0,
+                "bytes": sum(f.stat().st_size for f in files),
+                "updated": "interrupted (shard files only)",
             })
         return out
 

@@ -136,6 +136,13 @@ def add_eval_arguments(p: argparse.ArgumentParser) -> None:
                    "of the shared local one (evalfleet server status|stop)")
     p.add_argument("-v", "--verbose", action="store_true",
                    help="also print Prefect's, Dask's and MLflow's INFO logs, and tracebacks")
+    p.add_argument("--retry-budget", type=int, default=d["retry_budget"].default, metavar="N",
+                   help="fresh-sandbox retries (same seed) of an episode ended by a harness "
+                   "failure (timeout, crashed, oom); 0 turns them off")
+    p.add_argument("--shard-episodes", type=int, default=None, metavar="N",
+                   help="most episodes per shard; finished shards are persisted at once, so a "
+                   "re-run after a crash runs only what is missing (default: max(256, 2 x the "
+                   "shard's env slots))")
 
 
 def request_from_args(args: argparse.Namespace) -> EvalRequest:
@@ -175,6 +182,8 @@ def request_from_args(args: argparse.Namespace) -> EvalRequest:
         cache="off" if args.no_cache else "refresh" if args.refresh else "use",
         cache_dir=Path(args.cache_dir) if args.cache_dir else None,
         outcome_metric=args.outcome_metric,
+        retry_budget=getattr(args, "retry_budget", EvalRequest.model_fields["retry_budget"].default),
+        shard_episodes=getattr(args, "shard_episodes", None),
     )
 
 

@@ -158,6 +158,7 @@ def fleet_cluster(address: str | None, workers: int) -> Iterator[str]:
         processes=True,
         dashboard_address=os.environ.get("EVALFLEET_DASHBOARD", ":0"),
         resources=resources,
+        preload=["evalfleet.lifeline"],  # workers die with this process, even on SIGKILL
     ) as cluster:
         logger.info("local Dask cluster at %s (dashboard %s)", cluster.scheduler_address,
                     cluster.dashboard_link)
@@ -279,6 +280,21 @@ def release(handle: PolicyHandle, address: str | None) -> None:
             client_for(address).unregister_worker_plugin(handle.plugin_name)
         except Exception as err:  # workers forget it anyway when they restart
             logger.warning("could not unregister %s: %s", handle.plugin_name, err)
+
+
+def scheduler_lost(err: BaseException) -> bool:
+    """True when ``err`` (or an exception it was raised from) says the Dask scheduler is gone."""
+    from distributed.client import FutureCancelledError
+    from distributed.comm.core import CommClosedError
+
+    seen: BaseException | None = err
+    while seen is not None:
+        if isinstance(seen, FutureCancelledError) and seen.reason == "scheduler-connection-lost":
+            return True
+        if isinstance(seen, CommClosedError):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
 
 
 def policy_on_worker(handle: PolicyHandle, source: str, action_space: Any) -> LoadedPolicy:

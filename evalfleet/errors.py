@@ -11,7 +11,8 @@ Hierarchy::
     ├── PolicyIntegrityError  a worker received policy bytes whose sha256 does not match
     ├── CacheCorruptError     a stored cache entry failed verification
     ├── CacheLockTimeout      a cache key stayed locked by another evaluation for too long
-    └── ServerError           the shared local Prefect server could not be started or stopped
+    ├── ServerError           the shared local Prefect server could not be started or stopped
+    └── ClusterLost           the Dask scheduler went away during the run stage
 
     Stopped (a BaseException, like KeyboardInterrupt: no ``except Exception`` swallows it)
                               the process was asked to stop (SIGTERM) while it worked or waited
@@ -60,6 +61,10 @@ class CacheLockTimeout(EvalfleetError, TimeoutError):
 
 class ServerError(EvalfleetError):
     """The shared local Prefect server could not be started, reached or stopped."""
+
+
+class ClusterLost(EvalfleetError):
+    """The Dask scheduler was lost mid-run; the shards that finished are persisted in the cache."""
 
 
 class Stopped(BaseException):

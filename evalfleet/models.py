@@ -59,8 +59,12 @@ class EndReason(StrEnum):
 
     @property
     def is_infrastructural(self) -> bool:
-        """Failures caused by the sandbox rather than the env's logic (retried once, not cached)."""
+        """Failures caused by the sandbox rather than the env's logic (retried, never cached)."""
         return self in (EndReason.TIMEOUT, EndReason.CRASHED, EndReason.OOM)
+
+
+#: Most fresh-sandbox retries one episode may get (a crash loop must not run for ever).
+MAX_RETRY_BUDGET = 10
 
 
 class _Frozen(BaseModel):
@@ -133,6 +137,18 @@ class EvalRequest(_Frozen):
         True, description="Stage 7 replays episodes and writes plots and report.html; False "
         "writes only Parquet, report.json, MLflow and Prefect artifacts (suite tasks by default: "
         "the suite's page shows them), unless recordings are asked for."
+    )
+    retry_budget: int = Field(
+        2, description="Fresh-sandbox retries (same seed) of an episode a harness failure ended "
+        "(timeout, crashed, oom); what still fails is left out and lowers coverage."
+    )
+    retry_backoff_s: float = Field(
+        0.2, description="Wait before an episode's first retry; doubles for each later one."
+    )
+    shard_episodes: int | None = Field(
+        None, description="Most episodes in one shard: finished shards persist at once, so a "
+        "killed evaluation loses at most the shards running. None: max(256, twice a shard's env "
+        "slots), which keeps one shard per worker for small evaluations."
     )
 
     @field_validator("env_kwargs", mode="before")
@@ -216,6 +232,23 @@ class EvalRequest(_Frozen):
             raise RequestError(
                 f"'training_run_id' must be 1-256 letters, digits or '._-:/@+' "
                 f"(got {self.training_run_id!r}): the history finds evaluations by it in MLflow."
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _check_retries(self) -> EvalRequest:
+        if not 0 <= self.retry_budget <= MAX_RETRY_BUDGET:
+            raise RequestError(
+                f"'retry_budget' must be an integer from 0 to {MAX_RETRY_BUDGET} (got "
+                f"{self.retry_budget!r}); 0 turns infrastructure retries off."
+            )
+        if self.shard_episodes is not None and self.shard_episodes <= 0:
+            raise RequestError(
+                f"'shard_episodes' must be a positive integer or None (got {self.shard_episodes!r})."
+            )
+        if not 0 <= self.retry_backoff_s <= 60:
+            raise RequestError(
+                f"'retry_backoff_s' must be between 0 and 60 seconds (got {self.retry_backoff_s!r})."
             )
         return self
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -51,7 +51,7 @@ from evalfleet.review import choose_episodes, cluster_failures, report_page
 from evalfleet.sandbox.isolation import resolve_isolation
 from evalfleet.seeds import SeedLedger
 from evalfleet.storage import run_dir, write_episodes, write_json, write_table
-from evalfleet.tracking import default_tracking_uri, log_evaluation
+from evalfleet.tracking import default_tracking_uri, flush_pending, log_or_queue, pending_dir
 from evalfleet.worker import warm_sandboxes
 
 logger = logging.getLogger(__name__)
@@ -84,6 +84,8 @@ class Planned:
     cache_corrupt: bool
     warmed: tuple[dict[str, Any], ...] = ()
     """One entry per worker whose sandboxes' start was done here (``worker.warm_sandboxes``)."""
+    resumed: int = 0
+    """Of the cached rows, those read from shard files an interrupted evaluation persisted."""
 
     @property
     def shards(self) -> list[Shard]:
@@ -104,6 +106,8 @@ class Collected:
     plan_seconds: float
     cache_status: str
     cache_corrupt: bool
+    resumed: int = 0
+    """Reused rows that shard files of an interrupted evaluation held (all rounds)."""
 
 
 def receive(request: EvalRequest) -> Received:
@@ -175,10 +179,10 @@ def plan(
     slots = min(slots, max_shards) if max_shards else slots
     if work and address is None:
         raise RuntimeError("episodes are missing from the cache but no Dask cluster was given")
-    shard_plan = plan_shards(
+    shard_plan = checkpointed(plan_shards(
         request.request_id, request.seed, found.missing, request.concurrency, slots,
         total_episodes=episodes,
-    )
+    ), request)
     shards = list(shard_plan.shards)
     if audit:
         ledger = SeedLedger(request.seed)
@@ -192,7 +196,33 @@ def plan(
         "seconds": time.perf_counter() - t0 + (prior.plan_seconds if prior else 0.0),
     })
     return Planned(shard_plan, found.stored, found.status if request.cache == "use" else request.cache,
-                   found.corrupt)
+                   found.corrupt, resumed=found.resumed)
+
+
+def shard_cap(request: EvalRequest, slots_per_shard: int) -> int:
+    """Most episodes per shard: ``request.shard_episodes``, else max(256, 2 x the shard's slots)."""
+    if request.shard_episodes is not None:
+        return request.shard_episodes
+    return max(256, 2 * slots_per_shard)
+
+
+def checkpointed(shard_plan: ShardPlan, request: EvalRequest) -> ShardPlan:
+    """Split shards longer than ``shard_cap`` into consecutive pieces with the same slots.
+
+    A finished shard is persisted at once (``persist_shard``): smaller shards lose less to a
+    killed driver. Each piece keeps its shard's env slots, so as many environments as before
+    step at once on a worker; pieces queue behind each other on the cluster.
+    """
+    pieces: list[Shard] = []
+    for shard in shard_plan.shards:
+        cap = shard_cap(request, shard.slots)
+        for lo in range(0, len(shard.episode_indices), cap):
+            idx = shard.episode_indices[lo:lo + cap]
+            pieces.append(Shard(shard_id=len(pieces), episode_indices=idx,
+                                seeds=shard.seeds[lo:lo + cap], slots=min(shard.slots, len(idx))))
+    if len(pieces) == len(shard_plan.shards):
+        return shard_plan
+    return shard_plan.model_copy(update={"shards": pieces})
 
 
 def spawn(request: EvalRequest, received: Received, address: str | None, planned: Planned
@@ -243,6 +273,7 @@ def collect(
         plan_seconds=planned.plan.seconds,
         cache_status=planned.cache_status,
         cache_corrupt=planned.cache_corrupt or (prior.cache_corrupt if prior else False),
+        resumed=planned.resumed + (prior.resumed if prior else 0),
     )
 
 
@@ -268,7 +299,8 @@ def summarize(
         timings=timings,
         cache={"status": cache_status(request, collected), "key": received.cache_key,
                "reused": collected.plan_cached, "computed": collected.fresh.num_rows,
-               "corrupt_entry_recomputed": collected.cache_corrupt},
+               "corrupt_entry_recomputed": collected.cache_corrupt,
+               "resumed": collected.resumed},
         run_seconds=collected.run_seconds,
     )
     alarms = list(report.alarms) + reward_integrity(collected.table)
@@ -520,20 +552,23 @@ def feed_back(
     write_json(report.model_dump(mode="json"), report_path)
     outputs["report"] = str(report_path.resolve())
     tracking_uri = request.mlflow_uri or default_tracking_uri(request.output)
-    try:
-        run_id = log_evaluation(
+    try:  # retried, then queued under the output folder: a failing sink never loses the result
+        outputs.update(log_or_queue(
+            request.output,
             tracking_uri,
             request.experiment,
             report.model_dump(mode="json"),
             params=mlflow_params(request, report),
             artifacts=[*artifacts, report_path],
             run_name=f"eval-{request.env.rsplit(':', 1)[-1]}-{report.policy_sha256[:12]}",
-        )
-        outputs["mlflow_uri"] = tracking_uri
-        outputs["mlflow_run_id"] = run_id
-    except Exception as err:  # a failing sink never loses the Parquet already written
+        ))
+    except Exception as err:  # even the queue failed (a full disk): the Parquet is written
         logger.error("MLflow logging failed (%s); results are in %s", err, folder)
         outputs["mlflow_error"] = f"{type(err).__name__}: {err}"
+    if "mlflow_run_id" in outputs:  # the store answers: log what earlier runs had to queue
+        flushed = flush_queued(request.output)
+        if flushed:
+            outputs["mlflow_flushed"] = flushed
     timings = dict(report.timings, feed_back=time.perf_counter() - t0)
     final = scrubbed(report.model_copy(update={"outputs": outputs, "timings": timings}))
     write_json(final.model_dump(mode="json"), report_path)
@@ -567,6 +602,17 @@ def with_history(request: EvalRequest, report: EvalReport, table: pa.Table) -> E
                                      "alarms": [*report.alarms, *alarm_lines(history)]})
 
 
+def flush_queued(output: Path) -> str | None:
+    """Log MLflow runs earlier evaluations under ``output`` queued; a line saying what happened."""
+    if not any(pending_dir(output).glob("*.json")):
+        return None
+    results = flush_pending(output)
+    done = [r["request_id"] for r in results if "mlflow_run_id" in r]
+    left = len(results) - len(done)
+    logger.info("logged %d queued MLflow runs (%d still queued)", len(done), left)
+    return f"logged {len(done)} queued runs ({', '.join(done)}); {left} still queued"
+
+
 def store_in_cache(request: EvalRequest, received: Received, collected: Collected | None) -> int:
     """Store the episodes under the request's key (while its lock is held); returns rows stored.
 
@@ -580,10 +626,34 @@ def store_in_cache(request: EvalRequest, received: Received, collected: Collecte
         return 0
     audit = determinism_audit(collected.table, collected.audit_rows) if request.audit else None
     if audit and audit["mismatches"]:
+        episode_cache(request).discard_shards(received.cache_key)  # persisted as shards finished
         return 0
     return episode_cache(request).store(received.cache_key, collected.table,
                                         received.cache_ingredients,
                                         replace=request.cache == "refresh", audit=audit)
+
+
+def persist_shard(request: EvalRequest, received: Received, shard: Shard, table: pa.Table) -> int:
+    """Persist one finished shard's episodes under the request's key now; returns rows written.
+
+    So a driver killed later loses nothing finished: the same request re-run plans only what no
+    finished shard holds. Audit shards (re-runs) and the cache off persist nothing; a failing
+    write is logged and left to the final ``store_in_cache``, never costing the evaluation.
+    """
+    if request.cache == "off" or shard.audit:
+        return 0
+    try:
+        return episode_cache(request).persist_shard(received.cache_key, table)
+    except OSError as err:
+        logger.warning("could not persist shard %d's episodes (%s); they are stored when the "
+                       "evaluation ends", shard.shard_id, err)
+        return 0
+
+
+def shard_persister(request: EvalRequest, received: Received, planned: Planned
+                    ) -> Callable[[int, pa.Table], int]:
+    """``persist_shard`` of the ``planned`` shard at a position, for the run stage's futures."""
+    return lambda position, table: persist_shard(request, received, planned.shards[position], table)
 
 
 def same_policy(request: EvalRequest, received: Received) -> bool:

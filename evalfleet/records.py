@@ -31,7 +31,7 @@ EPISODE_SCHEMA = pa.schema(
         pa.field("worker", pa.string(), nullable=False),
         pa.field("sandbox", pa.string(), nullable=False),
         pa.field("isolation", pa.string(), nullable=False),
-        pa.field("retried", pa.bool_(), nullable=False),
+        pa.field("retried", pa.int64(), nullable=False),
         pa.field("metrics", pa.map_(pa.string(), pa.float64())),
         pa.field("nonfinal_reward_min", pa.float64()),
         pa.field("nonfinal_reward_max", pa.float64()),
@@ -40,6 +40,7 @@ EPISODE_SCHEMA = pa.schema(
         pa.field("training_run_id", pa.string()),
         pa.field("step", pa.int64()),
         pa.field("action_counts", pa.list_(pa.int64())),
+        pa.field("retry_reason", pa.string()),
     ],
     metadata={"evalfleet.schema_version": SCHEMA_VERSION},
 )
@@ -64,6 +65,8 @@ class EpisodeRecord:
     ``action_counts`` counts, for a ``Discrete`` action space of at most ``MAX_COUNTED_ACTIONS``
     actions, how often the episode took each action (index 0 = the space's ``start``); None for
     other spaces. It is what the history's action-distribution alarms read.
+    ``retried`` counts the fresh-sandbox retries the episode took after harness failures (timeout,
+    crashed, oom) and ``retry_reason`` is the end reason of the last failed attempt (None when none failed).
     """
 
     request_id: str
@@ -81,7 +84,7 @@ class EpisodeRecord:
     worker: str
     sandbox: str
     isolation: str
-    retried: bool = False
+    retried: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
     nonfinal_reward_min: float | None = None
     nonfinal_reward_max: float | None = None
@@ -90,6 +93,7 @@ class EpisodeRecord:
     training_run_id: str | None = None
     step: int | None = None
     action_counts: list[int] | None = None
+    retry_reason: str | None = None
 
     def as_row(self) -> dict[str, object]:
         """The record as a row of ``EPISODE_SCHEMA``."""

@@ -10,6 +10,7 @@ step can leak into a return or a length, and the set of episodes is fixed by ind
 from __future__ import annotations
 
 import contextvars
+import heapq
 import logging
 import threading
 import time
@@ -38,6 +39,8 @@ DEFAULT_POLICY_TIMEOUT_S = 30.0
 #: The first forward of a shard may take this many times the bound: it pays one-off costs (CUDA
 #: context and cuBLAS/cuDNN set-up, TorchScript's profiling runs, lazy modules, first page-ins).
 FIRST_FORWARD_FACTOR = 4.0
+#: Default fresh-sandbox retries of an episode a harness failure ended (``EvalRequest.retry_budget``).
+DEFAULT_RETRY_BUDGET = 2
 
 
 class _Abandoned(Exception):
@@ -190,12 +193,17 @@ def run_shard(
     retry_infrastructure: bool = True,
     on_episode: Callable[[EpisodeRecord], None] | None = None,
     policy_timeout_s: float | None = DEFAULT_POLICY_TIMEOUT_S,
+    retry_budget: int = DEFAULT_RETRY_BUDGET,
+    retry_backoff_s: float = 0.0,
 ) -> list[EpisodeRecord]:
     """Run ``episodes`` (``(index, seed)`` pairs) on ``slots``; one record per episode.
 
     A failure ends only its own episode: the slot's env is rebuilt and takes the next index.
-    Infrastructure failures (timeout, crash, OOM of a sandbox) are retried once with the same
-    seed when ``retry_infrastructure``; the row then says ``retried``. A policy that raises ends
+    Infrastructure failures (timeout, crash, OOM of a sandbox) are retried with the same seed on
+    a fresh sandbox, up to ``retry_budget`` times (none unless ``retry_infrastructure``), the
+    k-th retry not before ``retry_backoff_s * 2**(k-1)`` seconds (other slots go on meanwhile);
+    the row says how often (``retried``) and why the last failed attempt ended
+    (``retry_reason``). Env errors are deterministic for a seed: never retried. A policy that raises ends
     only the episodes whose observation makes it raise (the batch is split down to single rows);
     their rows keep the return and length up to that step.
 
@@ -214,7 +222,8 @@ def run_shard(
     through it; any other ``EnvSlots`` through ``step_many``.
     """
     return ShardRun(episodes, slots, policy, ctx, retry_infrastructure=retry_infrastructure,
-                    on_episode=on_episode, policy_timeout_s=policy_timeout_s).run()
+                    on_episode=on_episode, policy_timeout_s=policy_timeout_s,
+                    retry_budget=retry_budget, retry_backoff_s=retry_backoff_s).run()
 
 
 class ShardRun:
@@ -236,6 +245,8 @@ class ShardRun:
         retry_infrastructure: bool,
         on_episode: Callable[[EpisodeRecord], None] | None,
         policy_timeout_s: float | None,
+        retry_budget: int = DEFAULT_RETRY_BUDGET,
+        retry_backoff_s: float = 0.0,
     ) -> None:
         self.slots = slots
         self.ctx = ctx
@@ -245,6 +256,12 @@ class ShardRun:
         self.retry_infrastructure = retry_infrastructure
         self.on_episode = on_episode
         self.policy_timeout_s = policy_timeout_s
+        self.retry_budget = retry_budget if retry_infrastructure else 0
+        self.retry_backoff_s = retry_backoff_s
+        # Per episode index: (retries so far, end reason of the last failed attempt).
+        self.attempts: dict[int, tuple[int, str]] = {}
+        # Retries waiting out their backoff: (due on the monotonic clock, index, seed).
+        self.delayed: list[tuple[float, int, int]] = []
         n = self.n = slots.n
         self._step_batch = slots.step_batch if isinstance(slots, BatchEnvSlots) else None
         self.pending: deque[tuple[int, int, bool]] = deque((i, s, False) for i, s in episodes)
@@ -330,7 +347,7 @@ class ShardRun:
         live = self.live
         self.reset(list(range(min(self.n, len(self.pending))))[::-1])
         everyone = np.arange(self.n)
-        while live.any():
+        while live.any() or self.await_retries():
             all_live = bool(live.all())
             order = everyone if all_live else np.flatnonzero(live)  # ascending: the row order
             buf = self.obs
@@ -346,21 +363,23 @@ class ShardRun:
     def give_up(self) -> None:
         """The watcher's end of a hung forward: the shard thread is inside the policy for good."""
         ctx, bound, rows = self.ctx, self.watch.bound, self.watch.rows
+        self.release_retries(all_of_them=True)
         for slot in np.flatnonzero(self.live).tolist():
             self.finish(slot, EndReason.POLICY_TIMEOUT.value,
                         f"policy forward did not return within {bound:g} s (a batch of {rows} "
                         f"rows, at step {int(self.length[slot])} of this episode); the shard's "
                         "other episodes were ended without another call into the policy", {})
-        for index, seed, retried in self.pending:
+        for index, seed, _ in self.pending:
             self._emit(EpisodeRecord(
                 request_id=ctx.request_id, policy_sha256=ctx.policy_sha256, env_id=ctx.env_id,
                 env_spec_hash=ctx.env_spec_hash, episode_index=index, seed=seed,
                 episode_return=0.0, length=0, end_reason=EndReason.POLICY_TIMEOUT.value,
                 error=f"not run: a policy forward in this shard did not return within {bound:g} s",
                 success=None, wall_seconds=0.0, worker=ctx.worker, sandbox="not-started",
-                isolation=self.slots.isolation, retried=retried, metrics={},
-                nonfinal_reward_min=None, nonfinal_reward_max=None,
-                nonfinal_steps_at_min=0, nonfinal_steps_at_max=0))
+                isolation=self.slots.isolation, retried=self.attempts.get(index, (0, None))[0],
+                metrics={}, nonfinal_reward_min=None, nonfinal_reward_max=None,
+                nonfinal_steps_at_min=0, nonfinal_steps_at_max=0,
+                retry_reason=self.attempts.get(index, (0, None))[1]))
         self.pending.clear()
         logger.warning("policy forward hung for %g s on a batch of %d rows; shard of %s ended "
                        "as policy_timeout", bound, rows, ctx.worker)
@@ -370,6 +389,7 @@ class ShardRun:
     def reset(self, free: list[int]) -> None:
         """Reset free slots with the next indices until each holds a live episode or work runs out."""
         pending = self.pending
+        self.release_retries()
         while free and pending:
             batch = []
             while free and pending:
@@ -395,10 +415,9 @@ class ShardRun:
     def finish(self, slot: int, reason: str, error: str | None, info: dict[str, float]) -> None:
         """End ``slot``'s episode: requeue it (an infrastructure failure, once) or emit its row."""
         self.live[slot] = False
-        retried = self.ep_retried[slot]
-        if self.retry_infrastructure and not retried and EndReason(reason).is_infrastructural:
-            self.pending.appendleft((self.ep_index[slot], self.ep_seed[slot], True))
+        if self.schedule_retry(slot, reason):
             return
+        retried, retry_reason = self.attempts.get(self.ep_index[slot], (0, None))
         ctx, scrub = self.ctx, self._scrub
         nmin, nmax = self.nmin[slot], self.nmax[slot]
         success = next((bool(info[k]) for k in SUCCESS_KEYS if k in info), None)
@@ -425,7 +444,43 @@ class ShardRun:
             nonfinal_steps_at_min=int(nmin),
             nonfinal_steps_at_max=int(nmax),
             action_counts=self.acounts[slot].tolist() if self.acounts is not None else None,
+            retry_reason=retry_reason,
         ))
+
+    # -- infrastructure retries ------------------------------------------------------------------
+
+    def schedule_retry(self, slot: int, reason: str) -> bool:
+        """Queue ``slot``'s episode again after a harness failure, within the budget; True if queued.
+
+        The slot's sandbox was replaced when it failed, so the retry runs on a fresh one, with
+        the same seed, after a backoff that doubles per attempt.
+        """
+        if not EndReason(reason).is_infrastructural:
+            return False
+        index = self.ep_index[slot]
+        count = self.attempts.get(index, (0, ""))[0]
+        if count >= self.retry_budget:
+            return False
+        self.attempts[index] = (count + 1, reason)
+        due = time.monotonic() + self.retry_backoff_s * 2 ** count
+        heapq.heappush(self.delayed, (due, index, self.ep_seed[slot]))
+        return True
+
+    def release_retries(self, all_of_them: bool = False) -> None:
+        """Move retries whose backoff is over (or all of them) to the front of the queue."""
+        now = time.monotonic()
+        while self.delayed and (all_of_them or self.delayed[0][0] <= now):
+            _, index, seed = heapq.heappop(self.delayed)
+            self.pending.appendleft((index, seed, True))
+
+    def await_retries(self) -> bool:
+        """With no episode live, wait out the next retry's backoff and start it; True if one runs."""
+        while self.delayed and not self.live.any():
+            wait = self.delayed[0][0] - time.monotonic()
+            if wait > 0:
+                time.sleep(wait)
+            self.reset(list(range(self.n))[::-1])
+        return bool(self.live.any())
 
     def _emit(self, record: EpisodeRecord) -> None:
         self.records.append(record)

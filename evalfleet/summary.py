@@ -81,10 +81,13 @@ def summary_rows(report: EvalReport) -> list[dict[str, str]]:
                                      f"of {w['steps']} non-final steps"))
     if report.alarms:
         rows.append(("ALARMS", "; ".join(report.alarms)))
-    rows.append(("cache", f"{report.cache.get('status')} (reused {report.cache.get('reused', 0)})"))
+    resumed = report.cache.get("resumed") or 0
+    rows.append(("cache", f"{report.cache.get('status')} (reused {report.cache.get('reused', 0)}"
+                          + (f", {resumed} persisted by an interrupted run)" if resumed else ")")))
     wall = sum(report.timings.values())
     rows.append(("wall time", f"{wall:.2f} s ({report.steps_per_second:,.0f} env steps/s in run)"))
-    for key in ("episodes", "report", "mlflow_run_id", "mlflow_error"):
+    for key in ("episodes", "report", "mlflow_run_id", "mlflow_error", "mlflow_queued",
+                "mlflow_flushed"):
         if key in report.outputs:
             rows.append((key if key != "episodes" else "parquet", report.outputs[key]))
     return [{"metric": k, "value": v} for k, v in rows]

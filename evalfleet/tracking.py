@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -286,3 +288,108 @@ def log_suite(
         client.log_artifact(run_id, str(path))
     client.set_terminated(run_id, "FAILED" if report["harness_fault"] else "FINISHED")
     return run_id
+
+
+#: Folder under the results folder holding MLflow runs not logged yet (one JSON file each).
+PENDING_DIR = "mlflow-pending"
+#: Attempts at logging one evaluation before it is queued, and the waits between them (s).
+LOG_ATTEMPTS = 3
+LOG_WAIT_S = (0.5, 4.0)
+#: MLflow's HTTP client settings while evalfleet logs (each attempt then ends within ~a minute).
+MLFLOW_HTTP_BOUNDS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_TIMEOUT": "20",
+                      "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1"}
+
+
+def _attempts(attempts: int, wait_s: tuple[float, float]) -> Any:
+    from tenacity import Retrying, stop_after_attempt, wait_exponential
+
+    return Retrying(stop=stop_after_attempt(attempts), reraise=True,
+                    wait=wait_exponential(multiplier=wait_s[0], max=wait_s[1]))
+
+
+def pending_dir(output: Path) -> Path:
+    """Where ``output``'s queued MLflow runs wait for the store to come back."""
+    return Path(output) / PENDING_DIR
+
+
+def log_or_queue(
+    output: Path, tracking_uri: str, experiment: str, report: dict[str, Any],
+    params: dict[str, Any], artifacts: list[Path], run_name: str, *,
+    attempts: int = LOG_ATTEMPTS, wait_s: tuple[float, float] = LOG_WAIT_S,
+) -> dict[str, str]:
+    """Log the evaluation to MLflow, retried; if the store stays unreachable, queue it.
+
+    Returns the report's outputs to add: ``mlflow_uri`` and ``mlflow_run_id`` once logged, else
+    ``mlflow_error`` and ``mlflow_queued`` (the pending file that ``flush_pending`` logs later:
+    the next evaluation writing to ``output``, or ``evalfleet mlflow flush``). The Parquet and the
+    cache were written before this runs, so nothing of the result depends on it.
+    """
+    # MLflow's own HTTP retries (7, backoff factor 2: minutes) would multiply with ours; bounded
+    # here unless the operator chose other values.
+    for name, value in MLFLOW_HTTP_BOUNDS.items():
+        os.environ.setdefault(name, value)
+    try:
+        for attempt in _attempts(attempts, wait_s):
+            with attempt:
+                run_id = log_evaluation(tracking_uri, experiment, report, params, artifacts, run_name)
+        return {"mlflow_uri": tracking_uri, "mlflow_run_id": run_id}
+    except Exception as err:  # noqa: BLE001 - any store failure queues the run
+        error = f"{type(err).__name__}: {err}"[:1000]
+    entry = {"tracking_uri": tracking_uri, "experiment": experiment, "report": report,
+             "params": {k: str(v) for k, v in params.items()},
+             "artifacts": [str(Path(a).resolve()) for a in artifacts], "run_name": run_name,
+             "error": error, "queued": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    folder = pending_dir(output)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{report['request_id']}.json"
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(entry, default=str))
+    os.replace(tmp, path)
+    logger.error("MLflow logging failed after %d attempts (%s); queued as %s: the next evaluation "
+                 "writing to %s, or 'evalfleet mlflow flush --output %s', logs it", attempts,
+                 error, path, output, output)
+    return {"mlflow_error": error, "mlflow_queued": str(path.resolve())}
+
+
+def flush_pending(output: Path, tracking_uri: str | None = None) -> list[dict[str, str]]:
+    """Log every queued run of ``output`` once; returns one outcome per pending file.
+
+    A run that logs is removed from the queue, and its report.json (when still there) gets its
+    ``mlflow_run_id``; one that fails again stays queued. ``tracking_uri`` overrides the URI a
+    run was queued with (a store that moved).
+    """
+    results = []
+    for path in sorted(pending_dir(output).glob("*.json")):
+        try:
+            entry = json.loads(path.read_text())
+            uri = tracking_uri or entry["tracking_uri"]
+            artifacts = [Path(a) for a in entry["artifacts"] if Path(a).exists()]
+            run_id = log_evaluation(uri, entry["experiment"], entry["report"], entry["params"],
+                                    artifacts, entry["run_name"])
+        except Exception as err:  # noqa: BLE001 - stays queued for the next flush
+            results.append({"pending": str(path), "error": f"{type(err).__name__}: {err}"[:500]})
+            continue
+        path.unlink(missing_ok=True)
+        _note_logged(entry, uri, run_id)
+        results.append({"pending": str(path), "request_id": str(entry["report"]["request_id"]),
+                        "mlflow_run_id": run_id})
+    return results
+
+
+def _note_logged(entry: dict[str, Any], uri: str, run_id: str) -> None:
+    """Record the late MLflow run in the evaluation's report.json, if it is among the artifacts."""
+    for name in entry["artifacts"]:
+        if Path(name).name != "report.json" or not Path(name).exists():
+            continue
+        try:
+            report = json.loads(Path(name).read_text())
+            outputs = dict(report.get("outputs") or {})
+            outputs.pop("mlflow_queued", None)
+            outputs.update(mlflow_uri=uri, mlflow_run_id=run_id,
+                           mlflow_logged_late=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+            report["outputs"] = outputs
+            tmp = Path(name).with_name(".report.json.tmp")
+            tmp.write_text(json.dumps(report, indent=2, sort_keys=True, default=str) + "\n")
+            os.replace(tmp, name)
+        except (OSError, ValueError) as err:
+            logger.warning("logged %s late, but could not update %s: %s", run_id, name, err)

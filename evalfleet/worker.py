@@ -156,7 +156,9 @@ def _execute_shard(shard: Shard, handle: PolicyHandle, request: EvalRequest, iso
     try:
         records = run_shard(list(zip(shard.episode_indices, shard.seeds, strict=True)), slots,
                             policy, ctx, on_episode=None if shard.audit else on_episode,
-                            policy_timeout_s=request.policy_timeout_s)
+                            policy_timeout_s=request.policy_timeout_s,
+                            retry_budget=request.retry_budget,
+                            retry_backoff_s=request.retry_backoff_s)
     finally:
         slots.close()
     if not shard.audit:

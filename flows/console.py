@@ -1,4 +1,4 @@
-"""The ``evalfleet`` command: ``eval``, ``cache ls|rm``, ``history``, ``server``, ``serve``."""
+"""The ``evalfleet`` command: ``eval``, ``cache``, ``history``, ``server``, ``mlflow``, ``serve``."""
 
 from __future__ import annotations
 
@@ -40,6 +40,18 @@ def _server(args: argparse.Namespace, rest: Sequence[str]) -> int:
     return server_command(args.action)
 
 
+def _mlflow(args: argparse.Namespace, rest: Sequence[str]) -> int:
+    from evalfleet.tracking import flush_pending
+
+    results = flush_pending(args.output, args.mlflow_uri)
+    for r in results:
+        print(f"{r['pending']}: " + (f"logged as run {r['mlflow_run_id']}" if "mlflow_run_id" in r
+                                     else f"still queued ({r['error']})"))
+    left = sum("error" in r for r in results)
+    print(f"{len(results) - left} logged, {left} still queued")
+    return 1 if left else 0
+
+
 def _serve(args: argparse.Namespace, rest: Sequence[str]) -> int:
     # Imported only here: the service's modules take a second or more to import.
     from deployments.cli import main as serve_main
@@ -74,6 +86,13 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("action", choices=["status", "start", "stop"],
                         help="status: url, pid, uptime (exit 1 if not running); start; stop")
     server.set_defaults(handler=_server)
+    mlflow = commands.add_parser("mlflow", help="log MLflow runs queued while the store was down "
+                                 "(flush)", description="Log queued MLflow runs.")
+    mlflow.add_argument("action", choices=["flush"], help="log every queued run once")
+    mlflow.add_argument("--output", default="results", help="results folder whose queue to flush")
+    mlflow.add_argument("--mlflow-uri", default=None,
+                        help="log to this tracking URI instead of the one each run was queued with")
+    mlflow.set_defaults(handler=_mlflow)
     # serve parses its own options (and --help): everything after the word goes to it.
     serve = commands.add_parser("serve", add_help=False,
                                 help="start the service: Prefect server, Dask cluster, deployment, "

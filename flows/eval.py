@@ -6,7 +6,7 @@ from contextlib import nullcontext
 
 import dask
 import pyarrow as pa
-from prefect import flow, unmapped
+from prefect import flow, tags, unmapped
 from prefect.task_runners import ThreadPoolTaskRunner
 from prefect_dask import DaskTaskRunner
 
@@ -22,10 +22,12 @@ from evalfleet.pipeline import (
     lookup,
     receive,
     same_policy,
+    shard_persister,
     store_in_cache,
 )
 from evalfleet.storage import read_episodes
 from flows.progress import watch
+from flows.reaper import driver_tag, reap_quietly
 from flows.runtime import prefect_api
 from tasks.aggregate import aggregate
 from tasks.collect_rewards import collect_rewards
@@ -49,8 +51,8 @@ def eval_flow(request: EvalRequest, address: str | None) -> EvalReport:
             while planned is not None:                                           # rounds (adaptive)
                 shards = run_episodes.map(planned.shards, unmapped(handle), unmapped(request),
                                           unmapped(received.isolation))          # 4 run episodes
-                collected = collect_rewards(shard_tables(shards), handle, planned,
-                                            collected)                           # 5 collect
+                tables = shard_tables(shards, shard_persister(request, received, planned))
+                collected = collect_rewards(tables, handle, planned, collected)  # 5 collect
                 more = schedule.next_episodes(collected.table)
                 planned = spawn_sandboxes(request, received, address, more, collected) if more else None
         store_in_cache(request, received, collected)                             # before the lock goes
@@ -100,8 +102,10 @@ def evaluate(request: EvalRequest) -> EvalReport:
     cluster = nullcontext(None) if hit else fleet_cluster(request.dask_address, request.workers)
     with checked_before(*checked), prefect_api(wait=False) as api, cluster as address:
         api.wait()  # the cluster started while the server booted
+        reap_quietly()  # flow runs of killed drivers end Crashed
         runner = DaskTaskRunner(address=address) if address else ThreadPoolTaskRunner()
-        return eval_flow.with_options(task_runner=runner)(request, address)
+        with tags(driver_tag()):
+            return eval_flow.with_options(task_runner=runner)(request, address)
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextvars
 import datetime
+import logging
 import math
 import sys
 import threading
@@ -18,6 +19,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 from evalfleet.cluster import client_for
 from evalfleet.models import EvalRequest
 from evalfleet.progress import ProgressTracker, topic
+
+logger = logging.getLogger(__name__)
 
 UPDATE_EVERY_S = 1.0
 
@@ -56,7 +59,10 @@ def watch(request: EvalRequest, address: str | None) -> Iterator[ProgressTracker
         stop.set()
         thread.join(5)
         try:
-            client.unsubscribe_topic(name)
+            try:
+                client.unsubscribe_topic(name)
+            except Exception as err:  # a lost scheduler: the run stage's own error says so
+                logger.warning("could not unsubscribe from progress events: %s", err)
             snap = tracker.snapshot()
             update_progress_artifact(artifact_id, min(100.0, 100.0 * snap["done"] / tracker.total))
             if bar is not None:

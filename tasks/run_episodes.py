@@ -1,10 +1,14 @@
 """Stage 4: run episodes (one coarse task per shard, mapped over the Dask cluster)."""
 
+from collections.abc import Callable
+
 import pyarrow as pa
 from prefect import task
 from prefect.cache_policies import NO_CACHE
-from prefect.futures import PrefectFutureList
+from prefect.futures import PrefectFutureList, as_completed
 
+from evalfleet.cluster import scheduler_lost
+from evalfleet.errors import ClusterLost
 from evalfleet.models import EvalRequest, PolicyHandle, Shard
 from evalfleet.worker import execute_shard
 
@@ -16,17 +20,36 @@ def run_episodes(shard: Shard, handle: PolicyHandle, request: EvalRequest, isola
     return execute_shard(shard, handle, request, isolation)
 
 
-def shard_tables(shards: PrefectFutureList[pa.Table]) -> list[pa.Table]:
-    """The run stage's tables; when one shard fails, the others are cancelled.
+def shard_tables(shards: PrefectFutureList[pa.Table],
+                 persist: Callable[[int, pa.Table], object] | None = None) -> list[pa.Table]:
+    """The run stage's tables, in plan order; when one shard fails, the others are cancelled.
 
-    They must not outlive the policy's release: a shard left queued would start on a worker that
-    joins later, after the policy is gone, and fail with ``PolicyIntegrityError``.
+    ``persist(position, table)`` runs as each shard finishes (not when all have): what finished
+    survives a driver killed later. Cancelled shards must not outlive the policy's release: a
+    shard left queued would start on a worker that joins later, after the policy is gone, and
+    fail with ``PolicyIntegrityError``.
     """
     try:
-        return shards.result()
-    except BaseException:
+        if persist is None:
+            return shards.result()
+        position = {id(future): i for i, future in enumerate(shards)}
+        tables: list[pa.Table | None] = [None] * len(shards)
+        for future in as_completed(list(shards)):
+            i = position[id(future)]
+            tables[i] = table = future.result()
+            persist(i, table)
+        return [t for t in tables if t is not None]
+    except BaseException as err:
         for future in shards:
             wrapped = getattr(future, "wrapped_future", None)
             if wrapped is not None and hasattr(wrapped, "cancel"):
                 wrapped.cancel()
+        if persist is not None and isinstance(err, Exception) and scheduler_lost(err):
+            done = [t for t in tables if t is not None]
+            raise ClusterLost(
+                f"the Dask scheduler was lost during the run stage, after {len(done)} of "
+                f"{len(shards)} shards finished; their {sum(t.num_rows for t in done)} episodes "
+                "are persisted in the cache. Bring the cluster back (or drop --dask-address) and "
+                "run the same request again: only the missing episodes run."
+            ) from err
         raise

@@ -149,3 +149,34 @@ def test_lookup_respects_cache_modes(base):
     request = EvalRequest.build(**base, cache="off")
     found = lookup(request, receive(request))
     assert found.status == "miss" and found.missing == list(range(10))
+
+
+def test_shard_files_persist_atomically_and_merge_into_lookups(tmp_path):
+    """Finished shards are whole files at once; a lookup reuses them; store folds them in."""
+    cache = EpisodeCache(tmp_path)
+    key = "d" * 64
+    assert cache.persist_shard(key, _table([0, 1, 2])) == 3
+    assert cache.persist_shard(key, pa.concat_tables([_table([5]), _table([6], "crashed")])) == 1
+    folder = cache.entry(key) / "shards"
+    (folder / ".0000000009-dead.parquet.123.tmp").write_bytes(b"PAR1 half a file")  # a killed writer
+    found = cache.lookup(key, range(8))
+    assert found.stored.column("episode_index").to_pylist() == [0, 1, 2, 5]
+    assert (found.missing, found.resumed, found.status) == ([3, 4, 6, 7], 4, "partial")
+    [listed] = cache.entries()
+    assert (listed["key"], listed["rows"]) == (key, 4) and "interrupted" in listed["updated"]
+    assert cache.store(key, _table([3, 4, 6, 7]), {}) == 8
+    assert cache.shard_files(key) == []
+    again = cache.lookup(key, range(8))
+    assert (again.status, again.resumed) == ("hit", 0)
+
+
+def test_unreadable_shard_file_is_dropped_and_recomputed(tmp_path):
+    cache = EpisodeCache(tmp_path)
+    key = "e" * 64
+    cache.persist_shard(key, _table([0, 1]))
+    cache.persist_shard(key, _table([2, 3]))
+    first = cache.shard_files(key)[0]
+    first.write_bytes(first.read_bytes()[:20])  # a disk fault after the rename
+    found = cache.lookup(key, range(4))
+    assert found.missing == [0, 1] and found.resumed == 2
+    assert first not in cache.shard_files(key)

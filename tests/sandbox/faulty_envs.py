@@ -214,6 +214,35 @@ class Daemon(_Faulty):
         return reward
 
 
+class CrashOnce(_Faulty):
+    """Segfaults at the first attempt of each faulty seed only (a flaky host, not a broken env).
+
+    The first attempt leaves ``<marker_dir>/<seed>`` behind before it crashes; a retry finds it
+    and runs the seed's plain CartPole episode. ``marker_dir`` must be writable by anyone
+    (sandboxes run under uids of their own).
+    """
+
+    def __init__(self, marker_dir: str = "/nonexistent", render_mode: str | None = None) -> None:
+        super().__init__(render_mode=render_mode)
+        self.marker_dir = marker_dir
+        self.seed_of_episode: int | None = None
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None
+              ) -> tuple[np.ndarray, dict[str, Any]]:
+        self.seed_of_episode = seed
+        return super().reset(seed=seed, options=options)
+
+    def fault(self, reward: float) -> float:
+        try:
+            fd = os.open(os.path.join(self.marker_dir, str(self.seed_of_episode)),
+                         os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666)
+        except FileExistsError:
+            return reward  # a retry: the host is fine now
+        os.close(fd)
+        os.kill(os.getpid(), signal.SIGSEGV)
+        return reward
+
+
 class Introspect(CartPoleEnv):
     """Healthy CartPole whose reset info describes the process it runs in (for tests)."""
 
@@ -255,6 +284,6 @@ class SlowStep(CartPoleEnv):
 FAULTY = ("RaiseOnStep", "Hang", "Segfault", "NaNReward", "MemoryHog", "Connect", "WriteOutside",
           "ReadFiles", "ForkBomb", "CpuBurner", "Daemon")
 
-for _name in (*FAULTY, "Introspect", "SlowStep"):
+for _name in (*FAULTY, "Introspect", "SlowStep", "CrashOnce"):
     gym.register(id=f"evalfleet-test/{_name}-v0", entry_point=f"{__name__}:{_name}",
                  max_episode_steps=500)

@@ -30,21 +30,21 @@ EPISODES = 30
 SLOTS = 6
 TIMEOUT_S = 2.0  # for the Hang env; the others get 30 s (a memory hog touching 1 GiB takes ~1 s)
 
-# (reason, retried, text in the error) per env and level; None: the episode is not faulty there.
-EXPECTED: dict[str, dict[str, tuple[str, bool, str] | None]] = {
+# (reason, retries, text in the error) per env and level; None: the episode is not faulty there.
+EXPECTED: dict[str, dict[str, tuple[str, int, str] | None]] = {
     "RaiseOnStep": dict.fromkeys(("inprocess", "process", "bwrap"),
-                                 ("env_error", False, "RuntimeError: deliberate failure")),
+                                 ("env_error", 0, "RuntimeError: deliberate failure")),
     "NaNReward": dict.fromkeys(("inprocess", "process", "bwrap"),
-                               ("invalid_reward", False, "reward nan")),
-    "Hang": dict.fromkeys(("process", "bwrap"), ("timeout", True, f"{TIMEOUT_S} s")),
-    "Segfault": dict.fromkeys(("process", "bwrap"), ("crashed", True, "signal 11 (SIGSEGV)")),
-    "MemoryHog": dict.fromkeys(("process", "bwrap"), ("oom", True, "MemoryError")),
+                               ("invalid_reward", 0, "reward nan")),
+    "Hang": dict.fromkeys(("process", "bwrap"), ("timeout", 2, f"{TIMEOUT_S} s")),
+    "Segfault": dict.fromkeys(("process", "bwrap"), ("crashed", 2, "signal 11 (SIGSEGV)")),
+    "MemoryHog": dict.fromkeys(("process", "bwrap"), ("oom", 2, "MemoryError")),
     "Connect": {"inprocess": None,
-                "process": ("env_error", False, "PermissionError: [Errno 1] Operation not permitted"),
-                "bwrap": ("env_error", False, "PermissionError: [Errno 1] Operation not permitted")},
+                "process": ("env_error", 0, "PermissionError: [Errno 1] Operation not permitted"),
+                "bwrap": ("env_error", 0, "PermissionError: [Errno 1] Operation not permitted")},
     "WriteOutside": {"inprocess": None,
-                     "process": ("env_error", False, "PermissionError: [Errno 13]"),
-                     "bwrap": ("env_error", False, "FileNotFoundError")},  # not in the jail
+                     "process": ("env_error", 0, "PermissionError: [Errno 13]"),
+                     "bwrap": ("env_error", 0, "FileNotFoundError")},  # not in the jail
 }
 CASES = [(env, level) for env, levels in EXPECTED.items() for level in levels]
 

@@ -160,7 +160,7 @@ def test_one_crash_costs_its_sandbox_only() -> None:
     records, _ = run_direct("process", fe.env_id("Segfault"), 30, 6)
     for r in records:
         if fe.is_faulty(r.seed):
-            assert (r.end_reason, r.retried, r.length) == ("crashed", True, fe.FAULT_STEP - 1)
+            assert (r.end_reason, r.retried, r.length) == ("crashed", 2, fe.FAULT_STEP - 1)
         else:
             assert r.end_reason in ("terminated", "truncated") and not r.retried
 
@@ -183,7 +183,7 @@ def test_oom_under_address_space_limit() -> None:
     records, _ = run_direct("process", fe.env_id("MemoryHog"), 12, 3,
                             limits=SandboxLimits(address_space_bytes=512 * MiB))
     hogs = [r for r in records if fe.is_faulty(r.seed)]
-    assert hogs and all(r.end_reason == "oom" and r.retried for r in hogs)
+    assert hogs and all(r.end_reason == "oom" and r.retried == 2 for r in hogs)
 
 
 def test_episode_timeout_charges_only_the_hanging_sandbox() -> None:
@@ -191,7 +191,7 @@ def test_episode_timeout_charges_only_the_hanging_sandbox() -> None:
     reference, _ = run_direct("inprocess", "CartPole-v1", 14, 4)
     for r, ref in zip(records, reference, strict=True):
         if fe.is_faulty(r.seed):
-            assert r.end_reason == "timeout" and r.retried
+            assert r.end_reason == "timeout" and r.retried == 2
             assert "1.5 s" in (r.error or "")
         else:
             assert outcomes([r]) == outcomes([ref]), "healthy neighbours keep their episodes"

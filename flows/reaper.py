@@ -1,0 +1,105 @@
+"""Flow runs of killed drivers end Crashed, not Running for ever.
+
+A driver killed with SIGKILL (an OOM kill, a node drain, ``kill -9``) cannot tell Prefect that its
+flow run ended: the run stays Running in the UI. Each evaluation's flow run is tagged with its
+driver (``evalfleet-driver:HOST:PID:START``, the process start time guarding against pid reuse);
+the next evaluation started on that host (``reap_dead_drivers`` in ``flows.eval.evaluate``)
+marks every Running or Pending evaluation flow run whose driver process is gone as Crashed, and
+their task runs that were still Running too. Runs of drivers on other hosts are left alone.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from collections.abc import Iterable
+
+import psutil
+
+logger = logging.getLogger(__name__)
+
+#: Prefix of the tag naming an evaluation flow run's driver process.
+DRIVER_TAG = "evalfleet-driver:"
+#: The flow whose runs are reaped.
+FLOW_NAME = "evalfleet-eval"
+
+
+def driver_tag(pid: int | None = None) -> str:
+    """The tag of the driver process ``pid`` (this process by default) on this host."""
+    proc = psutil.Process(pid or os.getpid())
+    return f"{DRIVER_TAG}{socket.gethostname()}:{proc.pid}:{int(proc.create_time())}"
+
+
+def dead_driver(tags: Iterable[str]) -> str | None:
+    """The driver tag among ``tags`` when it names a process of this host that is gone."""
+    for tag in tags:
+        if not tag.startswith(DRIVER_TAG):
+            continue
+        try:
+            host, pid, started = tag.removeprefix(DRIVER_TAG).rsplit(":", 2)
+            if host != socket.gethostname():
+                return None
+            proc = psutil.Process(int(pid))
+            alive = int(proc.create_time()) == int(started) and proc.status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            alive = False
+        except (ValueError, psutil.Error):
+            return None
+        return None if alive else tag
+    return None
+
+
+def reap_dead_drivers(limit: int = 200) -> list[str]:
+    """Mark evaluation flow runs whose driver on this host died Crashed; returns their ids."""
+    from prefect import get_client
+    from prefect.client.schemas.filters import (
+        FlowFilter,
+        FlowFilterName,
+        FlowRunFilter,
+        FlowRunFilterId,
+        FlowRunFilterState,
+        FlowRunFilterStateType,
+        TaskRunFilter,
+        TaskRunFilterState,
+        TaskRunFilterStateType,
+    )
+    from prefect.client.schemas.objects import StateType
+    from prefect.states import Crashed
+
+    live_states = [StateType.RUNNING, StateType.PENDING]
+    reaped: list[str] = []
+    with get_client(sync_client=True) as client:
+        runs = client.read_flow_runs(
+            flow_filter=FlowFilter(name=FlowFilterName(any_=[FLOW_NAME])),
+            flow_run_filter=FlowRunFilter(state=FlowRunFilterState(
+                type=FlowRunFilterStateType(any_=live_states))),
+            limit=limit,
+        )
+        for run in runs:
+            tag = dead_driver(run.tags)
+            if tag is None:
+                continue
+            pid = tag.removeprefix(DRIVER_TAG).rsplit(":", 2)[1]
+            message = (f"driver process {pid} on {socket.gethostname()} died without ending this "
+                       "run (killed); marked Crashed by the next evaluation on that host")
+            tasks = client.read_task_runs(
+                flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run.id])),
+                task_run_filter=TaskRunFilter(state=TaskRunFilterState(
+                    type=TaskRunFilterStateType(any_=live_states))),
+            )
+            for task_run in tasks:
+                client.set_task_run_state(task_run.id, Crashed(message=message), force=True)
+            client.set_flow_run_state(run.id, Crashed(message=message), force=True)
+            reaped.append(str(run.id))
+            logger.warning("flow run %s (%s): %s", run.name, run.id, message)
+    return reaped
+
+
+def reap_quietly() -> list[str]:
+    """``reap_dead_drivers``, never failing the evaluation that calls it."""
+    try:
+        return reap_dead_drivers()
+    except Exception as err:  # bookkeeping of other runs must not cost this one
+        logger.warning("could not check for flow runs of killed evaluations: %s", err)
+        return []

@@ -1,0 +1,77 @@
+"""An MLflow store unreachable at stage 7 loses nothing: the run is retried, queued, flushed later."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from pathlib import Path
+
+import pytest
+
+from evalfleet.tracking import flush_pending, log_or_queue, pending_dir
+
+REPORT = {
+    "request_id": "r-queued", "policy_sha256": "ab" * 32, "env_id": "CartPole-v1",
+    "isolation": "inprocess", "harness_fault": False, "alarms": [], "failures": {},
+    "returns": {"mean": 1.0, "std": 0.0, "var": 0.0, "stderr": 0.0, "ci": {"low": 1.0, "high": 1.0},
+                "iqm": 1.0, "median": 1.0, "min": 1.0, "max": 1.0},
+    "lengths": {"mean": 10.0}, "episodes": 4, "failure_rate": 0.0, "coverage": 1.0, "scored": 4,
+    "policy_failure_rate": 0.0, "harness_failure_rate": 0.0, "steps_per_second": 1.0,
+    "episodes_per_second": 1.0, "cache": {"reused": 0}, "timings": {"run_episodes": 0.1},
+}
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_unreachable_store_is_retried_then_queued_and_flushed_later(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")  # ours are under test, not MLflow's
+    report_json = tmp_path / "report.json"
+    report_json.write_text(json.dumps({"outputs": {"episodes": "x"}}))
+    down = f"http://127.0.0.1:{closed_port()}"  # loopback, nothing listening
+    t0 = time.monotonic()
+    out = log_or_queue(tmp_path, down, "exp", REPORT, {"episodes": 4}, [report_json], "run",
+                       wait_s=(0.01, 0.02))
+    assert time.monotonic() - t0 < 120
+    assert "mlflow_run_id" not in out and "Connection" in out["mlflow_error"]
+    queued = Path(out["mlflow_queued"])
+    assert queued.parent == pending_dir(tmp_path).resolve() and queued.name == "r-queued.json"
+
+    still = flush_pending(tmp_path)  # the store is still down: stays queued
+    assert len(still) == 1 and "error" in still[0] and queued.exists()
+
+    store = f"sqlite:///{tmp_path / 'mlflow.db'}"  # the store is back (here: moved)
+    [done] = flush_pending(tmp_path, store)
+    assert done["request_id"] == "r-queued" and not queued.exists()
+    from mlflow.tracking import MlflowClient
+
+    run = MlflowClient(tracking_uri=store).get_run(done["mlflow_run_id"])
+    assert run.data.metrics["eval/reward"] == 1.0 and run.data.params["episodes"] == "4"
+    outputs = json.loads(report_json.read_text())["outputs"]
+    assert outputs["mlflow_run_id"] == done["mlflow_run_id"] and "mlflow_queued" not in outputs
+
+
+def test_unwritable_store_path_is_queued(tmp_path: Path) -> None:
+    blocker = tmp_path / "blocker"
+    blocker.write_text("a file where the store's folder should be")
+    out = log_or_queue(tmp_path, f"sqlite:///{blocker / 'mlflow.db'}", "exp", REPORT, {}, [], "run",
+                       attempts=2, wait_s=(0.01, 0.02))
+    assert "mlflow_queued" in out
+    blocker.unlink()
+    blocker.mkdir()
+    [done] = flush_pending(tmp_path)  # the queued URI itself works now
+    assert "mlflow_run_id" in done, done
+
+
+@pytest.mark.parametrize("attempts", [3])
+def test_a_reachable_store_logs_at_once(tmp_path: Path, attempts: int) -> None:
+    out = log_or_queue(tmp_path, f"sqlite:///{tmp_path / 'm.db'}", "exp", REPORT, {}, [], "run",
+                       attempts=attempts)
+    assert set(out) == {"mlflow_uri", "mlflow_run_id"}
+    assert not pending_dir(tmp_path).exists()

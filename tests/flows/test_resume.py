@@ -1,0 +1,158 @@
+"""A driver SIGKILLed mid-evaluation: the re-run runs only what is missing, and equals a clean run.
+
+The first attempt is the CLI in a subprocess against the session Prefect server; it is killed once
+about half of its shards have persisted (the test polls the cache folder). The re-run of the same
+request must reuse exactly the persisted episodes, compute the rest, and give the episode table
+(outcome columns, byte for byte) and statistics of an undisturbed run; the killed attempt's flow
+run must end Crashed, and no process the killed driver started may survive it. The re-run also
+meets an MLflow store it cannot write: its result is in Parquet and the cache, the MLflow run is
+queued, and a later flush logs it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from evalfleet.cache import EpisodeCache
+from evalfleet.cluster import fleet_cluster
+from evalfleet.models import EvalRequest
+from evalfleet.pipeline import outcome_table
+from evalfleet.storage import read_episodes
+from evalfleet.summary import summary_text
+from evalfleet.tracking import flush_pending
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+FIELDS: dict[str, Any] = {
+    "env": "tests.sandbox.faulty_envs:evalfleet-test/SlowStep-v0",  # 2 ms steps: shards take ~1 s
+    "policy": "tests.sandbox.faulty_envs:balance",
+    "episodes": 64, "concurrency": 4, "max_steps": 60, "shard_episodes": 8,
+    "isolation": "process", "seed": 7, "workers": 2,  # fork servers and sandboxes must die too
+}
+SHARDS = len(range(0, 64, 8))
+
+
+def cli_args(output: Path) -> list[str]:
+    f = FIELDS
+    return [sys.executable, "flows/eval.py", "--env", f["env"], "--policy", f["policy"],
+            "--episodes", str(f["episodes"]), "--concurrency", str(f["concurrency"]),
+            "--max-steps", str(f["max_steps"]), "--shard-episodes", str(f["shard_episodes"]),
+            "--isolation", f["isolation"], "--seed", str(f["seed"]), "--workers", str(f["workers"]),
+            "--output", str(output), "--quiet"]
+
+
+def free_loopback_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def ipc_bytes(table: pa.Table) -> bytes:
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+    return bytes(sink.getvalue())
+
+
+def alive(procs: list[psutil.Process]) -> list[psutil.Process]:
+    out = []
+    for p in procs:
+        try:
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                out.append(p)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+def in_group(pgid: int) -> list[psutil.Process]:
+    """Processes still in the killed driver's process group (a /proc scan)."""
+    out = []
+    for p in psutil.process_iter():
+        try:
+            if os.getpgid(p.pid) == pgid and p.status() != psutil.STATUS_ZOMBIE:
+                out.append(p)
+        except (ProcessLookupError, psutil.Error):
+            pass
+    return out
+
+
+def test_killed_driver_resumes_to_the_undisturbed_table(prefect_server: str, tmp_path: Path) -> None:
+    from flows.eval import evaluate
+    from flows.reaper import driver_tag
+
+    out = tmp_path / "out"
+    env = dict(os.environ, PREFECT_API_URL=prefect_server, PYTHONPATH=str(ROOT))
+    driver = subprocess.Popen(cli_args(out), cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, start_new_session=True)
+    tag = driver_tag(driver.pid)
+    deadline = time.monotonic() + 400
+    while len(files := list(out.glob("cache/*/*/shards/*.parquet"))) < 3:
+        assert driver.poll() is None, driver.stderr.read().decode()[-3000:] if driver.stderr else ""
+        assert time.monotonic() < deadline, "no shard persisted in time"
+        time.sleep(0.05)
+    started = psutil.Process(driver.pid).children(recursive=True)
+    driver.send_signal(signal.SIGKILL)
+    driver.wait()
+    files = list(out.glob("cache/*/*/shards/*.parquet"))
+    persisted = sum(pq.read_metadata(f).num_rows for f in files)
+    assert 0 < len(files) < SHARDS, f"{len(files)} shards persisted before the kill"
+    assert started, "the driver had started its cluster"
+
+    # Nothing the killed driver started outlives it (its workers watch it).
+    deadline = time.monotonic() + 30
+    while (left := alive(started) + in_group(driver.pid)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not left, [p.cmdline()[:4] for p in left]
+
+    # The re-run's MLflow store is unusable (a file where its folder should be): the result must
+    # still reach Parquet and the cache, with the MLflow run queued for a later flush.
+    blocker = tmp_path / "mlflow-down"
+    blocker.write_text("not a folder")
+    store = f"sqlite:///{blocker / 'mlflow.db'}"
+    with fleet_cluster(None, 2) as address:  # one cluster for the re-run and the clean run
+        resumed = evaluate(EvalRequest.build(**FIELDS, output=out, dask_address=address,
+                                             mlflow_uri=store))
+        clean = evaluate(EvalRequest.build(**FIELDS, output=tmp_path / "clean", cache="off",
+                                           dask_address=address))
+    cache = resumed.cache
+    assert (cache["status"], cache["reused"], cache["resumed"]) == ("partial", persisted, persisted)
+    assert cache["computed"] == FIELDS["episodes"] - persisted
+    assert list(out.glob("cache/*/*/shards/*.parquet")) == [], "shard files folded into the entry"
+    assert EpisodeCache(out / "cache").lookup(cache["key"], range(64)).status == "hit"
+    assert Path(resumed.outputs["episodes"]).exists() and "mlflow_run_id" not in resumed.outputs
+    assert Path(resumed.outputs["mlflow_queued"]).exists()
+    assert "mlflow_queued" in summary_text(resumed)
+    blocker.unlink()
+    blocker.mkdir()
+    [flushed] = flush_pending(out)
+    assert flushed["request_id"] == resumed.request_id and "mlflow_run_id" in flushed
+
+    got = outcome_table(read_episodes(resumed.outputs["episodes"]).sort_by("episode_index"))
+    want = outcome_table(read_episodes(clean.outputs["episodes"]).sort_by("episode_index"))
+    assert got.num_rows == FIELDS["episodes"]
+    assert ipc_bytes(got) == ipc_bytes(want)
+    for field in ("returns", "lengths", "failures", "coverage", "scored", "success"):
+        assert getattr(resumed, field) == getattr(clean, field), field
+
+    from prefect import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterTags
+
+    with get_client(sync_client=True) as client:
+        [run] = client.read_flow_runs(flow_run_filter=FlowRunFilter(tags=FlowRunFilterTags(all_=[tag])))
+    assert run.state is not None and run.state.type.value == "CRASHED", run.state
+    assert f"driver process {driver.pid}" in (run.state.message or "")
