@@ -21,6 +21,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import dask
+import pyarrow as pa
+from distributed import as_completed
 from prefect import flow
 
 from evalfleet.audit import RoundSchedule
@@ -35,6 +37,7 @@ from evalfleet.pipeline import (
     plan,
     receive,
     scrubbed,
+    shard_persister,
     spawn,
     store_in_cache,
     summarize,
@@ -84,8 +87,15 @@ def evaluate_warm(request: EvalRequest, address: str, lane: FeedBackLane) -> Eva
                     futures = [client.submit(execute_shard, shard, handle, request,
                                              received.isolation, pure=False)
                                for shard in planned.shards]
-                try:
-                    tables = client.gather(futures)
+                persist = shard_persister(request, received, planned)
+                position = {f.key: i for i, f in enumerate(futures)}
+                try:  # each shard persisted as it finishes: a killed trainer loses none of them
+                    done: list[pa.Table | None] = [None] * len(futures)
+                    for future in as_completed(futures):
+                        i = position[future.key]
+                        done[i] = table = future.result()
+                        persist(i, table)
+                    tables = [t for t in done if t is not None]
                 except BaseException:
                     client.cancel(futures)  # none may outlive the policy's release
                     raise
