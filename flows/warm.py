@@ -91,7 +91,7 @@ def evaluate_warm(request: EvalRequest, address: str, lane: FeedBackLane) -> Eva
                 position = {f.key: i for i, f in enumerate(futures)}
                 try:  # each shard persisted as it finishes: a killed trainer loses none of them
                     done: list[pa.Table | None] = [None] * len(futures)
-                    for future in as_completed(futures):
+                    for future in as_completed(futures, loop=client.loop):
                         i = position[future.key]
                         done[i] = table = future.result()
                         persist(i, table)
