@@ -1,7 +1,7 @@
 """The suite flow: the seven stages for every task of a suite, in one flow run on one cluster.
 
 ``python flows/eval.py --suite suite.toml`` (or ``evaluate_suite``). Each task runs the stages of
-``flows/eval.py`` under its own cache key, its task runs named ``stage[task]`` in the Prefect UI;
+``flows/eval.py`` under its own cache key, one task run per stage named ``stage[tasks]`` in the UI;
 the policy goes to the workers once for the whole suite; a last stage aggregates across tasks.
 """
 
@@ -14,27 +14,33 @@ from typing import Any, TypeVar
 
 import dask
 import pyarrow as pa
-from prefect import flow, task, unmapped
+from prefect import flow, task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
+from prefect.futures import PrefectFutureList
 from prefect.task_runners import ThreadPoolTaskRunner
 from prefect_dask import DaskTaskRunner
 
-from evalfleet.audit import RoundSchedule
 from evalfleet.cluster import fleet_cluster, installed, worker_slots
 from evalfleet.errors import SuiteError
-from evalfleet.models import EvalReport, EvalRequest, PolicyHandle
+from evalfleet.models import EvalReport, EvalRequest
 from evalfleet.pipeline import Received, episode_cache, lookup, receive, store_in_cache
 from evalfleet.suite import Suite, SuiteReport, baseline_requests, task_requests
 from evalfleet.suite_report import build_suite_report, suite_feed_back, suite_markdown
 from flows.runtime import prefect_api
-from tasks.aggregate import aggregate
-from tasks.collect_rewards import collect_rewards
 from tasks.distribute_policy import distribute_policy
-from tasks.feed_back import feed_back
-from tasks.receive_weights import checked_before, receive_weights
-from tasks.run_episodes import run_episodes, shard_tables
-from tasks.spawn_sandboxes import spawn_sandboxes
+from tasks.receive_weights import checked_before
+from tasks.run_episodes import shard_tables
+from tasks.suite_stages import (
+    aggregate_all,
+    collect_all,
+    feed_back_all,
+    receive_all,
+    run_group,
+    share_out,
+    spawn_all,
+    tables_of,
+)
 
 T = TypeVar("T", bound=Any)
 
@@ -54,71 +60,49 @@ def suite_flow(suite: Suite, base: EvalRequest, address: str | None) -> SuiteRep
 
 def run_tasks(suite: Suite, requests: list[EvalRequest], address: str | None
               ) -> tuple[list[EvalReport], list[pa.Table]]:
-    """Stages 1-7 of each task (as ``eval_flow``); the policy is distributed once for them all.
+    """Stages 1-7 of each task (as ``eval_flow``), each stage one task run for all the tasks.
 
-    Pipelined: task k's shards are submitted, then every earlier task whose shards have all
-    finished is collected, aggregated and written, while the cluster runs the rest. A task's
-    ``run_episodes`` time is therefore from its submission to its collection.
+    A Prefect task run costs ~0.1-0.5 s: per task and stage it was most of a small suite's time.
+    The run stage is one task run per worker slot over all tasks' shards (named after the tasks
+    it runs); the policy is distributed once. Each task keeps its own cache key and lock,
+    results, files and MLflow run.
     """
-    handle: PolicyHandle | None = None
-    reports: list[EvalReport] = []
-    tables: list[pa.Table] = []
-    started: list[tuple[Any, ...]] = []
-    warmed: set[tuple[str, str]] = set()  # (env id, isolation) whose sandbox origin is up
-    # The worker slots shared out between the tasks, which overlap: fewer, larger shards, since
-    # every shard costs a Prefect task run (~0.1-0.3 s to submit on a loaded machine).
+    names = ", ".join(item.name for item in suite.tasks)
+    stage = _named(names)
+    received = stage(receive_all)(requests)                                               # 1
+    # The worker slots shared out between the tasks, which run at once: fewer, larger shards,
+    # since every shard costs a Prefect task run.
     per_task = max(1, worker_slots(address) // len(requests)) if address and requests else None
     with ExitStack() as keep:
-        try:
-            for item, request in zip(suite.tasks, requests, strict=True):
-                stage = _named(item.name)
-                received = stage(receive_weights)(request)                                 # 1
-                keep.enter_context(episode_cache(request).exclusive(received.cache_key))
-                origin = (request.env, received.isolation)
-                planned = stage(spawn_sandboxes)(request, received, address, request.episodes,
-                                                 warm=origin not in warmed, max_shards=per_task)  # 2
-                if planned.shards:
-                    warmed.add(origin)
-                if handle is None or (planned.shards and address and handle.plugin_name is None):
-                    handle = keep.enter_context(installed(
-                        stage(distribute_policy)(request, received, planned, address), address))  # 3
-                mine = handle.model_copy(update={"distributed_at": time.time()})
-                with dask.annotate(resources=gpu(received)):
-                    shards = stage(run_episodes).map(planned.shards, unmapped(mine), unmapped(request),
-                                                     unmapped(received.isolation))          # 4
-                started.append((item, request, received, planned, mine, shards))
-                while len(reports) < len(started) - 1 and _finished(started[len(reports)][-1]):
-                    _finish(*started[len(reports)], reports, tables)
-            while len(reports) < len(started):
-                _finish(*started[len(reports)], reports, tables)
-        except BaseException:
-            for *_, shards in started:  # none may outlive the policy's release
-                for future in shards:
-                    wrapped = getattr(future, "wrapped_future", None)
-                    if wrapped is not None and hasattr(wrapped, "cancel"):
-                        wrapped.cancel()
-            raise
-    return reports, tables
-
-
-def _finished(shards: Any) -> bool:
-    """True when every shard future of a task is done (without waiting)."""
-    return all(getattr(getattr(f, "wrapped_future", None), "done", lambda: False)() for f in shards)
-
-
-def _finish(item: Any, request: EvalRequest, received: Received, planned: Any, mine: PolicyHandle,
-            shards: Any, reports: list[EvalReport], tables: list[pa.Table]) -> None:
-    """Stages 5-7 of one task whose shards were submitted."""
-    stage = _named(item.name)
-    collected = stage(collect_rewards)(shard_tables(shards), mine, planned)               # 5
-    store_in_cache(request, received, collected)
-    report = stage(aggregate)(request, received, RoundSchedule(request), collected)      # 6
-    reports.append(stage(feed_back)(request, received, report, collected))               # 7
-    tables.append(collected.table)
+        for request, rec in zip(requests, received, strict=True):  # one run per key
+            keep.enter_context(episode_cache(request).exclusive(rec.cache_key))
+        planned = stage(spawn_all)(requests, received, address, per_task)                 # 2
+        first = next((i for i, p in enumerate(planned) if p.shards), 0)
+        handle = keep.enter_context(installed(stage(distribute_policy)(
+            requests[first], received[first], planned[first], address), address))         # 3
+        mine = handle.model_copy(update={"distributed_at": time.time()})
+        shares = share_out(planned, worker_slots(address) if address else 1)
+        with dask.annotate(resources=gpu(received[first])):
+            futures = [_named(", ".join(sorted({suite.tasks[i].name for i, _ in share})))(run_group)
+                       .submit(share, mine, requests, [r.isolation for r in received])
+                       for share in shares]                                                # 4
+        tables: list[list[Any]] = [[] for _ in requests]
+        by_shard: dict[tuple[int, int], Any] = {}
+        for share, table_list in zip(shares, shard_tables(PrefectFutureList(futures)), strict=True):
+            for (i, shard), table in zip(share, table_list, strict=True):
+                by_shard[(i, id(shard))] = table
+        for i, plan in enumerate(planned):  # each task's tables in its shards' order
+            tables[i] = [by_shard[(i, id(shard))] for shard in plan.shards]
+        mines = [mine] * len(requests)
+        collected = stage(collect_all)(tables, mines, planned)                            # 5
+        for request, rec, coll in zip(requests, received, collected, strict=True):
+            store_in_cache(request, rec, coll)
+    reports = stage(aggregate_all)(requests, received, collected)                         # 6
+    return stage(feed_back_all)(requests, received, reports, collected), tables_of(collected)  # 7
 
 
 def _named(task_name: str) -> Callable[[T], T]:
-    """``stage(task)``: the task with its runs named ``stage-name[task name]`` in the Prefect UI."""
+    """``stage(task)``: the task with its runs named ``stage-name[task names]`` in the Prefect UI."""
     def named(stage: T) -> T:
         return stage.with_options(task_run_name=f"{stage.name}[{task_name}]")  # type: ignore[attr-defined,no-any-return]
     return named
