@@ -3,11 +3,12 @@
 The training loop is an ordinary PyTorch loop on CPU. After each update it hands the policy to
 ``evalfleet.client.Evaluator.trigger_eval``, which copies the weights and returns at once; the
 evaluation runs on a local Dask cluster through the same Prefect flow as every other evaluation.
-Results come back through ``poll()`` (printed) and ``on_result`` (logged into the training run).
+Results come back through ``poll()`` (printed).
 
 Everything goes to one MLflow experiment: the training run logs ``train/*`` per update, and each
 evaluation is its own run, tagged with and nested under the training run's id, with ``eval/*``
-metrics at the training step. The training run also gets ``eval/reward`` so one chart shows it::
+metrics at the training step. The training run also gets ``eval/reward`` at each step, so one chart
+shows both curves: evalfleet logs it there itself when the training run is in the same store::
 
     python examples/train_reinforce.py                 # ~3-5 minutes on 2 CPU cores
     python examples/train_reinforce.py --updates 3 --eval-episodes 8 --batch 8   # smoke test
@@ -202,14 +203,10 @@ def main(argv: list[str] | None = None) -> int:
     train_curve: dict[int, float] = {}
     evals: list[dict[str, Any]] = []
 
-    def on_result(result: dict[str, Any]) -> None:  # evaluator's background thread
-        run.log({k: result[k] for k in ("eval/reward", "eval/reward_ci_low",
-                                         "eval/reward_ci_high")}, step=int(result["eval/step"]))
-
     t0 = time.monotonic()
     with Evaluator(env="CartPole-v1", policy_factory=build_policy,
                    num_episodes=args.eval_episodes, busy_policy=args.busy_policy,
-                   on_result=on_result, device="cpu", training_run_id=run.run_id,
+                   device="cpu", training_run_id=run.run_id,
                    seed=args.eval_seed, workers=args.workers, dask_address=args.dask_address,
                    concurrency=args.eval_episodes,
                    output=output, mlflow_uri=tracking_uri, experiment=args.experiment,

@@ -243,8 +243,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  eval  step {doc['step']:>3}: return {r['mean']:7.1f} "
                   f"[{r['ci']['low']:.1f}, {r['ci']['high']:.1f}]  (callback "
                   f"{latency[eid]:.1f} s after the webhook)")
-            run.log({"eval/reward": r["mean"], "eval/reward_ci_low": r["ci"]["low"],
-                     "eval/reward_ci_high": r["ci"]["high"]}, step=int(doc["step"]))
+            if doc.get("outputs", {}).get("mlflow_uri") != tracking_uri:
+                # evalfleet logs the eval curve into the training run itself when both live in
+                # one store; a service with another store leaves it to the trainer.
+                run.log({"eval/reward": r["mean"], "eval/reward_ci_low": r["ci"]["low"],
+                         "eval/reward_ci_high": r["ci"]["high"]}, step=int(doc["step"]))
 
     t0 = time.monotonic()
     try:
