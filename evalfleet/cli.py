@@ -141,7 +141,7 @@ def add_eval_arguments(p: argparse.ArgumentParser) -> None:
                    "failure (timeout, crashed, oom); 0 turns them off")
     p.add_argument("--shard-episodes", type=int, default=None, metavar="N",
                    help="most episodes per shard; finished shards are persisted at once, so a "
-                   "re-run after a crash runs only what is missing (default: max(256, 2 x the "
+                   "re-run after a crash runs only what is missing (default: max(1024, 4 x the "
                    "shard's env slots))")
 
 

@@ -147,7 +147,7 @@ class EvalRequest(_Frozen):
     )
     shard_episodes: int | None = Field(
         None, description="Most episodes in one shard: finished shards persist at once, so a "
-        "killed evaluation loses at most the shards running. None: max(256, twice a shard's env "
+        "killed evaluation loses at most the shards running. None: max(1024, 4 x a shard's env "
         "slots), which keeps one shard per worker for small evaluations."
     )
 

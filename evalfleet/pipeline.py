@@ -200,10 +200,15 @@ def plan(
 
 
 def shard_cap(request: EvalRequest, slots_per_shard: int) -> int:
-    """Most episodes per shard: ``request.shard_episodes``, else max(256, 2 x the shard's slots)."""
+    """Most episodes per shard: ``request.shard_episodes``, else max(1024, 4 x the shard's slots).
+
+    Each piece drains its slots at its end (the last episodes step with the others idle): pieces
+    of a few slots' worth would cost throughput, and a default evaluation stays one shard per
+    worker; larger evaluations are persisted every few thousand episodes.
+    """
     if request.shard_episodes is not None:
         return request.shard_episodes
-    return max(256, 2 * slots_per_shard)
+    return max(1024, 4 * slots_per_shard)
 
 
 def checkpointed(shard_plan: ShardPlan, request: EvalRequest) -> ShardPlan:
