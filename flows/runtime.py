@@ -80,27 +80,18 @@ def prefect_api(wait: bool = True) -> Iterator[PrefectApi]:
 
     starting = threading.Thread(target=start, name="evalfleet-prefect-server", daemon=True)
     api = PrefectApi(api_url, starting)
-    saved = os.environ.get("PREFECT_API_URL")
-    os.environ["PREFECT_API_URL"] = api_url
     try:
-        starting.start()
-        # This server lives only as long as the evaluation: flow heartbeats (zombie detection
-        # for long-lived servers) would only add thread work per flow run.
-        with temporary_settings(updates={PREFECT_API_URL: api_url,
-                                         PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
-            if wait:
-                api.wait()
-            yield api
+        with _exported(api_url):
+            starting.start()
+            # This server lives only as long as the evaluation: flow heartbeats (zombie detection
+            # for long-lived servers) would only add thread work per flow run.
+            with temporary_settings(updates={PREFECT_API_URL: api_url,
+                                             PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
+                if wait:
+                    api.wait()
+                yield api
     finally:
-        if saved is None:
-            os.environ.pop("PREFECT_API_URL", None)
-        else:
-            os.environ["PREFECT_API_URL"] = saved
-        try:
-            api.wait()
-            flush_to_api()  # while the server still answers
-        except (RuntimeError, EvalfleetError):
-            pass  # already reported to the caller, or the caller failed first
+        _flushed(api)  # while the server still answers
         server.stop()
 
 
@@ -120,23 +111,36 @@ def shared_local_api(wait: bool = True) -> Iterator[PrefectApi]:
 
         api._starting = threading.Thread(target=boot, name="evalfleet-prefect-server", daemon=True)
         api._starting.start()
-    saved = os.environ.get("PREFECT_API_URL")
-    os.environ["PREFECT_API_URL"] = state.url
     try:
-        with temporary_settings(updates={PREFECT_API_URL: state.url}):
+        with _exported(state.url), temporary_settings(updates={PREFECT_API_URL: state.url}):
             if wait:
                 api.wait()
             yield api
+    finally:
+        _flushed(api)  # bounded, rather than at interpreter exit
+
+
+@contextmanager
+def _exported(url: str) -> Iterator[None]:
+    """``PREFECT_API_URL`` in this process's environment (what spawned workers inherit)."""
+    saved = os.environ.get("PREFECT_API_URL")
+    os.environ["PREFECT_API_URL"] = url
+    try:
+        yield
     finally:
         if saved is None:
             os.environ.pop("PREFECT_API_URL", None)
         else:
             os.environ["PREFECT_API_URL"] = saved
-        try:
-            api.wait()
-            flush_to_api()  # bounded, rather than at interpreter exit
-        except (RuntimeError, EvalfleetError):
-            pass  # already reported to the caller, or the caller failed first
+
+
+def _flushed(api: PrefectApi) -> None:
+    """Once the server answers, send this process's pending logs and events (bounded)."""
+    try:
+        api.wait()
+        flush_to_api()
+    except (RuntimeError, EvalfleetError):
+        pass  # already reported to the caller, or the caller failed first
 
 
 #: Seconds the flush of pending Prefect logs and events may take before the local server stops.
