@@ -41,7 +41,7 @@ from tenacity import (
 )
 
 from evalfleet.egress import EgressPolicy, EgressRefused
-from evalfleet.errors import EvalfleetError
+from evalfleet.errors import EvalfleetError, RequestError
 from evalfleet.redaction import redact_json
 
 logger = logging.getLogger(__name__)
@@ -309,6 +309,28 @@ def _env_number(name: str, default: float) -> float:
         return default
 
 
+def check_callback(url: str, *, secret_env: str = CALLBACK_SECRET_ENV) -> None:
+    """Stage 1's check of a request's ``callback_url``: it can be signed, and it may be reached.
+
+    A callback that stage 7 could only skip (no secret) or refuse (the egress allow-list) is a
+    result the trainer asked for and would never get: the request fails here, before anything is
+    spawned, instead of ending with a line in ``outputs['callback']`` and exit 0.
+    """
+    if not os.environ.get(secret_env, ""):
+        raise RequestError(
+            f"callback_url {url!r} is set, but {secret_env} is not set in this process: the report "
+            f"could not be signed, so it would never be sent. Set {secret_env} to the secret the "
+            "trainer verifies with, or drop callback_url."
+        )
+    try:
+        EgressPolicy.from_env().check(url)
+    except EgressRefused as err:
+        raise RequestError(
+            f"callback_url {url!r} cannot be reached from here: {err}. Use a URL the egress "
+            "allow-list admits, or drop callback_url."
+        ) from err
+
+
 def send_report_callback(
     url: str,
     report_json: Mapping[str, Any],
@@ -360,6 +382,7 @@ __all__ = [
     "CallbackResult",
     "SignatureError",
     "canonical_json",
+    "check_callback",
     "post_report",
     "send_report_callback",
     "read_message",

@@ -17,7 +17,7 @@ from typing import Any
 
 from evalfleet.console import configure_console, quiet_environment
 from evalfleet.errors import EvalfleetError, RequestError, Stopped
-from evalfleet.models import EvalReport, EvalRequest
+from evalfleet.models import OUTPUT_MISSING, EvalReport, EvalRequest
 from evalfleet.server import SERVER_MODE_ENV
 from evalfleet.summary import summary_text
 
@@ -30,6 +30,9 @@ EXIT_OK, EXIT_HARNESS_FAULT, EXIT_BAD_REQUEST = 0, 3, 2
 EXIT_REGRESSION = 4
 #: Exit code of an evaluation that failed for a reason other than its request (a crash, a bug).
 EXIT_FAILED = 1
+#: The numbers are written (Parquet, cache), but an output asked for is not: the review's files,
+#: the MLflow run (neither logged nor queued) or the trainer's callback.
+EXIT_OUTPUT_MISSING = 5
 
 
 #: What ``python flows/eval.py --help`` and ``evalfleet eval --help`` say first.
@@ -328,6 +331,10 @@ def run_suite(evaluate_suite: SuiteEvaluator | None, args: argparse.Namespace) -
         print("evalfleet: harness fault in a suite task: more than 5% of its episodes failed in the "
               "harness (pass --allow-failures to exit 0 anyway)", file=sys.stderr)
         return EXIT_HARNESS_FAULT
+    missing = [a.removeprefix(f"{OUTPUT_MISSING}: ") for a in report.alarms
+               if a.startswith(f"{OUTPUT_MISSING}: ")]
+    if missing:
+        return output_missing(missing)
     return EXIT_OK
 
 
@@ -394,9 +401,19 @@ def _run_eval(evaluate: Callable[[EvalRequest], EvalReport], args: argparse.Name
         print(f"evalfleet: harness fault: {why} (pass --allow-failures to exit 0 anyway)",
               file=sys.stderr)
         return EXIT_HARNESS_FAULT
+    if report.missing_outputs:
+        return output_missing(report.missing_outputs)
     if args.gate:
         return gate(report)
     return EXIT_OK
+
+
+def output_missing(missing: list[str]) -> int:
+    """Say which outputs asked for are missing; returns ``EXIT_OUTPUT_MISSING``."""
+    print(f"evalfleet: outputs asked for are missing: {'; '.join(missing)}. The episodes and "
+          f"statistics are written (Parquet, cache, report.json); fix the cause and re-run, "
+          f"with --refresh if the review is missing (exit {EXIT_OUTPUT_MISSING})", file=sys.stderr)
+    return EXIT_OUTPUT_MISSING
 
 
 def gate(report: EvalReport) -> int:

@@ -42,7 +42,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from evalfleet.errors import EvalfleetError, PolicyError
+from evalfleet.errors import EvalfleetError, OutputsMissing, PolicyError
 from evalfleet.models import EvalReport, EvalRequest
 from evalfleet.runners import EvaluationFailed, Runner, find_runner, load_runner
 from evalfleet.snapshots import PolicyWriter, WeightSnapshot, factory_ref, snapshot_weights
@@ -214,6 +214,8 @@ class Evaluator:
         self._lock = threading.Lock()
         self._in_flight = 0
         self._closed = False
+        self._unraised: list[str] = []  # on_result failures for flush()/shutdown() to raise
+        self._close_error: BaseException | None = None
         # The worker thread runs in a copy of the creator's context: context-local settings (e.g.
         # a Prefect API URL set with temporary_settings) would otherwise not reach it.
         context = contextvars.copy_context()
@@ -306,11 +308,31 @@ class Evaluator:
     def flush(self, timeout: float | None = None) -> None:
         """Block until the files and records of every returned result are complete.
 
-        ``shutdown`` flushes too (its runner's ``close`` waits for the background step).
+        ``shutdown`` flushes too (its runner's ``close`` waits for the background step). Raises
+        ``TimeoutError`` if that takes longer than ``timeout`` seconds, and ``OutputsMissing``
+        naming each evaluation whose files, MLflow run or callback could not be produced, and each
+        ``on_result`` call that raised (each once; ``shutdown`` raises those not raised yet).
         """
         drain = getattr(self._runner, "drain", None)
+        missing: OutputsMissing | None = None
         if callable(drain):
-            drain(timeout)
+            try:
+                drain(timeout)
+            except OutputsMissing as err:
+                missing = err
+        self._raise_missing(missing)
+
+    def _raise_missing(self, missing: OutputsMissing | None) -> None:
+        """Raise ``missing`` (the runner's) and the ``on_result`` failures not raised yet, as one."""
+        with self._lock:
+            problems, self._unraised = self._unraised, []
+        if missing is None and not problems:
+            return
+        text = "; ".join([str(missing)] if missing is not None else [])
+        if problems:
+            text = (f"{text}; " if text else "results were returned, but not everything asked for "
+                    "with them was produced: ") + "; ".join(problems)
+        raise OutputsMissing(text)
 
     def shutdown(self, wait: bool = True, timeout: float | None = 600.0) -> None:
         """Stop accepting work, optionally let pending evaluations finish, release the cluster.
@@ -336,13 +358,25 @@ class Evaluator:
         if self._thread.is_alive():
             logger.warning("evaluator thread still busy after shutdown(); it exits when the "
                            "running evaluation ends")
+        # What the runner's close raised (a failed stage 7, an output not produced) and what
+        # on_result raised reach the caller: a result's missing parts are never only a log line.
+        error, self._close_error = self._close_error, None
+        if error is not None and not isinstance(error, OutputsMissing):
+            raise error
+        self._raise_missing(error)
 
     def __enter__(self) -> Evaluator:
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
-        self.shutdown(wait=exc is None)
+        if exc is None:
+            self.shutdown()
+            return
+        try:  # the block's own exception is the one to see
+            self.shutdown(wait=False)
+        except Exception as err:
+            logger.error("shutting the Evaluator down after %s: %s", type(exc).__name__, err)
 
     # -- internals ---------------------------------------------------------------------------
 
@@ -427,8 +461,11 @@ class Evaluator:
                 if self.on_result is not None:
                     try:
                         self.on_result(result)
-                    except Exception:
+                    except Exception as err:
                         logger.exception("on_result raised for step %s", job.request.step)
+                        with self._lock:
+                            self._unraised.append(f"on_result raised for step {job.request.step}: "
+                                                  f"{type(err).__name__}: {err}")
                 with self._lock:
                     self._in_flight -= 1
                 job.future.set_result(result)
@@ -437,8 +474,9 @@ class Evaluator:
             if callable(close):
                 try:
                     close()
-                except Exception:
-                    logger.exception("closing the evaluation runner failed")
+                except Exception as err:  # shutdown() raises it in the caller's thread
+                    logger.error("closing the evaluation runner: %s", err)
+                    self._close_error = err
 
 
 __all__ = [

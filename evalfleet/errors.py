@@ -67,6 +67,15 @@ class ClusterLost(EvalfleetError):
     """The Dask scheduler was lost mid-run; the shards that finished are persisted in the cache."""
 
 
+class OutputsMissing(EvalfleetError):
+    """Results came back, but outputs asked for with them were not all produced.
+
+    The numbers stand (Parquet and the cache are written before anything else); what failed is
+    named per evaluation: its stage 7 (report.json, plots, MLflow run, Prefect artifacts), an
+    output it could not produce, or the ``on_result`` callback given to the ``Evaluator``.
+    """
+
+
 class Stopped(BaseException):
     """The process received a termination signal; raised where it was, so cleanup runs."""
 

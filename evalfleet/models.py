@@ -364,3 +364,18 @@ class EvalReport(_Frozen):
     def ci(self) -> tuple[float, float]:
         """95% confidence interval of the mean return."""
         return float(self.returns["ci"]["low"]), float(self.returns["ci"]["high"])
+
+    @property
+    def missing_outputs(self) -> list[str]:
+        """Outputs asked for that stage 7 could not produce (its ``output_missing`` alarms).
+
+        The numbers stand (Parquet and the cache are written first), but a run with any is a
+        failed run: the CLI exits ``EXIT_OUTPUT_MISSING`` and ``Evaluator.flush`` raises.
+        """
+        prefix = f"{OUTPUT_MISSING}: "
+        return [a.removeprefix(prefix) for a in self.alarms if a.startswith(prefix)]
+
+
+#: The alarm prefix of an output asked for and not produced (the review's files, the MLflow run,
+#: the trainer's callback).
+OUTPUT_MISSING = "output_missing"

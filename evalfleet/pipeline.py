@@ -26,7 +26,7 @@ from evalfleet.audit import (
 from evalfleet.cache import EpisodeCache, Lookup, cache_key, default_cache_dir, key_ingredients
 from evalfleet.envspec import resolve_env
 from evalfleet.errors import RequestError
-from evalfleet.models import EvalReport, EvalRequest, PolicyHandle, Shard, ShardPlan
+from evalfleet.models import OUTPUT_MISSING, EvalReport, EvalRequest, PolicyHandle, Shard, ShardPlan
 from evalfleet.planning import plan_shards
 from evalfleet.policy import (
     INFERENCE_DTYPE,
@@ -122,6 +122,10 @@ def receive(request: EvalRequest) -> Received:
     placement = cluster.place_inference(request.device, request.dask_address)
     if request.record_video:
         check_recording(request, isolation)
+    if request.callback_url:
+        from evalfleet.callback import check_callback
+
+        check_callback(request.callback_url)
     ingredients = key_ingredients(
         artifact.summary(), env.fingerprint.as_dict(), request.seed, request.max_steps,
         request.deterministic, harness_versions(),
@@ -536,6 +540,7 @@ def feed_back(
     parquet = write_episodes(stamped, folder / "episodes.parquet")
     outputs = {"folder": str(folder.resolve()), "episodes": str(parquet.resolve())}
     artifacts = [parquet]
+    missing: list[str] = []  # outputs asked for and not produced: alarms, and a failed run
     # What the review adds to the report is computed on a hit too (cheap): a hit's report equals
     # the miss's; only the files (plots, replays, page) are skipped.
     report = report.model_copy(update={"failure_clusters": cluster_failures(collected.table)})
@@ -553,6 +558,9 @@ def feed_back(
     except Exception as err:  # plots and replays must never cost the results
         logger.error("review step failed (%s); results are in %s", err, folder)
         outputs["review_error"] = f"{type(err).__name__}: {err}"
+        asked = " and the recordings asked for" if (request.record_trajectories or
+                                                    request.record_video) else ""
+        missing.append(f"the review (plots, report.html{asked}): {outputs['review_error']}")
     report_path = folder / "report.json"
     write_json(report.model_dump(mode="json"), report_path)
     outputs["report"] = str(report_path.resolve())
@@ -570,20 +578,32 @@ def feed_back(
     except Exception as err:  # even the queue failed (a full disk): the Parquet is written
         logger.error("MLflow logging failed (%s); results are in %s", err, folder)
         outputs["mlflow_error"] = f"{type(err).__name__}: {err}"
+        missing.append(f"the MLflow run (neither logged nor queued): {outputs['mlflow_error']}")
     if "mlflow_run_id" in outputs:  # the store answers: log what earlier runs had to queue
         flushed = flush_queued(request.output)
         if flushed:
             outputs["mlflow_flushed"] = flushed
     timings = dict(report.timings, feed_back=time.perf_counter() - t0)
-    final = scrubbed(report.model_copy(update={"outputs": outputs, "timings": timings}))
+    final = scrubbed(report.model_copy(update={"outputs": outputs, "timings": timings,
+                                               "alarms": with_missing(report.alarms, missing)}))
     write_json(final.model_dump(mode="json"), report_path)
     if request.callback_url:  # last, so the trainer gets the MLflow run id; never raises
         from evalfleet.callback import send_report_callback
 
         outcome = send_report_callback(request.callback_url, final.model_dump(mode="json"))
-        final = scrubbed(final.model_copy(update={"outputs": {**final.outputs, "callback": outcome}}))
+        alarms = final.alarms if outcome.startswith("delivered") else with_missing(
+            final.alarms, [f"the callback to the trainer: {outcome}"])
+        final = scrubbed(final.model_copy(update={"outputs": {**final.outputs, "callback": outcome},
+                                                  "alarms": alarms}))
         write_json(final.model_dump(mode="json"), report_path)
     return final
+
+
+def with_missing(alarms: list[str], missing: list[str]) -> list[str]:
+    """``alarms`` plus an ``output_missing`` alarm per output asked for and not produced."""
+    for what in missing:
+        logger.error("%s: %s", OUTPUT_MISSING, what)
+    return [*alarms, *(f"{OUTPUT_MISSING}: {what}" for what in missing)]
 
 
 def with_history(request: EvalRequest, report: EvalReport, table: pa.Table) -> EvalReport:

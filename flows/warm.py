@@ -18,6 +18,7 @@ import contextvars
 import logging
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_for
 from pathlib import Path
 
 import dask
@@ -27,6 +28,7 @@ from prefect import flow
 
 from evalfleet.audit import RoundSchedule
 from evalfleet.cluster import client_for, installed
+from evalfleet.errors import OutputsMissing
 from evalfleet.models import EvalReport, EvalRequest
 from evalfleet.pipeline import (
     Collected,
@@ -106,7 +108,7 @@ def evaluate_warm(request: EvalRequest, address: str, lane: FeedBackLane) -> Eva
     if request.training_run_id is not None and request.step is not None:
         # The verdict and alarms are numbers training acts on: they come with the result. The
         # run's earlier checkpoints are compared once their own stage 7 has logged them.
-        lane.drain()
+        lane.wait()  # what went missing there is raised by flush(), not by this evaluation
         report = with_history(request, report, collected.table)
     folder = run_dir(request.output, request.request_id)
     parquet = write_episodes(stamp_evaluation(collected.table, request.training_run_id,
@@ -138,6 +140,8 @@ class FeedBackLane:
     def __init__(self) -> None:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="evalfleet-feed-back")
         self._futures: dict[str, Future[EvalReport]] = {}
+        self._problems: list[str] = []  # not yet raised by drain()
+        self._problems_lock = threading.Lock()
 
     def submit(self, request: EvalRequest, received: Received, report: EvalReport,
                collected: Collected) -> Future[EvalReport]:
@@ -148,29 +152,54 @@ class FeedBackLane:
         context = contextvars.copy_context()
         future = self._pool.submit(context.run, feed_back_flow, request)
         self._futures[request.request_id] = future
-        future.add_done_callback(lambda f: self._log_failure(request, f))
+        future.add_done_callback(lambda f: self._check(request, f))
         return future
 
     def result(self, request_id: str) -> Future[EvalReport] | None:
         """The future final report of ``request_id`` (None if it never went through the lane)."""
         return self._futures.get(request_id)
 
+    def wait(self, timeout: float | None = None) -> None:
+        """Wait until every queued stage 7 has finished; ``TimeoutError`` after ``timeout`` s."""
+        pending = [f for f in self._futures.values() if not f.done()]
+        _, running = wait_for(pending, timeout)
+        if running:
+            raise TimeoutError(f"stage 7 (files, MLflow, artifacts) of {len(running)} evaluations "
+                               f"still running after {timeout} s; call flush() again to wait on")
+
     def drain(self, timeout: float | None = None) -> None:
-        """Wait until every queued stage 7 has finished."""
-        for future in list(self._futures.values()):
-            try:
-                future.result(timeout)
-            except Exception:  # logged by _log_failure
-                pass
+        """Wait until every queued stage 7 has finished, at most ``timeout`` seconds in all.
+
+        Raises ``TimeoutError`` when some are still running after it, and ``OutputsMissing``
+        naming each evaluation whose stage 7 failed or could not produce an output asked for
+        (each is raised once: a later drain raises only new ones).
+        """
+        self.wait(timeout)
+        with self._problems_lock:
+            problems, self._problems = self._problems, []
+        if problems:
+            raise OutputsMissing("results were returned, but not everything asked for with them "
+                                 "was produced: " + "; ".join(problems))
 
     def close(self) -> None:
-        """Finish what is queued, then stop the thread."""
-        self.drain()
-        self._pool.shutdown(wait=True)
+        """Finish what is queued, then stop the thread; raises what ``drain`` raises."""
+        try:
+            self.drain()
+        finally:
+            self._pool.shutdown(wait=True)
 
-    @staticmethod
-    def _log_failure(request: EvalRequest, future: Future[EvalReport]) -> None:
+    def _check(self, request: EvalRequest, future: Future[EvalReport]) -> None:
+        """Note a failed stage 7, or one missing an output, for the next ``drain()`` to raise."""
         err = future.exception()
+        folder = Path(run_dir(request.output, request.request_id))
         if err is not None:
             logger.error("feed back of %s failed: %s; the episodes are in %s", request.request_id,
-                         err, Path(run_dir(request.output, request.request_id)))
+                         err, folder)
+            problem = f"{request.request_id}: stage 7 failed ({type(err).__name__}: {err}; the " \
+                      f"episodes are in {folder})"
+        elif future.result().missing_outputs:
+            problem = f"{request.request_id}: {'; '.join(future.result().missing_outputs)}"
+        else:
+            return
+        with self._problems_lock:
+            self._problems.append(problem)

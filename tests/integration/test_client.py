@@ -30,7 +30,7 @@ from evalfleet.client import (
     factory_ref,
     snapshot_weights,
 )
-from evalfleet.errors import EvalfleetError, PolicyError, RequestError
+from evalfleet.errors import EvalfleetError, OutputsMissing, PolicyError, RequestError
 from evalfleet.models import EvalRequest
 
 from .conftest import CALLBACK_SECRET, Service, TrainerEndpoint
@@ -153,17 +153,20 @@ def test_evaluator_on_the_fleet(service: Service, trainer: TrainerEndpoint, tmp_
         extra.append(table.num_rows)
         return {"eval/max_length": float(max(table.column("length").to_pylist()))}
 
-    with Evaluator(env="CartPole-v1", policy_factory=mlp, num_episodes=8, busy_policy="queue",
-                   on_result=on_result, metrics_fn=metrics_fn, training_run_id="client-test",
-                   dask_address=service.urls["dask"], output=tmp_path / "results",
-                   concurrency=8, max_steps=100, seed=3, callback_url=trainer.url) as ev:
-        t0 = time.perf_counter()
-        request_id = ev.trigger_eval(model(1), step=1)
-        trigger_s = time.perf_counter() - t0
-        # Blocking, queued behind step 1, same weights: it must give the same numbers.
-        blocking = ev.evaluate(model(1), step=2, timeout=240)
-        triggered = ev.poll()  # finished before the blocking call started
-        assert ev.poll() is None and ev.wait(timeout=1) is None
+    # The callbacks were asked for and never delivered: shutdown (the with block) says so.
+    with pytest.raises(OutputsMissing, match="the callback to the trainer: failed after 3") as missing:
+        with Evaluator(env="CartPole-v1", policy_factory=mlp, num_episodes=8, busy_policy="queue",
+                       on_result=on_result, metrics_fn=metrics_fn, training_run_id="client-test",
+                       dask_address=service.urls["dask"], output=tmp_path / "results",
+                       concurrency=8, max_steps=100, seed=3, callback_url=trainer.url) as ev:
+            t0 = time.perf_counter()
+            request_id = ev.trigger_eval(model(1), step=1)
+            trigger_s = time.perf_counter() - t0
+            # Blocking, queued behind step 1, same weights: it must give the same numbers.
+            blocking = ev.evaluate(model(1), step=2, timeout=240)
+            triggered = ev.poll()  # finished before the blocking call started
+            assert ev.poll() is None and ev.wait(timeout=1) is None
+    assert str(missing.value).count("the callback to the trainer") == 2
 
     print(f"\ntrigger_eval: {1e3 * trigger_s:.1f} ms")
     assert trigger_s < 0.5

@@ -1,0 +1,113 @@
+"""An output asked for and not produced fails the run loudly: never a log line and exit 0.
+
+Planted, with real components: an MLflow store that can neither be written nor queued for (the
+CLI exits 5), a trainer callback nobody answers and an ``on_result`` that raises (the
+``Evaluator``'s fast path returns the numbers first; ``flush()`` and ``shutdown()`` raise what
+its background stage 7 could not produce), and a callback that could never be signed or sent
+(refused at stage 1, before anything is spawned).
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+
+from evalfleet.cli import EXAMPLE_POLICY, EXIT_OUTPUT_MISSING, run_cli
+from evalfleet.client import Evaluator
+from evalfleet.errors import OutputsMissing, RequestError
+from evalfleet.models import EvalRequest
+from evalfleet.pipeline import receive
+from flows.eval import evaluate
+from flows.local_runner import LocalFlowRunner
+
+pytestmark = pytest.mark.slow
+
+
+def closed_port() -> int:
+    """A loopback port nothing listens on."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def mlp() -> torch.nn.Module:
+    """A CartPole policy (module level: the state_dict's factory)."""
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+
+
+def test_cli_exits_5_when_the_mlflow_run_is_neither_logged_nor_queued(prefect_server, tmp_path,
+                                                                       capsys):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "mlflow-pending").write_text("a file where the queue's folder goes\n")
+    (tmp_path / "not-a-dir").write_text("")
+    store = f"sqlite:///{tmp_path / 'not-a-dir' / 'mlflow.db'}"
+    code = run_cli(evaluate, ["--episodes", "4", "--concurrency", "4", "--output", str(out),
+                              "--mlflow-uri", store, "--no-audit", "--quiet"])
+    err = capsys.readouterr().err
+    assert code == EXIT_OUTPUT_MISSING, err
+    assert "outputs asked for are missing: the MLflow run (neither logged nor queued)" in err
+    [report_json] = (out / "runs").glob("*/report.json")
+    report = json.loads(report_json.read_text())
+    assert [a for a in report["alarms"] if a.startswith("output_missing: the MLflow run")]
+    assert (report_json.parent / "episodes.parquet").exists()  # the numbers are kept
+
+
+def test_a_callback_that_could_never_be_sent_is_refused_at_stage_1(monkeypatch, tmp_path):
+    request = EvalRequest.build(env="CartPole-v1", policy=EXAMPLE_POLICY, episodes=4, output=tmp_path,
+                                callback_url="http://127.0.0.1:9/cb")
+    monkeypatch.delenv("EVALFLEET_CALLBACK_SECRET", raising=False)
+    with pytest.raises(RequestError, match="EVALFLEET_CALLBACK_SECRET is not set in this process"):
+        receive(request)
+    monkeypatch.setenv("EVALFLEET_CALLBACK_SECRET", "k")
+    monkeypatch.delenv("EVALFLEET_ALLOWED_HOSTS", raising=False)  # loopback is not allowed then
+    with pytest.raises(RequestError, match=r"callback_url 'http://127.0.0.1:9/cb' cannot be reached"):
+        receive(request)
+    metadata = request.model_copy(update={"callback_url": "http://169.254.169.254/latest"})
+    with pytest.raises(RequestError, match="cannot be reached from here"):
+        receive(metadata)  # refused on the parsed address: nothing is ever connected to
+
+
+def test_flush_and_shutdown_raise_what_the_fast_path_could_not_produce(prefect_server, tmp_path,
+                                                                      monkeypatch):
+    port = closed_port()
+    monkeypatch.setenv("EVALFLEET_CALLBACK_SECRET", "k")
+    monkeypatch.setenv("EVALFLEET_ALLOWED_HOSTS", f"127.0.0.1:{port}")
+    monkeypatch.setenv("EVALFLEET_CALLBACK_ATTEMPTS", "1")
+
+    def on_result(result: dict) -> None:
+        raise RuntimeError("the trainer's logger is down")
+
+    runner = LocalFlowRunner(workers=1)
+    ev = Evaluator(env="CartPole-v1", policy_factory=mlp, num_episodes=4, concurrency=4,
+                   output=tmp_path / "out", runner=runner, on_result=on_result, audit=False,
+                   callback_url=f"http://127.0.0.1:{port}/cb")
+    try:
+        first = ev.evaluate(mlp(), step=1)["report"]
+        assert first.outputs["feed_back"] == "pending"  # the numbers came first
+        with pytest.raises(OutputsMissing) as raised:
+            ev.flush(timeout=300)
+        text = str(raised.value)
+        assert f"{first.request_id}: the callback to the trainer: failed after 1 attempt" in text
+        assert "on_result raised for step 1: RuntimeError: the trainer's logger is down" in text
+        final = ev.final_report(first.request_id).result()
+        assert final.missing_outputs and final.missing_outputs[0].startswith(
+            "the callback to the trainer: failed after 1 attempt")
+        on_disk = json.loads(Path(final.outputs["report"]).read_text())
+        assert on_disk["alarms"] == final.alarms
+        ev.flush()  # each problem is raised once
+
+        second = ev.evaluate(mlp(), step=2)["report"]
+        with pytest.raises(TimeoutError, match="still running after 0 s"):
+            ev.flush(timeout=0)  # stage 7 of the second evaluation has not run yet
+    except BaseException:
+        ev.shutdown(wait=False)
+        raise
+    with pytest.raises(OutputsMissing) as raised:
+        ev.shutdown()
+    assert f"{second.request_id}: the callback to the trainer" in str(raised.value)
+    assert "on_result raised for step 2" in str(raised.value)
