@@ -6,10 +6,12 @@ run, as a single evaluation does). Prefect-free; ``flows/suite.py`` wires it.
 
 from __future__ import annotations
 
+import io
 import logging
 import os
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +19,7 @@ import numpy as np
 import pyarrow as pa
 
 from evalfleet.models import EvalReport, EvalRequest
-from evalfleet.plots import render_suite_plots
+from evalfleet.plots import SUITE_PLOT_FILES, render_suite_plots, suite_figures
 from evalfleet.review import _data_uri, _templates
 from evalfleet.storage import run_dir, write_json
 from evalfleet.suite import (
@@ -30,7 +32,8 @@ from evalfleet.suite import (
 )
 from evalfleet.tracking import default_tracking_uri, log_suite
 
-__all__ = ["build_suite_report", "suite_feed_back", "suite_markdown", "suite_page"]
+__all__ = ["Aggregated", "aggregate_and_draw", "build_suite_report", "suite_feed_back",
+           "suite_markdown", "suite_page"]
 
 logger = logging.getLogger(__name__)
 
@@ -43,15 +46,62 @@ _CAPTIONS = {
 }
 
 
+@dataclass(frozen=True)
+class Aggregated:
+    """A suite's aggregates and its pictures, computed before its tasks' stage 7 finished.
+
+    ``aggregate_and_draw`` makes it (on a Dask worker, while the flow logs the tasks' runs);
+    ``build_suite_report(..., aggregated=)`` and ``suite_feed_back(..., pictures=)`` use it.
+    """
+
+    report: SuiteReport
+    """The suite report from the tasks' stage-6 reports (the numbers; no outputs yet)."""
+    pictures: dict[str, bytes] = field(default_factory=dict)
+    """PNG bytes by ``SUITE_PLOT_FILES`` key (empty when drawing failed)."""
+    error: str = ""
+    """Why drawing failed, if it did (pictures never cost the numbers)."""
+
+
+def aggregate_and_draw(
+    suite: Suite, base: EvalRequest, reports: Sequence[EvalReport], tables: Sequence[pa.Table],
+    baseline_tables: Sequence[pa.Table] | None = None,
+) -> Aggregated:
+    """The suite's aggregates (bootstrap CIs) and its figures as PNG bytes, in one call.
+
+    Needs only what stages 5 and 6 produced, so it runs beside stage 7 (on an idle worker): the
+    bytes, not files, come back, so a worker on another host works too.
+    """
+    report = build_suite_report(suite, base, reports, tables, baseline_tables)
+    try:
+        pictures = {}
+        for key, fig in suite_figures(report.model_dump(mode="json")).items():
+            buf = io.BytesIO()
+            fig.savefig(buf, format="png", pil_kwargs={"compress_level": 1})  # as plots._save
+            pictures[key] = buf.getvalue()
+    except Exception as err:  # pictures must never cost the numbers
+        return Aggregated(report, {}, f"{type(err).__name__}: {err}")
+    return Aggregated(report, pictures)
+
+
 def build_suite_report(
     suite: Suite, base: EvalRequest, reports: Sequence[EvalReport], tables: Sequence[pa.Table],
-    baseline_tables: Sequence[pa.Table] | None = None, seconds: float = 0.0,
+    baseline_tables: Sequence[pa.Table] | None = None, seconds: float = 0.0, *,
+    aggregated: Aggregated | None = None,
 ) -> SuiteReport:
-    """Aggregate the tasks' scored episodes (and the baseline's, on the same tasks and seeds)."""
+    """Aggregate the tasks' scored episodes (and the baseline's, on the same tasks and seeds).
+
+    ``aggregated`` (from ``aggregate_and_draw`` on the same episodes) supplies the aggregates, so
+    the bootstrap is not run twice; the task rows, alarms and outputs come from ``reports``.
+    """
     scores = [task_scores(t, table) for t, table in zip(suite.tasks, tables, strict=True)]
-    summary = suite_aggregates(suite, scores, base.seed)
     baseline, poi = None, None
-    if baseline_tables is not None:
+    if aggregated is not None:
+        done = aggregated.report
+        summary: dict[str, Any] = {"aggregates": done.aggregates, "profile": done.profile}
+        baseline, poi = done.baseline, done.probability_of_improvement
+    else:
+        summary = suite_aggregates(suite, scores, base.seed)
+    if baseline_tables is not None and aggregated is None:
         theirs = [task_scores(t, table) for t, table in zip(suite.tasks, baseline_tables, strict=True)]
         baseline = {"policy": base.baseline, **suite_aggregates(suite, theirs, base.seed),
                     "task_means": [float(s.mean()) for s in theirs]}
@@ -130,14 +180,21 @@ def suite_page(report: SuiteReport, plots: Mapping[str, Path], out_path: Path) -
     return out_path
 
 
-def suite_feed_back(report: SuiteReport, base: EvalRequest) -> SuiteReport:
-    """Plots, report.html, suite_report.json, then the MLflow parent run (a failing sink is noted)."""
+def suite_feed_back(report: SuiteReport, base: EvalRequest, pictures: Aggregated | None = None
+                    ) -> SuiteReport:
+    """Plots, report.html, suite_report.json, then the MLflow parent run (a failing sink is noted).
+
+    ``pictures``: the figures ``aggregate_and_draw`` already drew, written as they are.
+    """
     t0 = time.perf_counter()
     folder = run_dir(base.output, f"suite-{base.request_id}")
     outputs = {"folder": str(folder.resolve())}
     files: list[Path] = []
     try:
-        plots = render_suite_plots(report.model_dump(mode="json"), folder / "plots")
+        if pictures is not None and pictures.error:
+            raise RuntimeError(pictures.error)
+        plots = (_write_pictures(pictures.pictures, folder / "plots") if pictures is not None
+                 else render_suite_plots(report.model_dump(mode="json"), folder / "plots"))
         page = suite_page(report, plots, folder / "report.html")
         files += [*plots.values(), page]
         outputs["report_html"] = str(page.resolve())
@@ -169,3 +226,13 @@ def suite_feed_back(report: SuiteReport, base: EvalRequest) -> SuiteReport:
         final = final.model_copy(update={"outputs": {**final.outputs, "callback": outcome}})
         write_json(final.model_dump(mode="json"), path)
     return final
+
+
+def _write_pictures(pictures: Mapping[str, bytes], out_dir: Path) -> dict[str, Path]:
+    """Write PNG bytes by ``SUITE_PLOT_FILES`` key to ``out_dir``; returns ``{key: path}``."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    out = {}
+    for key, png in pictures.items():
+        out[key] = out_dir / SUITE_PLOT_FILES[key]
+        out[key].write_bytes(png)
+    return out

@@ -213,11 +213,29 @@ def log_evaluation(
     except Exception as err:  # the trainer's run may be deleted or read-only: never fatal
         logger.warning("could not log eval metrics into training run %s: %s",
                        report.get("training_run_id"), err)
-    for path in artifacts:
-        client.log_artifact(run_id, str(path))
+    _log_files(client, run, artifacts)
     client.set_terminated(run_id, "FAILED" if report["harness_fault"] else "FINISHED")
     del mlflow
     return run_id
+
+
+def _log_files(client: Any, run: Any, paths: list[Path]) -> None:
+    """Log files at the root of ``run``'s artifacts, as ``client.log_artifact`` does.
+
+    The repository comes from the run just created: ``log_artifact`` would read the run back
+    from the store (a query) to learn its artifact URI. Directories (and Databricks, whose URIs
+    the client rewrites) go through the client.
+    """
+    from mlflow.store.artifact.artifact_repository_registry import get_artifact_repository
+
+    repo: Any = None
+    for path in paths:
+        if Path(path).is_dir() or str(client.tracking_uri).startswith("databricks"):
+            client.log_artifact(run.info.run_id, str(path))
+            continue
+        if repo is None:
+            repo = get_artifact_repository(run.info.artifact_uri, tracking_uri=client.tracking_uri)
+        repo.log_artifact(str(path))
 
 
 def _experiment_id(client: Any, tracking_uri: str, experiment: str) -> str:
@@ -262,7 +280,7 @@ def log_suite(
     parent's run id.
     """
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
-    from mlflow.entities import Metric, Param
+    from mlflow.entities import Metric, Param, RunTag
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracking_uri=tracking_uri)
@@ -280,12 +298,11 @@ def log_suite(
     metrics = [Metric(k, v, ts, 0) for k, v in suite_metrics(report).items()]
     client.log_batch(run_id, metrics=metrics,
                      params=[Param(k, str(v)[:6000]) for k, v in params.items()])
-    for task in report["tasks"]:
+    for task in report["tasks"]:  # one write per task run, not one per tag
         if task.get("mlflow_run_id"):
-            client.set_tag(task["mlflow_run_id"], "mlflow.parentRunId", run_id)
-            client.set_tag(task["mlflow_run_id"], "evalfleet.suite_task", task["name"])
-    for path in artifacts:
-        client.log_artifact(run_id, str(path))
+            client.log_batch(task["mlflow_run_id"], tags=[
+                RunTag("mlflow.parentRunId", run_id), RunTag("evalfleet.suite_task", task["name"])])
+    _log_files(client, run, artifacts)
     client.set_terminated(run_id, "FAILED" if report["harness_fault"] else "FINISHED")
     return run_id
 

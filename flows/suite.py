@@ -9,24 +9,32 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import ExitStack, nullcontext
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import dask
 import pyarrow as pa
-from prefect import flow, task
+from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.futures import PrefectFutureList
 from prefect.task_runners import ThreadPoolTaskRunner
+from prefect.utilities.annotations import quote
 from prefect_dask import DaskTaskRunner
 
-from evalfleet.cluster import fleet_cluster, installed, worker_slots
+from evalfleet.cluster import client_for, fleet_cluster, installed, worker_slots
 from evalfleet.errors import SuiteError
 from evalfleet.models import EvalReport, EvalRequest
-from evalfleet.pipeline import Received, episode_cache, lookup, receive, store_in_cache
+from evalfleet.pipeline import Collected, Received, episode_cache, lookup, receive, store_in_cache
 from evalfleet.suite import Suite, SuiteReport, baseline_requests, task_requests
-from evalfleet.suite_report import build_suite_report, suite_feed_back, suite_markdown
+from evalfleet.suite_report import (
+    Aggregated,
+    aggregate_and_draw,
+    build_suite_report,
+    suite_feed_back,
+    suite_markdown,
+)
 from flows.runtime import prefect_api
 from tasks.distribute_policy import distribute_policy
 from tasks.receive_weights import checked_before
@@ -49,23 +57,39 @@ T = TypeVar("T", bound=Any)
 def suite_flow(suite: Suite, base: EvalRequest, address: str | None) -> SuiteReport:
     """Evaluate ``base.policy`` (and ``base.baseline``) on every task of ``suite``, then aggregate."""
     t0 = time.perf_counter()
-    requests = task_requests(suite, base)
-    reports, tables = run_tasks(suite, requests, address)
+    stage = _named(", ".join(item.name for item in suite.tasks))
+    mine = run_tasks(suite, task_requests(suite, base), address)
     theirs = None
     if base.baseline:  # the same tasks and seeds, each cached under the baseline's own key
-        theirs = run_tasks(suite, baseline_requests(requests, base.baseline, base.baseline_factory),
-                           address)[1]
-    return aggregate_suite(suite, base, reports, tables, theirs, time.perf_counter() - t0)
+        theirs = run_tasks(suite, baseline_requests(mine.requests, base.baseline,
+                                                    base.baseline_factory), address)
+    # The aggregates and figures need only stages 5-6: an idle worker draws them during stage 7.
+    drawn = draw_beside(suite, base, mine, theirs, address)
+    for done in (mine, theirs):
+        if done is not None:                                                               # 7
+            done.reports[:] = stage(feed_back_all)(*(quote(x) for x in done[:4]))
+    return aggregate_suite(suite, base, quote(mine.reports), quote(tables_of(mine.collected)),
+                           quote(tables_of(theirs.collected) if theirs else None),
+                           time.perf_counter() - t0, quote(drawn))
 
 
-def run_tasks(suite: Suite, requests: list[EvalRequest], address: str | None
-              ) -> tuple[list[EvalReport], list[pa.Table]]:
-    """Stages 1-7 of each task (as ``eval_flow``), each stage one task run for all the tasks.
+class Ran(NamedTuple):
+    """Stages 1-6 of a suite's tasks: what stage 7 and the suite's aggregates take."""
+
+    requests: list[EvalRequest]
+    received: list[Received]
+    reports: list[EvalReport]
+    collected: list[Collected]
+
+
+def run_tasks(suite: Suite, requests: list[EvalRequest], address: str | None) -> Ran:
+    """Stages 1-6 of each task (as ``eval_flow``), each stage one task run for all the tasks.
 
     A Prefect task run costs ~0.1-0.5 s: per task and stage it was most of a small suite's time.
     The run stage is one task run per worker slot over all tasks' shards (named after the tasks
     it runs); the policy is distributed once. Each task keeps its own cache key and lock,
-    results, files and MLflow run.
+    results, files and MLflow run. Large inputs are quoted: Prefect would otherwise walk every
+    episode index and table looking for futures (~0.1 s per stage).
     """
     names = ", ".join(item.name for item in suite.tasks)
     stage = _named(names)
@@ -76,15 +100,16 @@ def run_tasks(suite: Suite, requests: list[EvalRequest], address: str | None
     with ExitStack() as keep:
         for request, rec in zip(requests, received, strict=True):  # one run per key
             keep.enter_context(episode_cache(request).exclusive(rec.cache_key))
-        planned = stage(spawn_all)(requests, received, address, per_task)                 # 2
+        planned = stage(spawn_all)(requests, quote(received), address, per_task)          # 2
         first = next((i for i, p in enumerate(planned) if p.shards), 0)
         handle = keep.enter_context(installed(stage(distribute_policy)(
-            requests[first], received[first], planned[first], address), address))         # 3
+            requests[first], quote(received[first]), quote(planned[first]), address), address))  # 3
         mine = handle.model_copy(update={"distributed_at": time.time()})
         shares = share_out(planned, worker_slots(address) if address else 1)
+        isolation = [r.isolation for r in received]
         with dask.annotate(resources=gpu(received[first])):
             futures = [_named(", ".join(sorted({suite.tasks[i].name for i, _ in share})))(run_group)
-                       .submit(share, mine, requests, [r.isolation for r in received])
+                       .submit(share, mine, requests, isolation)
                        for share in shares]                                                # 4
         tables: list[list[Any]] = [[] for _ in requests]
         by_shard: dict[tuple[int, int], Any] = {}
@@ -94,11 +119,27 @@ def run_tasks(suite: Suite, requests: list[EvalRequest], address: str | None
         for i, plan in enumerate(planned):  # each task's tables in its shards' order
             tables[i] = [by_shard[(i, id(shard))] for shard in plan.shards]
         mines = [mine] * len(requests)
-        collected = stage(collect_all)(tables, mines, planned)                            # 5
+        collected = stage(collect_all)(quote(tables), mines, quote(planned))              # 5
         for request, rec, coll in zip(requests, received, collected, strict=True):
             store_in_cache(request, rec, coll)
-    reports = stage(aggregate_all)(requests, received, collected)                         # 6
-    return stage(feed_back_all)(requests, received, reports, collected), tables_of(collected)  # 7
+    reports = stage(aggregate_all)(quote(requests), quote(received), quote(collected))    # 6
+    return Ran(requests, received, reports, collected)
+
+
+def draw_beside(suite: Suite, base: EvalRequest, mine: Ran, theirs: Ran | None,
+                address: str | None) -> Future[Aggregated] | Any:
+    """``aggregate_and_draw`` started on a worker (raw Dask: the workers idle during stage 7).
+
+    Without a cluster it runs on a thread; either way ``.result()`` gives the ``Aggregated``.
+    """
+    args = (suite, base, mine.reports, tables_of(mine.collected),
+            tables_of(theirs.collected) if theirs else None)
+    if address:
+        return client_for(address).submit(aggregate_and_draw, *args, pure=False)
+    pool = ThreadPoolExecutor(max_workers=1)
+    drawn = pool.submit(aggregate_and_draw, *args)
+    pool.shutdown(wait=False)  # the thread finishes its one call, then ends
+    return drawn
 
 
 def _named(task_name: str) -> Callable[[T], T]:
@@ -115,10 +156,21 @@ def gpu(received: Received) -> dict[str, int]:
 
 @task(name="aggregate-suite", cache_policy=NO_CACHE)
 def aggregate_suite(suite: Suite, base: EvalRequest, reports: list[EvalReport], tables: list[pa.Table],
-                    baseline_tables: list[pa.Table] | None, seconds: float) -> SuiteReport:
-    """Aggregates across tasks, plots, report page, JSON, MLflow parent run, Prefect artifact."""
-    final = suite_feed_back(build_suite_report(suite, base, reports, tables, baseline_tables, seconds),
-                            base)
+                    baseline_tables: list[pa.Table] | None, seconds: float,
+                    drawn: Future[Aggregated] | Any = None) -> SuiteReport:
+    """Aggregates across tasks, plots, report page, JSON, MLflow parent run, Prefect artifact.
+
+    ``drawn``: the aggregates and figures ``draw_beside`` started; when it failed (a lost worker),
+    they are computed here instead, and an error in the numbers is raised from here.
+    """
+    done = None
+    if drawn is not None:
+        try:
+            done = drawn.result()
+        except Exception as err:  # noqa: BLE001 - recomputed below, which raises what is real
+            get_run_logger().warning("suite aggregates on the worker failed (%s); computing here", err)
+    report = build_suite_report(suite, base, reports, tables, baseline_tables, seconds, aggregated=done)
+    final = suite_feed_back(report, base, done)
     create_markdown_artifact(suite_markdown(final, pictures=True),
                              key=f"suite-{final.policy_sha256[:12]}",
                              description=f"evalfleet suite {suite.name}")

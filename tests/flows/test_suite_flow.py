@@ -7,6 +7,7 @@ import pytest
 from prefect import get_client
 from prefect.client.schemas.filters import (
     ArtifactFilter,
+    ArtifactFilterFlowRunId,
     ArtifactFilterKey,
     FlowRunFilter,
     FlowRunFilterId,
@@ -79,6 +80,11 @@ def test_example_suite_runs_each_task_as_its_own_cached_evaluation(prefect_serve
             flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[runs[0].id])), limit=200)]
         artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(
             key=ArtifactFilterKey(any_=[f"suite-{report.policy_sha256[:12]}"])))
+        # Every task's own table + report artifacts (policy's and baseline's), sent from stage 7.
+        per_task = client.read_artifacts(artifact_filter=ArtifactFilter(
+            flow_run_id=ArtifactFilterFlowRunId(any_=[runs[0].id])), limit=200)
+    assert sorted(a.type for a in per_task if a.key and a.key.startswith("eval-")) == (
+        ["markdown"] * (2 * len(suite.tasks)) + ["table"] * (2 * len(suite.tasks)))
     # One task run per stage for all the tasks (per policy), each named after the tasks it covers.
     for task in suite.tasks:
         assert any(n.startswith("run-episodes[") and task.name in n for n in names)
@@ -97,6 +103,15 @@ def test_example_suite_runs_each_task_as_its_own_cached_evaluation(prefect_serve
     for row in report.tasks:
         child = mlflow.get_run(row["mlflow_run_id"])
         assert child.data.tags["mlflow.parentRunId"] == out["mlflow_run_id"]
+        assert child.data.tags["evalfleet.suite_task"] == row["name"]
+        assert {"episodes.parquet", "report.json"} <= {
+            a.path for a in mlflow.list_artifacts(row["mlflow_run_id"])}
+    # The figures drawn on a worker come back as the suite's plot files and parent artifacts.
+    assert {a.path for a in mlflow.list_artifacts(out["mlflow_run_id"])} == {
+        "suite_performance_profile.png", "suite_aggregate_intervals.png", "suite_task_scores.png",
+        "report.html", "suite_report.json"}
+    assert all(Path(out[f"plot_{k}"]).read_bytes().startswith(b"\x89PNG")
+               for k in ("performance_profile", "aggregate_intervals", "task_scores"))
 
     # Again: every task (and the baseline's) is a cache hit; nothing is spawned, same numbers.
     monkeypatch.setattr(suite_module, "fleet_cluster", refuse)
