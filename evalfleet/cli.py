@@ -331,8 +331,9 @@ def run_suite(evaluate_suite: SuiteEvaluator | None, args: argparse.Namespace) -
         print("evalfleet: harness fault in a suite task: more than 5% of its episodes failed in the "
               "harness (pass --allow-failures to exit 0 anyway)", file=sys.stderr)
         return EXIT_HARNESS_FAULT
-    missing = [a.removeprefix(f"{OUTPUT_MISSING}: ") for a in report.alarms
-               if a.startswith(f"{OUTPUT_MISSING}: ")]
+    # The suite's own, and its tasks' (each prefixed with the task's request id).
+    missing = [a.replace(f"{OUTPUT_MISSING}: ", "", 1) for a in report.alarms
+               if a.startswith(f"{OUTPUT_MISSING}: ") or f": {OUTPUT_MISSING}: " in a]
     if missing:
         return output_missing(missing)
     return EXIT_OK

@@ -7,6 +7,7 @@ Dask task arguments, JSON reports) and must never be mutated on the way.
 from __future__ import annotations
 
 import json
+import logging
 import re
 import uuid
 from enum import StrEnum
@@ -379,3 +380,10 @@ class EvalReport(_Frozen):
 #: The alarm prefix of an output asked for and not produced (the review's files, the MLflow run,
 #: the trainer's callback).
 OUTPUT_MISSING = "output_missing"
+
+
+def with_missing(alarms: list[str], missing: list[str]) -> list[str]:
+    """``alarms`` plus an ``output_missing`` alarm per output asked for and not produced."""
+    for what in missing:
+        logging.getLogger("evalfleet.feed_back").error("%s: %s", OUTPUT_MISSING, what)
+    return [*alarms, *(f"{OUTPUT_MISSING}: {what}" for what in missing)]

@@ -26,7 +26,7 @@ from evalfleet.audit import (
 from evalfleet.cache import EpisodeCache, Lookup, cache_key, default_cache_dir, key_ingredients
 from evalfleet.envspec import resolve_env
 from evalfleet.errors import RequestError
-from evalfleet.models import OUTPUT_MISSING, EvalReport, EvalRequest, PolicyHandle, Shard, ShardPlan
+from evalfleet.models import EvalReport, EvalRequest, PolicyHandle, Shard, ShardPlan, with_missing
 from evalfleet.planning import plan_shards
 from evalfleet.policy import (
     INFERENCE_DTYPE,
@@ -597,13 +597,6 @@ def feed_back(
                                                   "alarms": alarms}))
         write_json(final.model_dump(mode="json"), report_path)
     return final
-
-
-def with_missing(alarms: list[str], missing: list[str]) -> list[str]:
-    """``alarms`` plus an ``output_missing`` alarm per output asked for and not produced."""
-    for what in missing:
-        logger.error("%s: %s", OUTPUT_MISSING, what)
-    return [*alarms, *(f"{OUTPUT_MISSING}: {what}" for what in missing)]
 
 
 def with_history(request: EvalRequest, report: EvalReport, table: pa.Table) -> EvalReport:

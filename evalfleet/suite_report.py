@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from evalfleet.models import EvalReport, EvalRequest
+from evalfleet.models import EvalReport, EvalRequest, with_missing
 from evalfleet.plots import SUITE_PLOT_FILES, render_suite_plots, suite_figures
 from evalfleet.review import _data_uri, _templates
 from evalfleet.storage import run_dir, write_json
@@ -190,6 +190,7 @@ def suite_feed_back(report: SuiteReport, base: EvalRequest, pictures: Aggregated
     folder = run_dir(base.output, f"suite-{base.request_id}")
     outputs = {"folder": str(folder.resolve())}
     files: list[Path] = []
+    missing: list[str] = []  # outputs asked for and not produced: alarms, and a failed run
     try:
         if pictures is not None and pictures.error:
             raise RuntimeError(pictures.error)
@@ -202,6 +203,7 @@ def suite_feed_back(report: SuiteReport, base: EvalRequest, pictures: Aggregated
     except Exception as err:  # pictures must never cost the numbers
         logger.error("suite plots failed (%s); results are in %s", err, folder)
         outputs["review_error"] = f"{type(err).__name__}: {err}"
+        missing.append(f"the suite's figures and report.html: {outputs['review_error']}")
     path = folder / "suite_report.json"
     outputs["report"] = str(path.resolve())
     write_json(report.model_copy(update={"outputs": outputs}).model_dump(mode="json"), path)
@@ -216,14 +218,18 @@ def suite_feed_back(report: SuiteReport, base: EvalRequest, pictures: Aggregated
     except Exception as err:  # a failing sink never loses the files already written
         logger.error("MLflow logging of the suite failed (%s); results are in %s", err, folder)
         outputs["mlflow_error"] = f"{type(err).__name__}: {err}"
-    final = report.model_copy(update={"outputs": outputs,
+        missing.append(f"the suite's MLflow parent run: {outputs['mlflow_error']}")
+    final = report.model_copy(update={"outputs": outputs, "alarms": with_missing(report.alarms, missing),
                                       "seconds": report.seconds + time.perf_counter() - t0})
     write_json(final.model_dump(mode="json"), path)
     if base.callback_url:  # last, so the trainer gets the MLflow run id; never raises
         from evalfleet.callback import send_report_callback
 
         outcome = send_report_callback(base.callback_url, final.model_dump(mode="json"))
-        final = final.model_copy(update={"outputs": {**final.outputs, "callback": outcome}})
+        alarms = final.alarms if outcome.startswith("delivered") else with_missing(
+            final.alarms, [f"the callback to the trainer: {outcome}"])
+        final = final.model_copy(update={"outputs": {**final.outputs, "callback": outcome},
+                                         "alarms": alarms})
         write_json(final.model_dump(mode="json"), path)
     return final
 

@@ -23,6 +23,7 @@ from prefect.task_runners import ThreadPoolTaskRunner
 from prefect.utilities.annotations import quote
 from prefect_dask import DaskTaskRunner
 
+from evalfleet.callback import check_callback
 from evalfleet.cluster import client_for, fleet_cluster, installed, worker_slots
 from evalfleet.errors import SuiteError
 from evalfleet.models import EvalReport, EvalRequest
@@ -183,6 +184,8 @@ def evaluate_suite(suite: Suite, base: EvalRequest) -> SuiteReport:
     Every task's stage 1 (env, kwargs, policy against the env's spaces) runs here first, so a bad
     suite fails before anything is spawned. A suite the cache answers whole starts no cluster.
     """
+    if base.callback_url:  # the suite's report goes there: it must be signable and reachable
+        check_callback(base.callback_url)
     mine = task_requests(suite, base)
     groups = [mine] + ([baseline_requests(mine, base.baseline, base.baseline_factory)]
                        if base.baseline else [])

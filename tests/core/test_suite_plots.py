@@ -59,3 +59,34 @@ def test_page_and_markdown(tmp_path) -> None:
     outputs = {f"plot_{k}": str(v) for k, v in plots.items()}
     pictured = suite_markdown(report.model_copy(update={"outputs": outputs}), pictures=True)
     assert pictured.count("](data:image/png;base64,") == 3
+
+
+def test_suite_outputs_not_produced_are_alarms_and_exit_5(tmp_path, monkeypatch, capsys) -> None:
+    import socket
+    from pathlib import Path
+
+    from evalfleet.cli import EXIT_OUTPUT_MISSING, build_parser, run_suite
+    from evalfleet.models import EvalRequest
+    from evalfleet.suite_report import suite_feed_back
+
+    with socket.socket() as s:  # a loopback port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("EVALFLEET_CALLBACK_SECRET", "k")
+    monkeypatch.setenv("EVALFLEET_ALLOWED_HOSTS", f"127.0.0.1:{port}")
+    monkeypatch.setenv("EVALFLEET_CALLBACK_ATTEMPTS", "1")
+    (tmp_path / "not-a-dir").write_text("")
+    base = EvalRequest.build(env="CartPole-v1", policy="p.pt", output=tmp_path / "out",
+                             mlflow_uri=f"sqlite:///{tmp_path / 'not-a-dir' / 'mlflow.db'}",
+                             callback_url=f"http://127.0.0.1:{port}/cb")
+    report = _report().model_copy(update={"alarms": ["r1: output_missing: the MLflow run (x)"]})
+    final = suite_feed_back(report, base)
+    missing = [a for a in final.alarms if a.startswith("output_missing: ")]
+    assert [m.split(":")[1].strip() for m in missing] == [
+        "the suite's MLflow parent run", "the callback to the trainer"]
+    assert final.outputs["callback"].startswith("failed after 1 attempt")
+    suite = Path(__file__).resolve().parents[2] / "examples" / "suite.toml"
+    args = build_parser().parse_args(["--suite", str(suite), "--output", str(tmp_path / "cli")])
+    assert run_suite(lambda suite, request: final, args) == EXIT_OUTPUT_MISSING
+    err = capsys.readouterr().err
+    assert "r1: the MLflow run (x)" in err and "the suite's MLflow parent run" in err

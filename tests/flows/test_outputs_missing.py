@@ -70,6 +70,12 @@ def test_a_callback_that_could_never_be_sent_is_refused_at_stage_1(monkeypatch, 
     metadata = request.model_copy(update={"callback_url": "http://169.254.169.254/latest"})
     with pytest.raises(RequestError, match="cannot be reached from here"):
         receive(metadata)  # refused on the parsed address: nothing is ever connected to
+    from evalfleet.suite import load_suite
+    from flows.suite import evaluate_suite
+
+    suite = load_suite(Path(__file__).resolve().parents[2] / "examples" / "suite.toml")
+    with pytest.raises(RequestError, match="callback_url 'http://127.0.0.1:9/cb' cannot be reached"):
+        evaluate_suite(suite, request)  # the suite's report would go there: refused first
 
 
 def test_flush_and_shutdown_raise_what_the_fast_path_could_not_produce(prefect_server, tmp_path,
