@@ -27,7 +27,7 @@ from evalfleet.pipeline import (
 )
 from evalfleet.storage import read_episodes
 from flows.progress import watch
-from flows.reaper import driver_tag, reap_quietly
+from flows.reaper import driver_tag, reap_quietly, untagged_tasks
 from flows.runtime import prefect_api
 from tasks.aggregate import aggregate
 from tasks.collect_rewards import collect_rewards
@@ -41,6 +41,12 @@ from tasks.spawn_sandboxes import spawn_sandboxes
 @flow(name="evalfleet-eval", flow_run_name="{request.env}-{request.request_id}", log_prints=False)
 def eval_flow(request: EvalRequest, address: str | None) -> EvalReport:
     """Evaluate ``request.policy`` on ``request.env`` over the Dask cluster at ``address``."""
+    with untagged_tasks():  # the driver tag names the flow run; on a task run it costs a slot
+        return stages(request, address)
+
+
+def stages(request: EvalRequest, address: str | None) -> EvalReport:
+    """The seven stages of ``eval_flow``, each a task run (stage 4 one per shard)."""
     received = receive_weights(request)                                          # 1 receive weights
     schedule, collected = RoundSchedule(request), None
     with episode_cache(request).exclusive(received.cache_key):                   # one run per key
@@ -82,7 +88,8 @@ def baseline_episodes(
     if request.baseline.startswith("sha256:"):
         return cached_baseline(request, received, episodes)
     runner = DaskTaskRunner(address=address) if address else ThreadPoolTaskRunner()
-    report = eval_flow.with_options(task_runner=runner)(baseline_request(request, episodes), address)
+    with tags(driver_tag()):
+        report = eval_flow.with_options(task_runner=runner)(baseline_request(request, episodes), address)
     return read_episodes(report.outputs["episodes"]), request.baseline
 
 

@@ -13,7 +13,8 @@ from __future__ import annotations
 import logging
 import os
 import socket
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 
 import psutil
 
@@ -29,6 +30,19 @@ def driver_tag(pid: int | None = None) -> str:
     """The tag of the driver process ``pid`` (this process by default) on this host."""
     proc = psutil.Process(pid or os.getpid())
     return f"{DRIVER_TAG}{socket.gethostname()}:{proc.pid}:{int(proc.create_time())}"
+
+
+@contextmanager
+def untagged_tasks() -> Iterator[None]:
+    """Task runs created inside carry no tags (the flow run keeps its own, the driver's).
+
+    Prefect takes a tag concurrency slot (an API round trip with a lease) for every tagged task
+    run: seconds per evaluation for a tag only the reaper reads, and only on flow runs.
+    """
+    from prefect.context import TagsContext
+
+    with TagsContext(current_tags=set()):
+        yield
 
 
 def dead_driver(tags: Iterable[str]) -> str | None:

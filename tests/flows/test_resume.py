@@ -150,9 +150,14 @@ def test_killed_driver_resumes_to_the_undisturbed_table(prefect_server: str, tmp
         assert getattr(resumed, field) == getattr(clean, field), field
 
     from prefect import get_client
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterTags
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, FlowRunFilterTags
+
+    from flows.reaper import DRIVER_TAG
 
     with get_client(sync_client=True) as client:
         [run] = client.read_flow_runs(flow_run_filter=FlowRunFilter(tags=FlowRunFilterTags(all_=[tag])))
     assert run.state is not None and run.state.type.value == "CRASHED", run.state
     assert f"driver process {driver.pid}" in (run.state.message or "")
+    with get_client(sync_client=True) as client:  # the tag is the flow run's only: no slot per task
+        task_runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run.id])))
+    assert task_runs and not [t for t in task_runs if any(x.startswith(DRIVER_TAG) for x in t.tags)]
