@@ -198,17 +198,46 @@ def worker_slots(address: str) -> int:
     return max(1, sum(int(w.get("nthreads", 1)) for w in info["workers"].values()))
 
 
-def on_each_worker(address: str, fn: Callable[..., Any], *args: Any) -> list[Any]:
+def on_each_worker(address: str, fn: Callable[..., Any], *args: Any,
+                   timeout_s: float = 600.0) -> list[Any]:
     """``fn(*args)`` once on each worker of the cluster, as a task (in its task thread), results.
 
     A task, not ``Client.run``: that would run ``fn`` on the worker's event loop, blocking it,
     and beside a task already running there.
+
+    A worker lost meanwhile (killed, restarted by its nanny under a new address) is skipped: its
+    task was pinned to it and would otherwise wait for ever. ``timeout_s`` bounds the whole wait.
     """
     client = client_for(address)
     workers = list(client.scheduler_info(n_workers=-1)["workers"])
-    futures = [client.submit(fn, *args, workers=[w], allow_other_workers=False, pure=False)
-               for w in workers]
-    return list(client.gather(futures))
+    futures = {w: client.submit(fn, *args, workers=[w], allow_other_workers=False, pure=False)
+               for w in workers}
+    results: dict[str, Any] = {}
+    deadline = time.monotonic() + timeout_s
+    while len(results) < len(futures):
+        for w, future in futures.items():
+            if w not in results and future.done():
+                results[w] = future.result()  # raises what fn raised
+        if len(results) == len(futures):
+            break
+        alive = set(client.scheduler_info(n_workers=-1)["workers"])
+        for w, future in list(futures.items()):
+            if w not in results and w not in alive and not future.done():
+                logger.warning("worker %s left the cluster while %s ran on each worker; skipped",
+                               w, getattr(fn, "__name__", fn))
+                future.cancel()
+                del futures[w]
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{getattr(fn, '__name__', fn)} did not finish on every worker within "
+                               f"{timeout_s:.0f} s (done on {len(results)} of {len(futures)})")
+        pending = [f for w, f in futures.items() if w not in results]
+        if not pending:
+            break
+        try:  # back when it finishes; a lost worker is noticed within half a second
+            pending[0].result(timeout=0.5)
+        except Exception:  # noqa: BLE001 - a timeout; fn's own error is raised above, next round
+            pass
+    return [results[w] for w in futures]
 
 
 class PolicyInstaller(WorkerPlugin):
