@@ -240,6 +240,63 @@ def on_each_worker(address: str, fn: Callable[..., Any], *args: Any,
     return [results[w] for w in futures]
 
 
+#: How long the run stage waits with no Dask worker at all before it fails: a nanny gives up
+#: restarting a worker killed while it was starting, and a task with no worker waits for ever.
+NO_WORKERS_GRACE_S = 60.0
+
+
+class WorkersWatch:
+    """While the run stage waits: when the cluster has had no worker for ``grace_s``, ``cancel()``.
+
+    ``lost`` then says why, for the caller to raise ``ClusterLost`` with: the wait ends with a
+    clear error instead of never. A scheduler that is gone itself is the caller's to notice.
+    """
+
+    def __init__(self, address: str, cancel: Callable[[], None],
+                 grace_s: float = NO_WORKERS_GRACE_S, poll_s: float = 1.0) -> None:
+        self.address, self.cancel, self.grace_s, self.poll_s = address, cancel, grace_s, poll_s
+        self.lost: str | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="evalfleet-workers-watch",
+                                        daemon=True)
+
+    def __enter__(self) -> WorkersWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _watch(self) -> None:
+        client = client_for(self.address)
+        since: float | None = None
+        while not self._stop.wait(self.poll_s):
+            try:
+                workers = client.scheduler_info(n_workers=-1)["workers"]
+            except Exception:  # noqa: BLE001 - the scheduler is gone: the run stage says so
+                return
+            if workers:
+                since = None
+                continue
+            since = since if since is not None else time.monotonic()
+            if time.monotonic() - since >= self.grace_s:
+                self.lost = (f"the Dask cluster at {self.address} has had no worker for "
+                             f"{self.grace_s:.0f} s (workers killed and not restarted)")
+                logger.error("%s; cancelling the run stage", self.lost)
+                self.cancel()
+                return
+
+
+def lost_workers(why: str, done: list[Any]) -> str:
+    """``ClusterLost``'s message when the run stage ran out of workers: what is kept, what to do."""
+    tables = [t for t in done if t is not None]
+    return (f"{why}, after {len(tables)} of {len(done)} shards finished; their "
+            f"{sum(t.num_rows for t in tables)} episodes are persisted in the cache. Bring workers "
+            "back (a new local cluster: re-create the Evaluator or re-run) and run the same request "
+            "again: only the missing episodes run.")
+
+
 class PolicyInstaller(WorkerPlugin):
     """Installs one policy's bytes on every worker, including workers that join or restart later.
 

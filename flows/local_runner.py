@@ -10,6 +10,7 @@ from concurrent.futures import Future
 from contextlib import ExitStack
 
 from evalfleet.cluster import fleet_cluster
+from evalfleet.errors import ClusterLost
 from evalfleet.models import EvalReport, EvalRequest
 from evalfleet.suite import Suite, SuiteReport
 from flows.eval import evaluate
@@ -54,10 +55,16 @@ class LocalFlowRunner:
     def __call__(self, request: EvalRequest) -> EvalReport:
         """Evaluate ``request`` on the kept cluster."""
         address = self._address or self._open()
-        if self.warm:
-            return evaluate_warm(request.model_copy(update={"dask_address": address}), address,
-                                 self._lane)
-        return evaluate(request.model_copy(update={"dask_address": address}))
+        try:
+            if self.warm:
+                return evaluate_warm(request.model_copy(update={"dask_address": address}), address,
+                                     self._lane)
+            return evaluate(request.model_copy(update={"dask_address": address}))
+        except ClusterLost:  # the kept cluster is unusable: the next evaluation starts afresh
+            stack, self._stack, self._address = self._stack, None, None
+            if stack is not None:
+                stack.close()
+            raise
 
     def suite(self, suite: Suite, request: EvalRequest) -> SuiteReport:
         """Evaluate every task of ``suite`` with ``request``'s policy and protocol on the kept cluster."""

@@ -27,8 +27,8 @@ from distributed import as_completed
 from prefect import flow
 
 from evalfleet.audit import RoundSchedule
-from evalfleet.cluster import client_for, installed
-from evalfleet.errors import OutputsMissing
+from evalfleet.cluster import WorkersWatch, client_for, installed, lost_workers
+from evalfleet.errors import ClusterLost, OutputsMissing
 from evalfleet.models import EvalReport, EvalRequest
 from evalfleet.pipeline import (
     Collected,
@@ -91,16 +91,19 @@ def evaluate_warm(request: EvalRequest, address: str, lane: FeedBackLane) -> Eva
                                for shard in planned.shards]
                 persist = shard_persister(request, received, planned)
                 position = {f.key: i for i, f in enumerate(futures)}
-                try:  # each shard persisted as it finishes: a killed trainer loses none of them
-                    done: list[pa.Table | None] = [None] * len(futures)
-                    for future in as_completed(futures, loop=client.loop):
-                        i = position[future.key]
-                        done[i] = table = future.result()
-                        persist(i, table)
-                    tables = [t for t in done if t is not None]
-                except BaseException:
-                    client.cancel(futures)  # none may outlive the policy's release
-                    raise
+                done: list[pa.Table | None] = [None] * len(futures)
+                with WorkersWatch(address, lambda: client.cancel(futures)) as watch:
+                    try:  # each shard persisted as it finishes: a killed trainer loses none
+                        for future in as_completed(futures, loop=client.loop):
+                            i = position[future.key]
+                            done[i] = table = future.result()
+                            persist(i, table)
+                        tables = [t for t in done if t is not None]
+                    except BaseException as err:
+                        client.cancel(futures)  # none may outlive the policy's release
+                        if watch.lost:
+                            raise ClusterLost(lost_workers(watch.lost, done)) from err
+                        raise
             collected = collect(tables, handle, planned)                         # 5
         schedule.next_episodes(collected.table)
         store_in_cache(request, received, collected)

@@ -1,13 +1,14 @@
 """Stage 4: run episodes (one coarse task per shard, mapped over the Dask cluster)."""
 
 from collections.abc import Callable
+from contextlib import nullcontext
 
 import pyarrow as pa
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 from prefect.futures import PrefectFutureList, as_completed
 
-from evalfleet.cluster import scheduler_lost
+from evalfleet.cluster import WorkersWatch, lost_workers, scheduler_lost
 from evalfleet.errors import ClusterLost
 from evalfleet.models import EvalRequest, PolicyHandle, Shard
 from evalfleet.worker import execute_shard
@@ -21,7 +22,8 @@ def run_episodes(shard: Shard, handle: PolicyHandle, request: EvalRequest, isola
 
 
 def shard_tables(shards: PrefectFutureList[pa.Table],
-                 persist: Callable[[int, pa.Table], object] | None = None) -> list[pa.Table]:
+                 persist: Callable[[int, pa.Table], object] | None = None,
+                 address: str | None = None) -> list[pa.Table]:
     """The run stage's tables, in plan order; when one shard fails, the others are cancelled.
 
     ``persist(position, table)`` runs as each shard finishes (not when all have): what finished
@@ -29,21 +31,28 @@ def shard_tables(shards: PrefectFutureList[pa.Table],
     shard left queued would start on a worker that joins later, after the policy is gone, and
     fail with ``PolicyIntegrityError``.
     """
-    try:
-        if persist is None:
-            return shards.result()
-        position = {id(future): i for i, future in enumerate(shards)}
-        tables: list[pa.Table | None] = [None] * len(shards)
-        for future in as_completed(list(shards)):
-            i = position[id(future)]
-            tables[i] = table = future.result()
-            persist(i, table)
-        return [t for t in tables if t is not None]
-    except BaseException as err:
+    def cancel() -> None:
         for future in shards:
             wrapped = getattr(future, "wrapped_future", None)
             if wrapped is not None and hasattr(wrapped, "cancel"):
                 wrapped.cancel()
+
+    tables: list[pa.Table | None] = [None] * len(shards)
+    watch = WorkersWatch(address, cancel) if address else nullcontext(None)
+    try:
+        with watch:
+            if persist is None:
+                return shards.result()
+            position = {id(future): i for i, future in enumerate(shards)}
+            for future in as_completed(list(shards)):
+                i = position[id(future)]
+                tables[i] = table = future.result()
+                persist(i, table)
+            return [t for t in tables if t is not None]
+    except BaseException as err:
+        cancel()
+        if isinstance(watch, WorkersWatch) and watch.lost:
+            raise ClusterLost(lost_workers(watch.lost, tables)) from err
         if persist is not None and isinstance(err, Exception) and scheduler_lost(err):
             done = [t for t in tables if t is not None]
             raise ClusterLost(
