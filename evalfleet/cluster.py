@@ -217,7 +217,10 @@ def on_each_worker(address: str, fn: Callable[..., Any], *args: Any,
     while len(results) < len(futures):
         for w, future in futures.items():
             if w not in results and future.done():
-                results[w] = future.result()  # raises what fn raised
+                try:
+                    results[w] = future.result(timeout=0.5)  # raises what fn raised
+                except TimeoutError:  # finished, then lost with its worker: judged below
+                    pass
         if len(results) == len(futures):
             break
         alive = set(client.scheduler_info(n_workers=-1)["workers"])
