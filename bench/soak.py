@@ -134,7 +134,9 @@ def main() -> int:
                   f"rss={rows[-1]['driver_rss_mb']:.0f}MB fds={rows[-1]['driver_open_files']} "
                   f"procs={rows[-1]['descendants']}" + (f" {error}" if error else ""), flush=True)
     time.sleep(2)
-    left = psutil.Process(pid).children(recursive=True)
+    # multiprocessing's resource tracker is the interpreter's own helper: it exits with it.
+    left = [p for p in psutil.Process(pid).children(recursive=True)
+            if "resource_tracker" not in " ".join(p.cmdline())]
     tenth = max(1, len(rows) // 10)
     first, last = rows[1:1 + tenth] or rows[:tenth], rows[-tenth:]
     growth = {k: statistics.median(r[k] for r in last) - statistics.median(r[k] for r in first)

@@ -12,6 +12,7 @@ from contextlib import ExitStack
 from evalfleet.cluster import fleet_cluster
 from evalfleet.errors import ClusterLost
 from evalfleet.models import EvalReport, EvalRequest
+from evalfleet.sandbox.forkclient import shutdown_fork_servers
 from evalfleet.suite import Suite, SuiteReport
 from flows.eval import evaluate
 from flows.runtime import prefect_api
@@ -85,5 +86,8 @@ class LocalFlowRunner:
             self._lane.close()
         finally:
             stack, self._stack, self._address = self._stack, None, None
-            if stack is not None:
-                stack.close()
+            try:
+                if stack is not None:
+                    stack.close()
+            finally:  # the replays' sandboxes of stage 7 ran here: nothing they started outlives us
+                shutdown_fork_servers()
