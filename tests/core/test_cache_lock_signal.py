@@ -55,8 +55,11 @@ def _wait_and_signal(tmp_path: Path, script: str, sig: int, code: int, within: f
     cache = EpisodeCache(tmp_path)
     with cache.exclusive(KEY):
         env = dict(os.environ, PYTHONPATH=str(ROOT))
+        # A job started in the background by a non-interactive shell inherits SIGINT ignored, and
+        # Python then keeps ignoring it: the waiter gets the disposition an interactive user has.
         proc = subprocess.Popen([sys.executable, "-c", script, str(tmp_path)], env=env, cwd=ROOT,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                preexec_fn=_default_signals)
         try:
             assert proc.stdout is not None
             for line in proc.stdout:  # log lines may come first
@@ -94,3 +97,9 @@ def _open_files(pid: int) -> set[str]:
         except FileNotFoundError:
             continue
     return paths
+
+
+def _default_signals() -> None:
+    """In the child before exec: SIGINT and SIGTERM at their defaults, whatever this process has."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
