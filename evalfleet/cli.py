@@ -327,6 +327,8 @@ def run_suite(evaluate_suite: SuiteEvaluator | None, args: argparse.Namespace) -
         Path(args.report).write_text(json.dumps(report.model_dump(mode="json"), indent=2) + "\n")
     print(suite_markdown(report))
     print(f"suite report: {report.outputs.get('report_html') or report.outputs.get('report')}")
+    if "prefect_lost" in report.outputs:
+        print(f"prefect_lost: {report.outputs['prefect_lost']}")
     if report.harness_fault and not args.allow_failures:
         print("evalfleet: harness fault in a suite task: more than 5% of its episodes failed in the "
               "harness (pass --allow-failures to exit 0 anyway)", file=sys.stderr)

@@ -87,7 +87,7 @@ def summary_rows(report: EvalReport) -> list[dict[str, str]]:
     wall = sum(report.timings.values())
     rows.append(("wall time", f"{wall:.2f} s ({report.steps_per_second:,.0f} env steps/s in run)"))
     for key in ("episodes", "report", "mlflow_run_id", "mlflow_error", "mlflow_queued",
-                "mlflow_flushed"):
+                "mlflow_flushed", "prefect_lost"):
         if key in report.outputs:
             rows.append((key if key != "episodes" else "parquet", report.outputs[key]))
     return [{"metric": k, "value": v} for k, v in rows]

@@ -26,6 +26,7 @@ from evalfleet.pipeline import (
     store_in_cache,
 )
 from evalfleet.storage import read_episodes
+from flows.api_ledger import api_ledger, kept, run_recorded, settle
 from flows.progress import watch
 from flows.reaper import driver_tag, reap_quietly, untagged_tasks
 from flows.runtime import prefect_api
@@ -42,7 +43,7 @@ from tasks.spawn_sandboxes import spawn_sandboxes
 def eval_flow(request: EvalRequest, address: str | None) -> EvalReport:
     """Evaluate ``request.policy`` on ``request.env`` over the Dask cluster at ``address``."""
     with untagged_tasks():  # the driver tag names the flow run; on a task run it costs a slot
-        return stages(request, address)
+        return kept(stages(request, address))  # the result, even if Prefect loses the end
 
 
 def stages(request: EvalRequest, address: str | None) -> EvalReport:
@@ -89,7 +90,8 @@ def baseline_episodes(
         return cached_baseline(request, received, episodes)
     runner = DaskTaskRunner(address=address) if address else ThreadPoolTaskRunner()
     with tags(driver_tag()):
-        report = eval_flow.with_options(task_runner=runner)(baseline_request(request, episodes), address)
+        report = run_recorded(lambda: eval_flow.with_options(task_runner=runner)(
+            baseline_request(request, episodes), address), "the baseline's flow run")
     return read_episodes(report.outputs["episodes"]), request.baseline
 
 
@@ -107,12 +109,15 @@ def evaluate(request: EvalRequest) -> EvalReport:
     fixed = request.target_ci_halfwidth is None and request.baseline is None
     hit = fixed and lookup(request, received).status == "hit"
     cluster = nullcontext(None) if hit else fleet_cluster(request.dask_address, request.workers)
-    with checked_before(*checked), prefect_api(wait=False) as api, cluster as address:
+    with checked_before(*checked), prefect_api(wait=False) as api, cluster as address, \
+            api_ledger() as ledger:  # what the Prefect API fails to record: in the report
         api.wait()  # the cluster started while the server booted
         reap_quietly()  # flow runs of killed drivers end Crashed
         runner = DaskTaskRunner(address=address) if address else ThreadPoolTaskRunner()
         with tags(driver_tag()):
-            return eval_flow.with_options(task_runner=runner)(request, address)
+            report = run_recorded(lambda: eval_flow.with_options(task_runner=runner)(
+                request, address), "the flow run")
+        return settle(report, ledger)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 from evalfleet.cluster import client_for
 from evalfleet.models import EvalRequest
 from evalfleet.progress import ProgressTracker, topic
+from flows.api_ledger import best_effort
 
 logger = logging.getLogger(__name__)
 
@@ -35,19 +36,26 @@ def watch(request: EvalRequest, address: str | None) -> Iterator[ProgressTracker
     client = client_for(address)
     name = topic(request.request_id)
     client.subscribe_topic(name, tracker.handle)
-    artifact_id = create_progress_artifact(
-        0.0, key=f"progress-{request.request_id}".lower(),
-        description=f"episodes of {request.env} done (of {tracker.total})",
-    )
+    artifact_id = None
+    with best_effort("the progress artifact"):  # the UI's, never the evaluation's
+        artifact_id = create_progress_artifact(
+            0.0, key=f"progress-{request.request_id}".lower(),
+            description=f"episodes of {request.env} done (of {tracker.total})",
+        )
+
+    def show(snap: dict[str, float]) -> None:
+        if artifact_id is not None:
+            with best_effort("progress updates"):
+                update_progress_artifact(artifact_id, min(100.0, 100.0 * snap["done"] / tracker.total))
+        if bar is not None:
+            bar.update(snap)
+
     bar = EpisodeBar(tracker.total) if sys.stderr.isatty() else None
     stop = threading.Event()
 
     def loop() -> None:
         while not stop.wait(UPDATE_EVERY_S):
-            snap = tracker.snapshot()
-            update_progress_artifact(artifact_id, min(100.0, 100.0 * snap["done"] / tracker.total))
-            if bar is not None:
-                bar.update(snap)
+            show(tracker.snapshot())
 
     # The thread must see this flow's Prefect settings (API URL), not the process-wide defaults.
     ctx = contextvars.copy_context()
@@ -64,9 +72,7 @@ def watch(request: EvalRequest, address: str | None) -> Iterator[ProgressTracker
             except Exception as err:  # a lost scheduler: the run stage's own error says so
                 logger.warning("could not unsubscribe from progress events: %s", err)
             snap = tracker.snapshot()
-            update_progress_artifact(artifact_id, min(100.0, 100.0 * snap["done"] / tracker.total))
-            if bar is not None:
-                bar.update(snap)
+            show(snap)
         finally:
             if bar is not None:  # always give the terminal back (cursor, redirected output)
                 bar.close()

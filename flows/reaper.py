@@ -81,9 +81,13 @@ def reap_dead_drivers(limit: int = 200) -> list[str]:
     from prefect.client.schemas.objects import StateType
     from prefect.states import Crashed
 
+    from flows.api_ledger import replay_pending
+
     live_states = [StateType.RUNNING, StateType.PENDING]
     reaped: list[str] = []
     with get_client(sync_client=True) as client:
+        # First the runs whose driver ended them while the API was down: not Crashed, Completed.
+        replay_pending(client)
         runs = client.read_flow_runs(
             flow_filter=FlowFilter(name=FlowFilterName(any_=[FLOW_NAME])),
             flow_run_filter=FlowRunFilter(state=FlowRunFilterState(

@@ -36,6 +36,7 @@ from evalfleet.suite_report import (
     suite_feed_back,
     suite_markdown,
 )
+from flows.api_ledger import api_ledger, best_effort, kept, run_recorded, settle
 from flows.runtime import prefect_api
 from tasks.distribute_policy import distribute_policy
 from tasks.receive_weights import checked_before
@@ -69,9 +70,9 @@ def suite_flow(suite: Suite, base: EvalRequest, address: str | None) -> SuiteRep
     for done in (mine, theirs):
         if done is not None:                                                               # 7
             done.reports[:] = stage(feed_back_all)(*(quote(x) for x in done[:4]))
-    return aggregate_suite(suite, base, quote(mine.reports), quote(tables_of(mine.collected)),
-                           quote(tables_of(theirs.collected) if theirs else None),
-                           time.perf_counter() - t0, quote(drawn))
+    return kept(aggregate_suite(suite, base, quote(mine.reports), quote(tables_of(mine.collected)),
+                                quote(tables_of(theirs.collected) if theirs else None),
+                                time.perf_counter() - t0, quote(drawn)))
 
 
 class Ran(NamedTuple):
@@ -172,9 +173,10 @@ def aggregate_suite(suite: Suite, base: EvalRequest, reports: list[EvalReport], 
             get_run_logger().warning("suite aggregates on the worker failed (%s); computing here", err)
     report = build_suite_report(suite, base, reports, tables, baseline_tables, seconds, aggregated=done)
     final = suite_feed_back(report, base, done)
-    create_markdown_artifact(suite_markdown(final, pictures=True),
-                             key=f"suite-{final.policy_sha256[:12]}",
-                             description=f"evalfleet suite {suite.name}")
+    with best_effort("the suite's artifact"):  # the UI's copy: the result is written above
+        create_markdown_artifact(suite_markdown(final, pictures=True),
+                                 key=f"suite-{final.policy_sha256[:12]}",
+                                 description=f"evalfleet suite {suite.name}")
     return final
 
 
@@ -194,10 +196,13 @@ def evaluate_suite(suite: Suite, base: EvalRequest) -> SuiteReport:
         same_as(suite, [rec.cache_key for r, rec in checked if r in group])
     hit = all(lookup(r, rec).status == "hit" for r, rec in checked)
     cluster = nullcontext(None) if hit else fleet_cluster(base.dask_address, base.workers)
-    with checked_before(*checked), prefect_api(wait=False) as api, cluster as address:
+    with checked_before(*checked), prefect_api(wait=False) as api, cluster as address, \
+            api_ledger() as ledger:
         api.wait()
         runner = DaskTaskRunner(address=address) if address else ThreadPoolTaskRunner()
-        return suite_flow.with_options(task_runner=runner)(suite, base, address)
+        report = run_recorded(lambda: suite_flow.with_options(task_runner=runner)(
+            suite, base, address), "the suite's flow run")
+        return settle(report, ledger)
 
 
 def same_as(suite: Suite, keys: list[str]) -> None:

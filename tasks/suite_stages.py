@@ -22,6 +22,7 @@ from evalfleet.pipeline import feed_back as write_results
 from evalfleet.review import report_markdown
 from evalfleet.summary import summary_rows
 from evalfleet.worker import execute_shard
+from flows.api_ledger import best_effort
 from tasks.receive_weights import receive_weights
 
 
@@ -89,8 +90,10 @@ def feed_back_all(requests: Sequence[EvalRequest], received: Sequence[Received],
 def publish(final: EvalReport) -> None:
     """A task's Prefect artifacts, as a single evaluation's stage 7 makes them."""
     key = f"eval-{final.policy_sha256[:12]}"
-    create_table_artifact(summary_rows(final), key=key, description=f"evalfleet {final.env_id}")
-    create_markdown_artifact(report_markdown(final, final.failure_clusters), key=f"{key}-report")
+    with best_effort(f"{final.request_id}'s summary artifact"):
+        create_table_artifact(summary_rows(final), key=key, description=f"evalfleet {final.env_id}")
+    with best_effort(f"{final.request_id}'s report artifact"):
+        create_markdown_artifact(report_markdown(final, final.failure_clusters), key=f"{key}-report")
 
 
 def tables_of(collected: Sequence[Collected]) -> list[pa.Table]:

@@ -4,13 +4,9 @@ from __future__ import annotations
 
 import os
 import socket
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -51,30 +47,10 @@ def prefect_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A real `prefect server start` on 127.0.0.1; PREFECT_API_URL points every process at it."""
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    home = tmp_path_factory.mktemp("prefect-home")
-    port = free_port()
-    url = f"http://127.0.0.1:{port}/api"
-    env = dict(os.environ, PREFECT_HOME=str(home), PREFECT_SERVER_ANALYTICS_ENABLED="false",
-               PREFECT_API_URL=url)
-    log = open(home / "server.log", "w")  # noqa: SIM115 - closed at teardown
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
-         "--port", str(port)],
-        env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-    )
-    deadline = time.monotonic() + 240  # a loaded 2-core machine can take minutes
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None:
-            raise RuntimeError(f"prefect server exited: {(home / 'server.log').read_text()[-2000:]}")
-        time.sleep(0.5)
-    else:
-        proc.kill()
-        raise RuntimeError("prefect server not healthy after 240 s")
+    from tests.prefect_servers import PrefectServer
+
+    server = PrefectServer(tmp_path_factory.mktemp("prefect-home"), free_port())
+    url = server.start()
     saved = os.environ.get("PREFECT_API_URL")
     os.environ["PREFECT_API_URL"] = url
     try:
@@ -85,12 +61,7 @@ def prefect_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
             os.environ.pop("PREFECT_API_URL", None)
         else:
             os.environ["PREFECT_API_URL"] = saved
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
+        server.stop()
 
 
 @pytest.fixture

@@ -1,0 +1,249 @@
+"""What the Prefect API did not record of an evaluation: a server down or restarting mid-run.
+
+The Prefect server watches an evaluation; it never holds its result. Episodes, statistics,
+Parquet, the cache, report.json and MLflow do not depend on it. So:
+
+- every call this package makes to the API for the UI alone (the progress artifact, the summary
+  and report artifacts) is best-effort (``best_effort``): one that fails is recorded here, and
+  the evaluation goes on;
+- a flow whose body returned but whose final state could not be recorded (Prefect's client
+  retries for about a minute, enough for a restart) still hands back its result
+  (``run_recorded``), and the state it should have ended in is queued under
+  ``EVALFLEET_HOME/prefect-pending``: the next evaluation records it (``replay_pending``), so
+  the run does not stay Running in the UI, nor get marked Crashed by the reaper;
+- the report says what was lost and when the API was unreachable (``outputs['prefect_lost']``
+  in report.json and the summary; ``settle``).
+
+Task-run states are events: Prefect's events client keeps the ones the server did not confirm
+and sends them again when it reconnects, so they are not counted here.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import datetime
+import json
+import logging
+import os
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import httpx
+from pydantic import BaseModel
+
+from evalfleet.server import evalfleet_home
+from evalfleet.storage import write_json
+
+logger = logging.getLogger(__name__)
+
+R = TypeVar("R")
+Report = TypeVar("Report", bound=BaseModel)
+
+#: Queued final states older than this whose flow run no server knows are dropped.
+PENDING_MAX_AGE_S = 7 * 24 * 3600
+
+
+@dataclass
+class ApiLedger:
+    """The Prefect API calls of one evaluation that failed: when, what, why."""
+
+    lost: list[tuple[float, str, str]] = field(default_factory=list)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def record(self, what: str, err: BaseException) -> None:
+        """Note that ``what`` was not recorded by the API because of ``err``."""
+        first = not self.lost
+        with self._lock:
+            self.lost.append((time.time(), what, f"{type(err).__name__}: {err}"[:300]))
+        if first:  # one line in the log; the report says the rest
+            logger.warning("the Prefect API did not answer (%s: %s); the evaluation goes on and "
+                           "its report will say what the UI lacks", type(err).__name__, err)
+
+    def summary(self) -> str | None:
+        """One line for the report: what was not recorded, and when the API failed."""
+        with self._lock:
+            lost = list(self.lost)
+        if not lost:
+            return None
+        counts = Counter(what for _, what, _ in lost)
+        items = [f"{n} {what}" if n > 1 else what for what, n in counts.items()]
+        first, last = _clock(lost[0][0]), _clock(lost[-1][0])
+        when = first if first == last else f"{first} to {last}"
+        return (f"the Prefect API failed ({lost[-1][2]}) at {when} UTC; not recorded there: "
+                + "; ".join(items) + ". The results (Parquet, cache, report.json, MLflow) are "
+                "complete; task-run states sent meanwhile are re-sent by Prefect when it "
+                "reconnects, those of the last moments may be missing")
+
+
+def _clock(t: float) -> str:
+    return datetime.datetime.fromtimestamp(t, datetime.UTC).strftime("%H:%M:%S")
+
+
+_LEDGER: contextvars.ContextVar[ApiLedger | None] = contextvars.ContextVar(
+    "evalfleet_api_ledger", default=None)
+_SLOT: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar(
+    "evalfleet_flow_slot", default=None)
+
+
+@contextmanager
+def api_ledger() -> Iterator[ApiLedger]:
+    """A ledger for the evaluation in this block (threads started with its context share it)."""
+    ledger = ApiLedger()
+    token = _LEDGER.set(ledger)
+    try:
+        yield ledger
+    finally:
+        _LEDGER.reset(token)
+
+
+def current_ledger() -> ApiLedger:
+    """The ledger of the evaluation in this context (a throwaway one outside ``api_ledger``)."""
+    return _LEDGER.get() or ApiLedger()
+
+
+def api_error(err: BaseException) -> bool:
+    """True when ``err`` (or what caused it) is the API not answering, not a fault of ours."""
+    seen: BaseException | None = err
+    while seen is not None:
+        if isinstance(seen, httpx.TransportError | ConnectionError):
+            return True
+        if isinstance(seen, httpx.HTTPStatusError) and seen.response.status_code >= 500:
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+@contextmanager
+def best_effort(what: str) -> Iterator[None]:
+    """Run a call made for the UI alone: when the API fails, record ``what`` and go on."""
+    try:
+        yield
+    except Exception as err:
+        if not api_error(err):
+            raise
+        current_ledger().record(what, err)
+
+
+def kept(result: R) -> R:
+    """Called by a flow body with what it returns: ``run_recorded`` keeps it for its caller."""
+    slot = _SLOT.get()
+    if slot is not None:
+        from prefect.context import FlowRunContext
+
+        ctx = FlowRunContext.get()
+        slot["result"] = result
+        slot["flow_run_id"] = str(ctx.flow_run.id) if ctx and ctx.flow_run else None
+    return result
+
+
+def run_recorded(call: Callable[[], R], name: str) -> R:
+    """``call()`` a flow whose body ends with ``kept``; its result even when only the API failed.
+
+    When the body returned and then Prefect could not record the run's final state (after its
+    own retries), the result is returned, the loss recorded in the ledger, and the Completed
+    state queued for the next evaluation to record. Any other failure is raised as it was.
+    """
+    slot: dict[str, Any] = {}
+    token = _SLOT.set(slot)
+    try:
+        return call()
+    except Exception as err:
+        if "result" not in slot or not api_error(err):
+            raise
+        run_id = slot.get("flow_run_id")
+        queued = queue_final_state(run_id, name) if run_id else None
+        current_ledger().record(
+            f"{name}'s final state (Completed"
+            + (f"; queued in {queued} for the next evaluation to record)" if queued else ")"), err)
+        return slot["result"]  # type: ignore[no-any-return]
+    finally:
+        _SLOT.reset(token)
+
+
+def pending_dir() -> Path:
+    """Where final states the API could not record wait for the next evaluation."""
+    return evalfleet_home() / "prefect-pending"
+
+
+def queue_final_state(flow_run_id: str, name: str) -> Path | None:
+    """Queue 'flow run ``flow_run_id`` ended Completed' for ``replay_pending``; None on failure."""
+    entry = {"flow_run_id": flow_run_id, "name": name, "state": "COMPLETED",
+             "ended": time.time(), "api_url": os.environ.get("PREFECT_API_URL")}
+    try:
+        return write_json(entry, pending_dir() / f"{flow_run_id}.json")
+    except OSError as err:
+        logger.error("could not queue the final state of flow run %s: %s", flow_run_id, err)
+        return None
+
+
+def replay_pending(client: Any) -> list[str]:
+    """Record the queued final states with ``client`` (a sync Prefect client); their run ids.
+
+    Each flow run still Running or Pending is set Completed, with its task runs still Running
+    (their closing events never arrived): its body returned, so each of them had finished. A run
+    this server does not know stays queued (another server) until it is a week old.
+    """
+    from prefect.client.schemas.filters import (
+        FlowRunFilter,
+        FlowRunFilterId,
+        TaskRunFilter,
+        TaskRunFilterState,
+        TaskRunFilterStateType,
+    )
+    from prefect.client.schemas.objects import StateType
+    from prefect.exceptions import ObjectNotFound
+    from prefect.states import Completed
+
+    done: list[str] = []
+    live = [StateType.RUNNING, StateType.PENDING]
+    for path in sorted(pending_dir().glob("*.json")):
+        try:
+            entry = json.loads(path.read_text())
+            run_id = str(entry["flow_run_id"])
+            ended = _clock(float(entry["ended"]))
+        except (OSError, ValueError, KeyError, TypeError):
+            path.unlink(missing_ok=True)  # unreadable: nothing to replay
+            continue
+        try:
+            run = client.read_flow_run(run_id)
+        except ObjectNotFound:
+            if time.time() - path.stat().st_mtime > PENDING_MAX_AGE_S:
+                path.unlink(missing_ok=True)
+            continue
+        message = (f"ended Completed at {ended} UTC; recorded late by the next evaluation (the "
+                   "Prefect API was unreachable when the run ended)")
+        if run.state is not None and run.state.type in live:
+            tasks = client.read_task_runs(
+                flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run.id])),
+                task_run_filter=TaskRunFilter(state=TaskRunFilterState(
+                    type=TaskRunFilterStateType(any_=live))),
+            )
+            for task_run in tasks:
+                client.set_task_run_state(task_run.id, Completed(message=message), force=True)
+            client.set_flow_run_state(run.id, Completed(message=message), force=True)
+            logger.info("flow run %s (%s): %s", run.name, run.id, message)
+        path.unlink(missing_ok=True)
+        done.append(run_id)
+    return done
+
+
+def settle(report: Report, ledger: ApiLedger) -> Report:
+    """``report`` with ``outputs['prefect_lost']`` when the API lost anything; its JSON file too."""
+    lost = ledger.summary()
+    if lost is None:
+        return report
+    outputs: dict[str, str] = getattr(report, "outputs")  # noqa: B009 - EvalReport, SuiteReport
+    final = report.model_copy(update={"outputs": {**outputs, "prefect_lost": lost}})
+    path = outputs.get("report")
+    if path:
+        try:
+            write_json(final.model_dump(mode="json"), Path(path))
+        except OSError as err:
+            logger.error("could not add the Prefect losses to %s: %s", path, err)
+    return final
