@@ -25,7 +25,9 @@ from evalfleet.pipeline import (
     shard_persister,
     store_in_cache,
 )
+from evalfleet.sandbox.isolation import probe_in_background
 from evalfleet.storage import read_episodes
+from evalfleet.suite import Suite, SuiteReport
 from flows.api_ledger import api_ledger, kept, run_recorded, settle
 from flows.progress import watch
 from flows.reaper import driver_tag, reap_quietly, untagged_tasks
@@ -106,6 +108,7 @@ def evaluate(request: EvalRequest) -> EvalReport:
     if request.baseline and not request.baseline.startswith("sha256:"):  # its nested run's stage 1
         other = baseline_request(request, request.episodes)
         checked.append((other, receive(other)))
+    probe_in_background()  # the report's sandbox manifest (~1 s of child processes), meanwhile
     fixed = request.target_ci_halfwidth is None and request.baseline is None
     hit = fixed and lookup(request, received).status == "hit"
     cluster = nullcontext(None) if hit else fleet_cluster(request.dask_address, request.workers)
@@ -120,8 +123,14 @@ def evaluate(request: EvalRequest) -> EvalReport:
         return settle(report, ledger)
 
 
+def evaluate_suite(suite: Suite, base: EvalRequest) -> SuiteReport:
+    """``flows.suite.evaluate_suite``, imported when a suite is asked for (it pulls matplotlib)."""
+    from flows.suite import evaluate_suite as run
+
+    return run(suite, base)
+
+
 if __name__ == "__main__":
     from evalfleet.cli import run_cli
-    from flows.suite import evaluate_suite
 
     raise SystemExit(run_cli(evaluate, evaluate_suite=evaluate_suite))

@@ -49,6 +49,7 @@ from evalfleet.records import stamp_evaluation
 from evalfleet.storage import run_dir, write_episodes
 from evalfleet.tracking import default_tracking_uri
 from evalfleet.worker import execute_shard
+from flows.api_ledger import api_ledger, kept, run_recorded, settle
 from flows.eval import evaluate, gpu
 from tasks.feed_back import feed_back
 
@@ -134,7 +135,13 @@ def feed_back_flow(request: EvalRequest) -> EvalReport:
     """Stage 7 of an evaluation whose stages 1-6 ran on the fast path: files, MLflow, artifacts."""
     with _waiting_lock:
         request, received, report, collected = _waiting.pop(request.request_id)
-    return feed_back(request, received, report, collected)
+    return kept(feed_back(request, received, report, collected))
+
+
+def recorded_feed_back(request: EvalRequest) -> EvalReport:
+    """``feed_back_flow``: a Prefect API lost on the way costs its UI, not its report."""
+    with api_ledger() as ledger:
+        return settle(run_recorded(lambda: feed_back_flow(request), "the feed-back flow run"), ledger)
 
 
 class FeedBackLane:
@@ -153,7 +160,7 @@ class FeedBackLane:
             _waiting[request.request_id] = (request, received, report, collected)
         # The thread must see this caller's Prefect settings (API URL), not the process defaults.
         context = contextvars.copy_context()
-        future = self._pool.submit(context.run, feed_back_flow, request)
+        future = self._pool.submit(context.run, recorded_feed_back, request)
         self._futures[request.request_id] = future
         future.add_done_callback(lambda f: self._check(request, f))
         return future

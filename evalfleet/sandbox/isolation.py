@@ -47,13 +47,13 @@ process), disk use beyond one file's RLIMIT_FSIZE.
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import json
 import logging
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -163,9 +163,30 @@ def _pids_cgroup_writable() -> bool:
             and os.path.isfile(os.path.join(parent, "cgroup.procs")))
 
 
-@functools.cache
+_probe_lock = threading.Lock()
+_probed: list[dict[str, Any]] = []
+
+
 def probe() -> dict[str, Any]:
-    """What this machine allows: each mechanism mapped to None (works) or why not, plus bwrap."""
+    """What this machine allows: each mechanism mapped to None (works) or why not, plus bwrap.
+
+    Probed once per process (two short-lived children, ~1 s); a caller that arrives while
+    another thread probes waits for that result.
+    """
+    with _probe_lock:
+        if not _probed:
+            _probed.append(_probe())
+        return _probed[0]
+
+
+def probe_in_background() -> threading.Thread:
+    """Start ``probe()`` on a thread, so it is ready when the report's manifest asks for it."""
+    thread = threading.Thread(target=probe, name="evalfleet-isolation-probe", daemon=True)
+    thread.start()
+    return thread
+
+
+def _probe() -> dict[str, Any]:
     code, text = _run([sys.executable, "-c", _MECHANISMS_SCRIPT])
     mechanisms: dict[str, Any]
     try:
