@@ -20,7 +20,6 @@ from typing import Final
 
 import numpy as np
 from numpy.typing import NDArray
-from scipy import stats as scipy_stats
 
 __all__ = ["MAX_INDICES_PER_CHUNK", "bootstrap_distribution"]
 
@@ -61,6 +60,8 @@ def bootstrap_distribution(
             return np.stack([means, means])
         middle = np.sort(idx, axis=axis)[..., cut : n - cut]
         return np.stack([means, x[middle].mean(axis=axis)])
+
+    from scipy import stats as scipy_stats  # ~0.6 s to import: only when a CI is drawn
 
     result = scipy_stats.bootstrap(
         (np.arange(n, dtype=np.int32 if n < 2**31 else np.int64),),

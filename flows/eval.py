@@ -31,7 +31,7 @@ from evalfleet.suite import Suite, SuiteReport
 from flows.api_ledger import api_ledger, kept, run_recorded, settle
 from flows.progress import watch
 from flows.reaper import driver_tag, reap_quietly, untagged_tasks
-from flows.runtime import prefect_api
+from flows.runtime import import_in_background, prefect_api
 from tasks.aggregate import aggregate
 from tasks.collect_rewards import collect_rewards
 from tasks.distribute_policy import distribute_policy
@@ -112,9 +112,12 @@ def evaluate(request: EvalRequest) -> EvalReport:
     fixed = request.target_ci_halfwidth is None and request.baseline is None
     hit = fixed and lookup(request, received).status == "hit"
     cluster = nullcontext(None) if hit else fleet_cluster(request.dask_address, request.workers)
+    later = None if hit else import_in_background()  # stage 6-7 modules while the cluster starts
     with checked_before(*checked), prefect_api(wait=False) as api, cluster as address, \
             api_ledger() as ledger:  # what the Prefect API fails to record: in the report
         api.wait()  # the cluster started while the server booted
+        if later is not None:
+            later.join()
         reap_quietly()  # flow runs of killed drivers end Crashed
         runner = DaskTaskRunner(address=address) if address else ThreadPoolTaskRunner()
         with tags(driver_tag()):

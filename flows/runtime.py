@@ -165,3 +165,28 @@ def flush_to_api(timeout: float = FLUSH_TIMEOUT_S) -> None:
 
 
 heartbeats.install()  # before any flow of this process runs
+
+
+#: What stages 6 and 7 import on first use (~2 s in all): statistics, MLflow's SQL store, plots.
+LATER_MODULES = ("scipy.stats", "mlflow.tracking", "mlflow.store.tracking.sqlalchemy_store",
+                 "evalfleet.plots")
+
+
+def import_in_background(modules: tuple[str, ...] = LATER_MODULES) -> threading.Thread:
+    """Import ``modules`` on a thread while this one waits (for the cluster to start).
+
+    Join it before the flow runs, so nothing else imports at the same time. A module that
+    fails to import here is imported again where it is needed, and fails there with its error.
+    """
+    import importlib
+
+    def run() -> None:
+        for name in modules:
+            try:
+                importlib.import_module(name)
+            except Exception as err:  # noqa: BLE001 - the stage that needs it says why
+                logger.debug("background import of %s failed: %s", name, err)
+
+    thread = threading.Thread(target=run, name="evalfleet-imports", daemon=True)
+    thread.start()
+    return thread
