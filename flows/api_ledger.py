@@ -189,16 +189,11 @@ def replay_pending(client: Any) -> list[str]:
     (their closing events never arrived): its body returned, so each of them had finished. A run
     this server does not know stays queued (another server) until it is a week old.
     """
-    from prefect.client.schemas.filters import (
-        FlowRunFilter,
-        FlowRunFilterId,
-        TaskRunFilter,
-        TaskRunFilterState,
-        TaskRunFilterStateType,
-    )
     from prefect.client.schemas.objects import StateType
     from prefect.exceptions import ObjectNotFound
     from prefect.states import Completed
+
+    from flows.reaper import end_run
 
     done: list[str] = []
     live = [StateType.RUNNING, StateType.PENDING]
@@ -219,14 +214,7 @@ def replay_pending(client: Any) -> list[str]:
         message = (f"ended Completed at {ended} UTC; recorded late by the next evaluation (the "
                    "Prefect API was unreachable when the run ended)")
         if run.state is not None and run.state.type in live:
-            tasks = client.read_task_runs(
-                flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run.id])),
-                task_run_filter=TaskRunFilter(state=TaskRunFilterState(
-                    type=TaskRunFilterStateType(any_=live))),
-            )
-            for task_run in tasks:
-                client.set_task_run_state(task_run.id, Completed(message=message), force=True)
-            client.set_flow_run_state(run.id, Completed(message=message), force=True)
+            end_run(client, run.id, Completed, message)
             logger.info("flow run %s (%s): %s", run.name, run.id, message)
         path.unlink(missing_ok=True)
         done.append(run_id)

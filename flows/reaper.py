@@ -13,8 +13,9 @@ from __future__ import annotations
 import logging
 import os
 import socket
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import psutil
 
@@ -22,8 +23,8 @@ logger = logging.getLogger(__name__)
 
 #: Prefix of the tag naming an evaluation flow run's driver process.
 DRIVER_TAG = "evalfleet-driver:"
-#: The flow whose runs are reaped.
-FLOW_NAME = "evalfleet-eval"
+#: The flows whose runs are reaped: single evaluations and suites.
+FLOW_NAMES = ("evalfleet-eval", "evalfleet-suite")
 
 
 def driver_tag(pid: int | None = None) -> str:
@@ -71,12 +72,8 @@ def reap_dead_drivers(limit: int = 200) -> list[str]:
         FlowFilter,
         FlowFilterName,
         FlowRunFilter,
-        FlowRunFilterId,
         FlowRunFilterState,
         FlowRunFilterStateType,
-        TaskRunFilter,
-        TaskRunFilterState,
-        TaskRunFilterStateType,
     )
     from prefect.client.schemas.objects import StateType
     from prefect.states import Crashed
@@ -89,7 +86,7 @@ def reap_dead_drivers(limit: int = 200) -> list[str]:
         # First the runs whose driver ended them while the API was down: not Crashed, Completed.
         replay_pending(client)
         runs = client.read_flow_runs(
-            flow_filter=FlowFilter(name=FlowFilterName(any_=[FLOW_NAME])),
+            flow_filter=FlowFilter(name=FlowFilterName(any_=list(FLOW_NAMES))),
             flow_run_filter=FlowRunFilter(state=FlowRunFilterState(
                 type=FlowRunFilterStateType(any_=live_states))),
             limit=limit,
@@ -101,17 +98,31 @@ def reap_dead_drivers(limit: int = 200) -> list[str]:
             pid = tag.removeprefix(DRIVER_TAG).rsplit(":", 2)[1]
             message = (f"driver process {pid} on {socket.gethostname()} died without ending this "
                        "run (killed); marked Crashed by the next evaluation on that host")
-            tasks = client.read_task_runs(
-                flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run.id])),
-                task_run_filter=TaskRunFilter(state=TaskRunFilterState(
-                    type=TaskRunFilterStateType(any_=live_states))),
-            )
-            for task_run in tasks:
-                client.set_task_run_state(task_run.id, Crashed(message=message), force=True)
-            client.set_flow_run_state(run.id, Crashed(message=message), force=True)
+            end_run(client, run.id, Crashed, message)
             reaped.append(str(run.id))
             logger.warning("flow run %s (%s): %s", run.name, run.id, message)
     return reaped
+
+
+def end_run(client: Any, run_id: Any, state: Callable[..., Any], message: str) -> None:
+    """Set flow run ``run_id`` and its task runs still Running or Pending to ``state(message)``."""
+    from prefect.client.schemas.filters import (
+        FlowRunFilter,
+        FlowRunFilterId,
+        TaskRunFilter,
+        TaskRunFilterState,
+        TaskRunFilterStateType,
+    )
+    from prefect.client.schemas.objects import StateType
+
+    live = [StateType.RUNNING, StateType.PENDING]
+    tasks = client.read_task_runs(
+        flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run_id])),
+        task_run_filter=TaskRunFilter(state=TaskRunFilterState(type=TaskRunFilterStateType(any_=live))),
+    )
+    for task_run in tasks:
+        client.set_task_run_state(task_run.id, state(message=message), force=True)
+    client.set_flow_run_state(run_id, state(message=message), force=True)
 
 
 def reap_quietly() -> list[str]:

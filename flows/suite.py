@@ -15,7 +15,7 @@ from typing import Any, NamedTuple, TypeVar
 
 import dask
 import pyarrow as pa
-from prefect import flow, get_run_logger, task
+from prefect import flow, get_run_logger, tags, task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.futures import PrefectFutureList
@@ -38,6 +38,7 @@ from evalfleet.suite_report import (
     suite_markdown,
 )
 from flows.api_ledger import api_ledger, best_effort, kept, run_recorded, settle
+from flows.reaper import driver_tag, reap_quietly, untagged_tasks
 from flows.runtime import prefect_api
 from tasks.distribute_policy import distribute_policy
 from tasks.receive_weights import checked_before
@@ -59,6 +60,12 @@ T = TypeVar("T", bound=Any)
 @flow(name="evalfleet-suite", flow_run_name="suite-{suite.name}-{base.request_id}", log_prints=False)
 def suite_flow(suite: Suite, base: EvalRequest, address: str | None) -> SuiteReport:
     """Evaluate ``base.policy`` (and ``base.baseline``) on every task of ``suite``, then aggregate."""
+    with untagged_tasks():  # the driver tag names the flow run; on a task run it costs a slot
+        return kept(suite_stages(suite, base, address))
+
+
+def suite_stages(suite: Suite, base: EvalRequest, address: str | None) -> SuiteReport:
+    """The stages of ``suite_flow``: each stage one task run for all the tasks."""
     t0 = time.perf_counter()
     stage = _named(", ".join(item.name for item in suite.tasks))
     mine = run_tasks(suite, task_requests(suite, base), address)
@@ -71,9 +78,9 @@ def suite_flow(suite: Suite, base: EvalRequest, address: str | None) -> SuiteRep
     for done in (mine, theirs):
         if done is not None:                                                               # 7
             done.reports[:] = stage(feed_back_all)(*(quote(x) for x in done[:4]))
-    return kept(aggregate_suite(suite, base, quote(mine.reports), quote(tables_of(mine.collected)),
-                                quote(tables_of(theirs.collected) if theirs else None),
-                                time.perf_counter() - t0, quote(drawn)))
+    return aggregate_suite(suite, base, quote(mine.reports), quote(tables_of(mine.collected)),
+                           quote(tables_of(theirs.collected) if theirs else None),
+                           time.perf_counter() - t0, quote(drawn))
 
 
 class Ran(NamedTuple):
@@ -201,9 +208,11 @@ def evaluate_suite(suite: Suite, base: EvalRequest) -> SuiteReport:
     with checked_before(*checked), prefect_api(wait=False) as api, cluster as address, \
             api_ledger() as ledger:
         api.wait()
+        reap_quietly()  # flow runs of killed drivers end Crashed
         runner = DaskTaskRunner(address=address) if address else ThreadPoolTaskRunner()
-        report = run_recorded(lambda: suite_flow.with_options(task_runner=runner)(
-            suite, base, address), "the suite's flow run")
+        with tags(driver_tag()):  # the reaper's mark: this driver process, on this host
+            report = run_recorded(lambda: suite_flow.with_options(task_runner=runner)(
+                suite, base, address), "the suite's flow run")
         return settle(report, ledger)
 
 

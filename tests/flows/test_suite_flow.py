@@ -22,6 +22,7 @@ from evalfleet.storage import read_episodes
 from evalfleet.suite import load_suite, task_scores
 from flows import suite as suite_module
 from flows.eval import evaluate
+from flows.reaper import DRIVER_TAG, driver_tag
 from flows.suite import evaluate_suite
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "suite.toml"
@@ -76,8 +77,9 @@ def test_example_suite_runs_each_task_as_its_own_cached_evaluation(prefect_serve
         runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(
             name=FlowRunFilterName(any_=[f"suite-use-cases-{base.request_id}"])))
         assert len(runs) == 1
-        names = [t.name for t in client.read_task_runs(
-            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[runs[0].id])), limit=200)]
+        task_runs = client.read_task_runs(
+            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[runs[0].id])), limit=200)
+        names = [t.name for t in task_runs]
         artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(
             key=ArtifactFilterKey(any_=[f"suite-{report.policy_sha256[:12]}"])))
         # Every task's own table + report artifacts (policy's and baseline's), sent from stage 7.
@@ -85,6 +87,10 @@ def test_example_suite_runs_each_task_as_its_own_cached_evaluation(prefect_serve
             flow_run_id=ArtifactFilterFlowRunId(any_=[runs[0].id])), limit=200)
     assert sorted(a.type for a in per_task if a.key and a.key.startswith("eval-")) == (
         ["markdown"] * (2 * len(suite.tasks)) + ["table"] * (2 * len(suite.tasks)))
+    # The flow run names its driver (the reaper ends it Crashed if the driver is killed); its
+    # task runs carry no tag (each would cost a tag concurrency slot).
+    assert [t for t in runs[0].tags if t.startswith(DRIVER_TAG)] == [driver_tag()]
+    assert not [t for t in task_runs if any(x.startswith(DRIVER_TAG) for x in t.tags)]
     # One task run per stage for all the tasks (per policy), each named after the tasks it covers.
     for task in suite.tasks:
         assert any(n.startswith("run-episodes[") and task.name in n for n in names)
