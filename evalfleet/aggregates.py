@@ -41,13 +41,21 @@ Scores produced anywhere aggregate the same way::
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from types import ModuleType
 from typing import Any, Final, TypedDict, cast
 
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
-from scipy import stats as scipy_stats
 
 from evalfleet.errors import SuiteError
+
+
+def _scipy_stats() -> ModuleType:
+    """``scipy.stats``, imported on first use (~0.6 s): most processes importing this never need it."""
+    import importlib
+
+    return importlib.import_module("scipy.stats")
+
 
 __all__ = [
     "METRICS",
@@ -161,7 +169,7 @@ def _metrics(resampled: list[FloatArray], gamma: float) -> dict[str, FloatArray]
     return {
         "mean": task_means.mean(axis=1),
         "median": np.median(task_means, axis=1),
-        "iqm": np.asarray(scipy_stats.trim_mean(pooled, 0.25, axis=1), dtype=np.float64),
+        "iqm": np.asarray(_scipy_stats().trim_mean(pooled, 0.25, axis=1), dtype=np.float64),
         "optimality_gap": gamma - np.minimum(pooled, gamma).mean(axis=1),
     }
 
@@ -207,7 +215,7 @@ def _improvement(x: FloatArray, y: FloatArray) -> FloatArray:
     The Mann-Whitney U statistic of x over ``n_x * n_y``, through average ranks (ties count 1/2).
     """
     nx, ny = x.shape[1], y.shape[1]
-    ranks = scipy_stats.rankdata(np.concatenate([x, y], axis=1), method="average", axis=1)
+    ranks = _scipy_stats().rankdata(np.concatenate([x, y], axis=1), method="average", axis=1)
     u = ranks[:, :nx].sum(axis=1) - nx * (nx + 1) / 2
     return np.asarray(u / (nx * ny), dtype=np.float64)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -34,8 +35,26 @@ _loaded: dict[tuple[str, str, bool], LoadedPolicy] = {}
 _lock = threading.Lock()
 
 
+#: Device nodes of a GPU driver torch could use (NVIDIA, AMD ROCm, NVIDIA under WSL2).
+GPU_DRIVER_NODES = ("/dev/nvidia*", "/dev/kfd", "/dev/dxg")
+
+
+def no_gpu_driver() -> bool:
+    """True when this Linux machine has no GPU driver's device node: torch cannot see CUDA.
+
+    Lets stage 1 say "no GPU" without importing torch (~1 s); elsewhere torch is asked.
+    """
+    import glob
+
+    if not sys.platform.startswith("linux"):
+        return sys.platform == "darwin"  # no CUDA build of torch exists for macOS
+    return not any(glob.glob(pattern) for pattern in GPU_DRIVER_NODES)
+
+
 def gpu_count() -> int:
-    """CUDA devices visible to torch here (0 without torch or CUDA)."""
+    """CUDA devices visible to torch here (0 without torch, CUDA or a GPU driver)."""
+    if no_gpu_driver():
+        return 0
     try:
         import torch
 

@@ -29,13 +29,21 @@ import math
 import numbers
 import operator
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Final
 
 import numpy as np
 from numpy.typing import NDArray
-from scipy import special
 
 from evalfleet.errors import EvalfleetError
+
+
+def _special() -> ModuleType:
+    """``scipy.special``, imported on first use: Dask workers import this module, never use it."""
+    import importlib
+
+    return importlib.import_module("scipy.special")
+
 
 __all__ = [
     "METHOD_BCA",
@@ -178,19 +186,19 @@ def bca_interval(x: FloatArray, mean: float, boot_means: FloatArray, level: floa
     if not 0.0 < share < 1.0:
         reason = f"every bootstrap mean lies on one side of the estimate (share {share})"
     else:
-        z0 = float(special.ndtri(share))
+        z0 = float(_special().ndtri(share))
         d = x - mean
         d = d / float(np.max(np.abs(d)))  # scale-free; keeps the cubes far from overflow
         ss = float(d @ d)
         accel = float(d @ (d * d)) / (6.0 * ss**1.5)
         alpha = 1.0 - level
         quantiles = []
-        for z in (float(special.ndtri(alpha / 2.0)), float(special.ndtri(1.0 - alpha / 2.0))):
+        for z in (float(_special().ndtri(alpha / 2.0)), float(_special().ndtri(1.0 - alpha / 2.0))):
             denom = 1.0 - accel * (z0 + z)
             if denom <= 0.0:
                 reason = f"acceleration {accel:.3g} is too large for level {level}"
                 break
-            quantiles.append(float(special.ndtr(z0 + (z0 + z) / denom)))
+            quantiles.append(float(_special().ndtr(z0 + (z0 + z) / denom)))
         if not reason:
             low, high = np.quantile(boot_means, quantiles)
             return containing(float(low), float(high), mean, level, METHOD_BCA)
@@ -277,15 +285,15 @@ def _skew_t_bounds(x: FloatArray, mean: float, std: float, level: float) -> tupl
 def _t_upper_quantile(q: float, df: int) -> float:
     """Student t quantile with upper-tail probability ``q`` in (0, 0.5)."""
     # The lower-tail quantile of q, negated: exact where 1 - q would round.
-    return -float(special.stdtrit(df, q))
+    return -float(_special().stdtrit(df, q))
 
 
 def clopper_pearson(k: int, n: int, level: float) -> tuple[float, float]:
     """Exact binomial interval of ``k / n``: beta quantiles, ``alpha/2`` in each tail."""
     alpha = 1.0 - level
-    low = 0.0 if k == 0 else float(special.betaincinv(k, n - k + 1, alpha / 2.0))
+    low = 0.0 if k == 0 else float(_special().betaincinv(k, n - k + 1, alpha / 2.0))
     # The upper bound as an upper-tail quantile, so 1 - alpha/2 is never rounded.
-    high = 1.0 if k == n else float(special.betainccinv(k + 1, n - k, alpha / 2.0))
+    high = 1.0 if k == n else float(_special().betainccinv(k + 1, n - k, alpha / 2.0))
     return low, high
 
 
@@ -327,4 +335,4 @@ def wilson_interval(successes: int, n: int, level: float = 0.95) -> Interval:
 
 def normal_quantile(p: float) -> float:
     """Standard normal quantile of ``p`` in (0, 1)."""
-    return float(special.ndtri(p))
+    return float(_special().ndtri(p))

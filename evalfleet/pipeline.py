@@ -31,9 +31,10 @@ from evalfleet.planning import plan_shards
 from evalfleet.policy import (
     INFERENCE_DTYPE,
     PolicyArtifact,
+    check_policy,
     inference_device,
     load_policy,
-    receive_policy,
+    read_policy,
 )
 from evalfleet.provenance import SOURCE_PREFIX, code_version
 from evalfleet.records import EPISODE_SCHEMA, OUTCOME_COLUMNS, concat_sorted, stamp_evaluation
@@ -72,6 +73,8 @@ class Received:
     """Where inference runs (stage 1 resolved 'auto' against the cluster's workers)."""
     device_fallback: str | None = None
     """Why a requested 'auto' runs on CPU; None when nothing fell back."""
+    loaded: bool = True
+    """Whether stage 1 loaded the policy; not when the cache held every episode it asked for."""
 
 
 @dataclass(frozen=True)
@@ -112,13 +115,23 @@ class Collected:
 
 def receive(request: EvalRequest) -> Received:
     """Stage 1: validate env, isolation and policy before anything is spawned."""
+    _, check = receive_unloaded(request)
+    return check()
+
+
+def receive_unloaded(request: EvalRequest) -> tuple[Received, Callable[[], Received]]:
+    """Stage 1 but the policy's load: the ``Received`` (its cache key is final), and the check.
+
+    The check (``policy.check_policy``: load the policy, run a dummy batch; where torch gets
+    imported) returns the ``Received`` with its seconds added. A caller that finds the request's
+    episodes all in the cache may skip it: those bytes, factory code and versions were loaded
+    and checked when the episodes ran.
+    """
     t0 = time.perf_counter()
     env = resolve_env(request.env, request.env_kwargs, request.max_steps)
     isolation = resolve_isolation(request.isolation, env.fingerprint.entry_point)
-    artifact = receive_policy(
-        request.policy, request.policy_factory, env.observation_space, env.action_space,
-        deterministic=request.deterministic,
-    )
+    artifact = read_policy(request.policy, request.policy_factory, env.action_space,
+                           deterministic=request.deterministic)
     placement = cluster.place_inference(request.device, request.dask_address)
     if request.record_video:
         check_recording(request, isolation)
@@ -131,9 +144,18 @@ def receive(request: EvalRequest) -> Received:
         request.deterministic, harness_versions(),
         {"device": inference_device(placement.device, artifact.format), "dtype": INFERENCE_DTYPE},
     )
-    return Received(artifact, env.fingerprint.as_dict(), env.fingerprint.spec_hash, isolation,
-                    cache_key(ingredients), ingredients, time.perf_counter() - t0,
-                    device=placement.device, device_fallback=placement.fallback)
+    received = Received(artifact, env.fingerprint.as_dict(), env.fingerprint.spec_hash, isolation,
+                        cache_key(ingredients), ingredients, time.perf_counter() - t0,
+                        device=placement.device, device_fallback=placement.fallback,
+                        loaded=False)
+
+    def check() -> Received:
+        t1 = time.perf_counter()
+        check_policy(artifact, env.observation_space, env.action_space, request.deterministic)
+        return replace(received, seconds=received.seconds + time.perf_counter() - t1,
+                       loaded=True)
+
+    return received, check
 
 
 def harness_versions() -> dict[str, str]:

@@ -352,14 +352,23 @@ def check_outputs(
     return "logits" if policy.is_torch and isinstance(space, spaces.Discrete) else "actions"
 
 
-def receive_policy(
+def output_kind(fmt: str, action_space: spaces.Space[Any]) -> str:
+    """What a policy of format ``fmt`` outputs for ``action_space``: 'logits' or 'actions'."""
+    return "logits" if fmt != "callable" and isinstance(action_space, spaces.Discrete) else "actions"
+
+
+def read_policy(
     policy: str,
     factory: str | None,
-    observation_space: spaces.Space[Any],
     action_space: spaces.Space[Any],
     deterministic: bool = True,
 ) -> PolicyArtifact:
-    """Stage 1: read, hash, load and validate the policy against the env's spaces."""
+    """Stage 1 without the load: read and hash the policy, check what needs no torch.
+
+    Everything the cache key holds is known here; ``check_policy`` then loads the policy and runs
+    a dummy batch. A request the cache answers whole needs no load: the same bytes, factory code
+    and versions were loaded and checked when those episodes ran.
+    """
     fmt = detect_format(policy, factory)
     if fmt == "callable":
         import_object(policy, "callable policy")
@@ -377,10 +386,6 @@ def receive_policy(
             "deterministic=False samples from a torch policy's logits over a Discrete action "
             f"space; this is a {fmt} policy with {action_space}. Use deterministic=True."
         )
-    loaded = load_policy(
-        fmt, payload, factory, policy, action_space, device="cpu", deterministic=deterministic
-    )
-    kind = check_outputs(loaded, observation_space, policy)
     code_ref = {"callable": policy, "state_dict": factory}.get(fmt)
     return PolicyArtifact(
         sha256=sha256_bytes(payload),
@@ -388,7 +393,33 @@ def receive_policy(
         source=policy,
         payload=payload,
         factory=factory,
-        output_kind=kind,
+        output_kind=output_kind(fmt, action_space),
         factory_sha256=sha256_bytes(factory_source(factory)) if factory else None,
         code=code_version(code_ref.split(":")[0]) if code_ref else None,
     )
+
+
+def check_policy(
+    artifact: PolicyArtifact,
+    observation_space: spaces.Space[Any],
+    action_space: spaces.Space[Any],
+    deterministic: bool = True,
+) -> None:
+    """Load ``artifact`` on the CPU and check its output on a dummy batch (``PolicyError``)."""
+    loaded = load_policy(artifact.format, artifact.payload, artifact.factory, artifact.source,
+                         action_space, device="cpu", deterministic=deterministic)
+    kind = check_outputs(loaded, observation_space, artifact.source)
+    assert kind == artifact.output_kind, (kind, artifact.output_kind)
+
+
+def receive_policy(
+    policy: str,
+    factory: str | None,
+    observation_space: spaces.Space[Any],
+    action_space: spaces.Space[Any],
+    deterministic: bool = True,
+) -> PolicyArtifact:
+    """Stage 1: read, hash, load and validate the policy against the env's spaces."""
+    artifact = read_policy(policy, factory, action_space, deterministic)
+    check_policy(artifact, observation_space, action_space, deterministic)
+    return artifact

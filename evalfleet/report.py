@@ -43,13 +43,29 @@ def versions() -> dict[str, str]:
         "numpy": numpy.__version__,
         "python": platform.python_version(),
     }
-    try:
-        import torch
-
-        out["torch"] = torch.__version__
-    except ImportError:
-        out["torch"] = "absent"
+    out["torch"] = torch_version()
     return out
+
+
+def torch_version() -> str:
+    """The installed torch's version, without importing it (~1 s) unless it is imported already.
+
+    Both are the same string for an installed wheel (``torch.__version__`` is generated from it);
+    a torch importable without package metadata (a source tree on the path) is imported.
+    """
+    import sys
+    from importlib import metadata
+
+    if "torch" in sys.modules:
+        return str(sys.modules["torch"].__version__)
+    try:
+        return metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        try:
+            import torch
+        except ImportError:
+            return "absent"
+        return str(torch.__version__)
 
 
 def aggregate(

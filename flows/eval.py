@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from contextlib import nullcontext
+from typing import TYPE_CHECKING
 
 import dask
 import pyarrow as pa
@@ -21,13 +22,13 @@ from evalfleet.pipeline import (
     episode_cache,
     lookup,
     receive,
+    receive_unloaded,
     same_policy,
     shard_persister,
     store_in_cache,
 )
 from evalfleet.sandbox.isolation import probe_in_background
 from evalfleet.storage import read_episodes
-from evalfleet.suite import Suite, SuiteReport
 from flows.api_ledger import api_ledger, kept, run_recorded, settle
 from flows.progress import watch
 from flows.reaper import driver_tag, reap_quietly, untagged_tasks
@@ -39,6 +40,9 @@ from tasks.feed_back import feed_back
 from tasks.receive_weights import checked_before, receive_weights
 from tasks.run_episodes import run_episodes, shard_tables
 from tasks.spawn_sandboxes import spawn_sandboxes
+
+if TYPE_CHECKING:  # the suite flow is imported when a suite is asked for
+    from evalfleet.suite import Suite, SuiteReport
 
 
 @flow(name="evalfleet-eval", flow_run_name="{request.env}-{request.request_id}", log_prints=False)
@@ -103,14 +107,14 @@ def evaluate(request: EvalRequest) -> EvalReport:
     Stage 1 runs here, before the flow, so bad input fails before anything is spawned; the flow's
     stage 1 records its result. A request the cache answers whole starts no cluster at all.
     """
-    received = receive(request)
-    checked = [(request, received)]
+    received, load = receive_unloaded(request)  # the policy's load waits for the cache's answer
+    fixed = request.target_ci_halfwidth is None and request.baseline is None
+    hit = fixed and lookup(request, received).status == "hit"
+    checked = [(request, received if hit else load())]  # a hit's bytes were loaded when they ran
     if request.baseline and not request.baseline.startswith("sha256:"):  # its nested run's stage 1
         other = baseline_request(request, request.episodes)
         checked.append((other, receive(other)))
     probe_in_background()  # the report's sandbox manifest (~1 s of child processes), meanwhile
-    fixed = request.target_ci_halfwidth is None and request.baseline is None
-    hit = fixed and lookup(request, received).status == "hit"
     cluster = nullcontext(None) if hit else fleet_cluster(request.dask_address, request.workers)
     later = None if hit else import_in_background()  # stage 6-7 modules while the cluster starts
     with checked_before(*checked), prefect_api(wait=False) as api, cluster as address, \

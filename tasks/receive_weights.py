@@ -34,9 +34,12 @@ def receive_weights(request: EvalRequest) -> Received:
     ``evaluate()`` records what it already checked.
     """
     received = _checked.pop(request.request_id, None)
-    how = "checked before the flow" if received is not None else "received"
     if received is None:
-        received = receive(request)
+        received, how = receive(request), "received"
+    elif received.loaded:
+        how = "checked before the flow"
+    else:
+        how = "read before the flow; not loaded: the cache holds every episode"
     get_run_logger().info(
         "policy %s (%s, %d bytes) on %s, isolation %s (%s in %.2f s)",
         received.artifact.sha256[:12], received.artifact.format, received.artifact.nbytes,

@@ -353,3 +353,46 @@ def test_every_ingredient_is_in_the_key(base):
         target[path[-1]] = ["changed", target[path[-1]]]
         assert cache_key(copy) != key, path
     assert re.fullmatch(r"[0-9a-f]{64}", key)
+
+
+# --- the key is fixed before the policy is loaded ---------------------------------------------
+
+def test_the_key_is_fixed_before_the_policy_is_loaded(base, state_dict_policy, monkeypatch):
+    """``receive_unloaded``'s key (what a full cache hit is judged by: no load, no torch import)
+    is ``receive()``'s, and only its check loads the policy, for each format."""
+    import evalfleet.pipeline as pipeline
+
+    name, weights, _ = state_dict_policy
+    loads: list[str] = []
+    real = pipeline.check_policy
+    monkeypatch.setattr(pipeline, "check_policy", lambda a, *rest: (loads.append(a.format),
+                                                                     real(a, *rest))[1])
+    for fields in (base, {**base, "policy": weights, "policy_factory": f"{name}:build"},
+                   {**base, "policy": "tests.flows.user_envs:toward_goal",
+                    "env": "tests.flows.user_envs:Warehouse-v0"}):
+        loads.clear()
+        unloaded, check = pipeline.receive_unloaded(EvalRequest.build(**fields))
+        assert loads == [] and not unloaded.loaded
+        checked = check()
+        assert len(loads) == 1 and checked.loaded
+        assert unloaded.cache_key == checked.cache_key == _key(**fields)
+        assert unloaded.artifact.output_kind == checked.artifact.output_kind
+
+
+def test_torch_version_without_importing_torch_is_torch_version():
+    import subprocess
+
+    code = ("import sys; from evalfleet.report import torch_version; v = torch_version(); "
+            "print('torch' in sys.modules, v)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=ROOT, check=True).stdout.split()
+    assert out == ["False", torch.__version__]
+
+
+def test_no_gpu_driver_means_torch_sees_no_cuda():
+    """Stage 1 says 'no GPU' from the device nodes alone only where torch agrees."""
+    if evalfleet.cluster.no_gpu_driver():
+        assert not torch.cuda.is_available() and evalfleet.cluster.gpu_count() == 0
+    else:  # a GPU machine: torch is asked
+        assert evalfleet.cluster.gpu_count() == (torch.cuda.device_count()
+                                                if torch.cuda.is_available() else 0)

@@ -6,6 +6,7 @@ import sys
 
 import pytest
 
+from evalfleet import pipeline as pipeline_module
 from evalfleet.models import EvalRequest
 from evalfleet.pipeline import outcome_table
 from evalfleet.storage import read_episodes
@@ -28,8 +29,12 @@ def test_hit_spawns_nothing_and_top_up_equals_cold(prefect_server, tmp_path, exa
     def refuse(*args, **kwargs):
         raise AssertionError("a cluster was started for a full cache hit")
 
+    def refuse_load(*args, **kwargs):
+        raise AssertionError("a full cache hit loaded the policy (importing torch, ~1 s)")
+
     with monkeypatch.context() as m:
         m.setattr(eval_module, "fleet_cluster", refuse)
+        m.setattr(pipeline_module, "check_policy", refuse_load)
         hit = evaluate(_req(tmp_path, example_policy))
     assert hit.cache["status"] == "hit" and hit.cache["reused"] == 30 and hit.cache["computed"] == 0
     assert hit.returns == first.returns
