@@ -1,16 +1,33 @@
-"""Resolving environment ids into makers, fingerprints and space descriptions."""
+"""Resolving environment ids into makers, fingerprints and space descriptions.
+
+The fingerprint is the env's part of the cache key: whatever ``gym.make`` combines into the env
+an episode runs on. Besides the requested kwargs and the step cap that is the registered spec's
+own kwargs and additional wrappers (``gym.make`` applies both), and the code of every package
+involved: the entry point's, the module an id of the form ``'module:EnvId-v0'`` imports (it
+usually does the registering), the wrappers' and any class or function named in the spec's
+kwargs. Spec fields that cannot change a return stay out: ``reward_threshold`` and
+``nondeterministic`` are labels, ``order_enforce`` only turns a step before reset into an error,
+``disable_env_checker`` is overridden (evalfleet always disables the checker) and
+``vector_entry_point`` is not used by ``gym.make``.
+
+A registered spec's kwargs come from code and may hold anything; they are keyed exactly (an array
+by the sha256 of its bytes, dtype and shape) and the code that set them is keyed too.
+"""
 
 from __future__ import annotations
 
 import hashlib
 import importlib
+import inspect
 import json
 import logging
+import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import gymnasium as gym
+import numpy as np
 from gymnasium import spaces
 
 from evalfleet.errors import EnvSpecError
@@ -40,17 +57,105 @@ def import_env_modules(env_id: str) -> None:
             ) from err
 
 
+#: Values kept as they are in an exact form (exactly these types: no subclasses).
+_JSON_SCALARS = (str, int, float, bool, type(None))
+
+
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+
+
+def _qualified(obj: Any) -> str:
+    return f"{getattr(obj, '__module__', None)}:{getattr(obj, '__qualname__', repr(obj))}"
+
+
+#: The keys that mark a value's exact form as not plain JSON (see ``_spec_value``).
+_TAGS = ("__tuple__", "__dict__", "__ndarray__", "__numpy__", "__object__", "__type__")
+
+
+def _spec_value(value: Any, modules: set[str]) -> Any:
+    """The exact, JSON-ready form of a registered kwarg; adds the modules whose code it names.
+
+    Plain JSON stays as it is; anything else becomes a dict holding one of ``_TAGS``, so no two
+    different values share a form (a plain dict holding a tag key is itself tagged): arrays by
+    the sha256 of their bytes, dtype and shape; classes and functions by ``module:qualname``
+    (their module's code is keyed); other objects by their ``repr`` less memory addresses
+    (their class's module is keyed).
+    """
+    kind = type(value)
+    if kind in _JSON_SCALARS:
+        return value
+    if kind is list:
+        return [_spec_value(v, modules) for v in value]
+    if kind is tuple:
+        return {"__tuple__": [_spec_value(v, modules) for v in value]}
+    if kind is dict:
+        if all(type(k) is str and k not in _TAGS for k in value):
+            return {k: _spec_value(v, modules) for k, v in value.items()}
+        return {"__dict__": [[_spec_value(k, modules), _spec_value(v, modules)]
+                             for k, v in value.items()]}
+    if isinstance(value, np.ndarray):
+        if value.dtype.hasobject:  # the bytes are pointers: key the items instead
+            return {"__ndarray__": value.dtype.str, "shape": list(value.shape),
+                    "items": _spec_value(value.tolist(), modules)}
+        digest = hashlib.sha256(np.ascontiguousarray(value).tobytes()).hexdigest()
+        return {"__ndarray__": value.dtype.str, "shape": list(value.shape), "sha256": digest}
+    if isinstance(value, np.generic):
+        return {"__numpy__": value.dtype.str, "value": _spec_value(value.item(), modules)}
+    if inspect.isclass(value) or inspect.isroutine(value):
+        modules.add(str(getattr(value, "__module__", None) or "builtins"))
+        return {"__object__": _qualified(value)}
+    modules.add(kind.__module__)
+    return {"__type__": _qualified(kind), "repr": _ADDRESS.sub("", repr(value))}
+
+
+def _entry_name(entry_point: Any) -> str:
+    """``'module:attr'``, as registered or of a registered callable."""
+    return entry_point if isinstance(entry_point, str) else _qualified(entry_point)
+
+
+def _module_of(entry_point: Any) -> str:
+    """``'module:attr'`` or a callable's ``__module__``."""
+    if isinstance(entry_point, str):
+        return entry_point.split(":", 1)[0]
+    return str(getattr(entry_point, "__module__", None) or "builtins")
+
+
+def _code_versions(modules: set[str], known: str) -> dict[str, str]:
+    """``{top-level package: code version}`` of ``modules``, but ``known`` (keyed already)."""
+    tops = {m.split(".", 1)[0] for m in modules} - {known, "builtins"}
+    versions: dict[str, str] = {}
+    for top in sorted(tops):
+        try:
+            versions[top] = _package_of(top)[1]
+        except ValueError:  # ``__main__`` run as a script has no spec: nothing identifies it
+            versions[top] = "unknown"
+    return versions
+
+
 @dataclass(frozen=True)
 class EnvFingerprint:
-    """What identifies an env's behaviour: id, kwargs, registered spec, providing package."""
+    """What identifies an env's behaviour: id, kwargs, registered spec, the code involved."""
 
     env_id: str
+    """The id as requested (``'module:EnvId-v0'`` included)."""
     kwargs: dict[str, Any]
+    """The requested kwargs."""
     max_episode_steps: int | None
+    """The step cap episodes run under: ``max_steps`` or the registered one."""
     entry_point: str
+    """The registered entry point, ``'module:attr'``."""
     version: int | None
+    """The registered version."""
     package: str
+    """The package providing the entry point."""
     package_version: str
+    """That package's code version (``evalfleet.provenance``)."""
+    spec_kwargs: dict[str, Any] = field(default_factory=dict)
+    """The registered spec's own kwargs (the requested ones override them), in exact form."""
+    wrappers: list[dict[str, Any]] = field(default_factory=list)
+    """The registered spec's additional wrappers: name, entry point, kwargs (exact form)."""
+    code: dict[str, str] = field(default_factory=dict)
+    """Code version of every other package involved: the id's module, wrappers, spec kwargs."""
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready form, used in the spec hash, the cache key and the manifest."""
@@ -62,6 +167,9 @@ class EnvFingerprint:
             "version": self.version,
             "package": self.package,
             "package_version": self.package_version,
+            "spec_kwargs": self.spec_kwargs,
+            "wrappers": self.wrappers,
+            "code": self.code,
         }
 
     @property
@@ -156,16 +264,25 @@ def resolve_env(env_id: str, kwargs: dict[str, Any], max_steps: int | None) -> R
                     "Box observations and Box/Discrete actions. Wrap the env (e.g. FlattenObservation)."
                 )
         ep = spec.entry_point
-        entry = ep if isinstance(ep, str) else f"{ep.__module__}:{getattr(ep, '__qualname__', ep)}"
-        package, package_version = _package_of(entry.split(":", 1)[0])
+        package, package_version = _package_of(_module_of(ep))
+        # Other code that shapes the env: the id's module (it usually registers the id and sets
+        # the spec's kwargs), the wrappers', and classes or functions the spec's kwargs name.
+        modules = {env_id.split(":", 1)[0]} if ":" in env_id else set()
+        spec_kwargs = _spec_value(dict(spec.kwargs), modules)
+        wrappers = [{"name": w.name, "entry_point": _entry_name(w.entry_point),
+                     "kwargs": _spec_value(w.kwargs, modules)} for w in spec.additional_wrappers]
+        modules |= {_module_of(w.entry_point) for w in spec.additional_wrappers}
         fingerprint = EnvFingerprint(
             env_id=env_id,
             kwargs=dict(kwargs),
             max_episode_steps=effective_max,
-            entry_point=entry,
+            entry_point=_entry_name(ep),
             version=spec.version,
             package=package,
             package_version=package_version,
+            spec_kwargs=spec_kwargs,
+            wrappers=wrappers,
+            code=_code_versions(modules, _module_of(ep).split(".", 1)[0]),
         )
         return ResolvedEnv(fingerprint, env.observation_space, env.action_space)
     finally:

@@ -18,6 +18,7 @@ import gymnasium
 import numpy
 import pytest
 import torch
+from gymnasium.envs.registration import WrapperSpec
 
 import evalfleet
 import evalfleet.cluster
@@ -225,6 +226,112 @@ def test_this_repositorys_envs_are_keyed_by_their_source(tmp_path, monkeypatch):
     assert _key(**fields) != key
 
 
+# --- the registered spec and the module that registers it ----------------------------------
+
+REGISTERING_MODULE = """
+    import gymnasium as gym
+
+    gym.register("{env_id}", entry_point="gymnasium.envs.classic_control.cartpole:CartPoleEnv",
+                 kwargs={{"sutton_barto_reward": {flag}}}, max_episode_steps=200)
+"""
+
+
+@pytest.fixture
+def registering_module(tmp_path, monkeypatch):
+    """A module on sys.path that registers a CartPole under its own id with kwargs it sets."""
+    name, env_id = _unique("keyregcp"), f"KeyRegCP{uuid.uuid4().hex[:6]}-v0"
+    source = tmp_path / "reg" / f"{name}.py"
+    _write(tmp_path / "reg", {source.name: REGISTERING_MODULE.format(env_id=env_id, flag=False)})
+    monkeypatch.syspath_prepend(str(source.parent))
+    yield name, env_id, source
+    _drop_modules(name)
+    gymnasium.registry.pop(env_id, None)
+
+
+def test_the_registering_modules_kwargs_are_in_the_key(registering_module, base):
+    """The id's module sets ``kwargs`` that ``gym.make`` passes on: flipping one is a miss."""
+    name, env_id, source = registering_module
+    fields = {**base, "env": f"{name}:{env_id}"}
+    before = _received(**fields)
+    # The module edited and imported afresh, as the next process would.
+    source.write_text(textwrap.dedent(REGISTERING_MODULE.format(env_id=env_id, flag=True)))
+    _drop_modules(name)
+    gymnasium.registry.pop(env_id)
+    after = _received(**fields)
+    assert after.cache_key != before.cache_key
+    assert before.cache_ingredients["env"]["spec_kwargs"] == {"sutton_barto_reward": False}
+    assert after.cache_ingredients["env"]["spec_kwargs"] == {"sutton_barto_reward": True}
+
+
+def test_the_registering_modules_code_is_in_the_key(registering_module, base):
+    """The entry point is gymnasium's; the module named in the id is keyed by its own source."""
+    name, env_id, source = registering_module
+    fields = {**base, "env": f"{name}:{env_id}"}
+    before = _received(**fields)
+    source.write_text(source.read_text() + "\nSCALE = 2.0  # read by nothing yet: still a miss\n")
+    assert _key(**fields) != before.cache_key
+    assert before.cache_ingredients["env"]["code"][name].startswith(SOURCE_PREFIX)
+
+
+ARRAY_ENV = """
+    import gymnasium as gym
+    import numpy as np
+    from gymnasium.envs.classic_control.cartpole import CartPoleEnv
+
+
+    class GainsCartPole(CartPoleEnv):
+        def __init__(self, gains=None, **kwargs):
+            super().__init__(**kwargs)
+            self.gains = np.ones(2000) if gains is None else np.asarray(gains, dtype=float)
+
+        def step(self, action):
+            obs, reward, terminated, truncated, info = super().step(action)
+            return obs, reward * float(self.gains[500]), terminated, truncated, info
+
+
+    gym.register("{env_id}", entry_point=f"{{__name__}}:GainsCartPole", max_episode_steps=50,
+                 kwargs={{"gains": np.ones(2000)}})
+"""
+
+
+@pytest.fixture
+def array_env(tmp_path, monkeypatch):
+    """An env whose return scales with element 500 of a 2,000-element array kwarg."""
+    name, env_id = _unique("keyarrenv"), f"KeyArr{uuid.uuid4().hex[:6]}-v0"
+    _write(tmp_path / "arr", {f"{name}.py": ARRAY_ENV.format(env_id=env_id)})
+    monkeypatch.syspath_prepend(str(tmp_path / "arr"))
+    yield f"{name}:{env_id}"
+    _drop_modules(name)
+    gymnasium.registry.pop(env_id, None)
+
+
+def test_one_element_of_a_registered_array_kwarg_changes_the_key(array_env, base, monkeypatch):
+    """The spec's kwargs may hold anything: an array is keyed by its bytes, dtype and shape."""
+    fields = {**base, "env": array_env}
+    before = _received(**fields)
+    spec = gymnasium.spec(array_env.split(":", 1)[1])
+    changed = spec.kwargs["gains"].copy()
+    changed[500] = 100.0
+    monkeypatch.setitem(spec.kwargs, "gains", changed)
+    assert _key(**fields) != before.cache_key
+    monkeypatch.setitem(spec.kwargs, "gains", numpy.ones(2000, dtype=numpy.float32))
+    assert _key(**fields) != before.cache_key
+    monkeypatch.setitem(spec.kwargs, "gains", numpy.ones(2000))  # equal again: a hit
+    assert _key(**fields) == before.cache_key
+    gains = before.cache_ingredients["env"]["spec_kwargs"]["gains"]
+    assert gains["shape"] == [2000] and "sha256" in gains
+
+
+@pytest.mark.parametrize("field, value", [
+    ("reward_threshold", 1.0), ("nondeterministic", True), ("order_enforce", False),
+    ("disable_env_checker", False), ("vector_entry_point", "elsewhere:VectorCartPole"),
+])
+def test_spec_fields_that_change_no_return_are_hits(field, value, base, monkeypatch):
+    key = _key(**base)
+    monkeypatch.setattr(gymnasium.spec("CartPole-v1"), field, value)
+    assert _key(**base) == key
+
+
 # --- every README row, and the settings that must not matter --------------------------------
 
 def _readme_rows() -> list[str]:
@@ -239,7 +346,9 @@ PLANTED: dict[str, list[str]] = {
     "policy sha256": ["weights"],
     "factory": ["factory_source", "factory_ref"],
     "env id": ["env_id", "env_kwargs", "env_max_episode_steps"],
-    "code version of the package providing the env": ["env_source"],
+    "registered spec": ["env_spec_kwargs", "env_spec_wrappers", "env_spec_wrapper_kwargs"],
+    "code version of the package providing the env": ["env_source", "env_registering_module",
+                                                      "env_wrapper_source"],
     "base seed": ["seed", "max_steps", "deterministic"],
     "inference device": ["device", "auto_on_a_gpu_machine"],
     "evalfleet": ["evalfleet_version", "gymnasium_version", "numpy_version", "torch_version"],
@@ -255,7 +364,7 @@ def test_every_readme_row_has_a_planted_change():
 
 
 @pytest.mark.parametrize("change", [c for cs in PLANTED.values() for c in cs])
-def test_each_planted_change_is_a_miss(change, base, tmp_path, monkeypatch):
+def test_each_planted_change_is_a_miss(change, base, tmp_path, monkeypatch, request):
     key = _key(**base)
     fields = dict(base)
     if change == "weights":
@@ -285,6 +394,31 @@ def test_each_planted_change_is_a_miss(change, base, tmp_path, monkeypatch):
         monkeypatch.setattr(spec, "max_episode_steps", 400)
     elif change == "env_source":
         monkeypatch.setattr("evalfleet.envspec.code_version", lambda m: ("gymnasium", "1.4.0+edited"))
+    elif change == "env_spec_kwargs":
+        monkeypatch.setitem(gymnasium.spec("CartPole-v1").kwargs, "sutton_barto_reward", True)
+    elif change in ("env_spec_wrappers", "env_spec_wrapper_kwargs", "env_wrapper_source"):
+        spec = gymnasium.spec("CartPole-v1")
+        clip = WrapperSpec("ClipReward", "gymnasium.wrappers:ClipReward",
+                           {"min_reward": 0.0, "max_reward": 0.5})
+        monkeypatch.setattr(spec, "additional_wrappers", (clip,))
+        if change != "env_spec_wrappers":
+            key = _key(**fields)
+        if change == "env_spec_wrapper_kwargs":
+            wider = WrapperSpec(clip.name, clip.entry_point, {**clip.kwargs, "max_reward": 0.7})
+            monkeypatch.setattr(spec, "additional_wrappers", (wider,))
+        elif change == "env_wrapper_source":
+            wrappers = _unique("keywrappers")
+            (tmp_path / f"{wrappers}.py").write_text("from gymnasium.wrappers import ClipReward  # noqa\n")
+            monkeypatch.syspath_prepend(str(tmp_path))
+            monkeypatch.setattr(spec, "additional_wrappers",
+                                (WrapperSpec(clip.name, f"{wrappers}:ClipReward", clip.kwargs),))
+            key = _key(**fields)
+            (tmp_path / f"{wrappers}.py").write_text((tmp_path / f"{wrappers}.py").read_text() + "# edit\n")
+    elif change == "env_registering_module":
+        name, env_id, source = request.getfixturevalue("registering_module")
+        fields["env"] = f"{name}:{env_id}"
+        key = _key(**fields)
+        source.write_text(source.read_text() + "# edit\n")
     elif change == "seed":
         fields["seed"] = 1
     elif change == "max_steps":

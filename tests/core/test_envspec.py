@@ -1,7 +1,10 @@
-"""The env fingerprint's providing package: the fast lookup agrees with the full scan."""
+"""The env fingerprint: its providing package (the fast lookup agrees with the full scan) and the
+exact forms of kwargs."""
 
 import importlib.metadata
+import json
 
+import numpy
 import pytest
 
 from evalfleet import envspec
@@ -24,3 +27,27 @@ def test_providing_package_matches_a_full_scan(module):
 def test_module_without_a_distribution_is_hashed_by_source():
     name, version = envspec._package_of("tests.flows.user_envs")
     assert name == "tests" and version.startswith("source-sha256:")
+
+
+# --- what the fingerprint makes of kwargs ------------------------------------------------------
+
+class _Opaque:
+    pass
+
+
+def test_the_exact_form_of_spec_kwargs_tells_values_apart_and_is_stable():
+    forms = [envspec._spec_value(v, set()) for v in (
+        [1, 2], (1, 2), {"__tuple__": [1, 2]}, 1.0, 1, numpy.float64(1.0), numpy.float32(1.0), True,
+        numpy.ones(3), numpy.ones(3, dtype=numpy.float32), numpy.ones((3, 1)), {1: "a"}, {"1": "a"},
+    )]
+    blobs = [json.dumps(f, sort_keys=True) for f in forms]  # JSON-ready: no default= needed
+    assert len(set(blobs)) == len(blobs), blobs
+    changed = numpy.ones(2000)
+    changed[500] = 2.0
+    assert envspec._spec_value(changed, set()) != envspec._spec_value(numpy.ones(2000), set())
+    # Two objects with a default repr (a memory address each) get one form; their class is keyed.
+    modules: set[str] = set()
+    assert envspec._spec_value(_Opaque(), modules) == envspec._spec_value(_Opaque(), modules)
+    assert "0x" not in json.dumps(envspec._spec_value(_Opaque(), modules))
+    assert envspec._spec_value(numpy.float32, modules) == {"__object__": "numpy:float32"}
+    assert modules == {__name__, "numpy"}
