@@ -10,8 +10,10 @@ kwargs. Spec fields that cannot change a return stay out: ``reward_threshold`` a
 ``disable_env_checker`` is overridden (evalfleet always disables the checker) and
 ``vector_entry_point`` is not used by ``gym.make``.
 
-A registered spec's kwargs come from code and may hold anything; they are keyed exactly (an array
-by the sha256 of its bytes, dtype and shape) and the code that set them is keyed too.
+Requested kwargs must be JSON values, refused otherwise before anything is imported: the key,
+the report and MLflow's params then all hold exactly what the env receives. A registered spec's
+kwargs come from code and may hold anything; they are keyed exactly (an array by the sha256 of its
+bytes, dtype and shape) and the code that set them is keyed too.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ import inspect
 import json
 import logging
 import re
-from collections.abc import Callable
+import reprlib
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,8 +60,50 @@ def import_env_modules(env_id: str) -> None:
             ) from err
 
 
-#: Values kept as they are in an exact form (exactly these types: no subclasses).
+#: The types requested env kwargs may be made of (exactly these: no subclasses), JSON's own.
 _JSON_SCALARS = (str, int, float, bool, type(None))
+
+
+def check_env_kwargs(env_id: str, kwargs: Mapping[str, Any]) -> None:
+    """Refuse requested kwargs that JSON cannot carry exactly (a numpy array, a tuple, ...).
+
+    The key, the report and MLflow's params record kwargs as JSON; a value JSON would turn into
+    something else (an array into its truncated ``str``, a tuple into a list, ``np.int64(3)``
+    into ``"3"``) would let two different requests share one key.
+    """
+
+    def walk(value: Any, where: str) -> None:
+        kind = type(value)
+        if kind in _JSON_SCALARS:
+            return
+        if kind is list:
+            for i, item in enumerate(value):
+                walk(item, f"{where}[{i}]")
+            return
+        if kind is dict:
+            for key, item in value.items():
+                if type(key) is not str:
+                    raise _not_json(env_id, f"{where} key {key!r}", key)
+                walk(item, f"{where}[{key!r}]")
+            return
+        raise _not_json(env_id, where, value)
+
+    for name, value in kwargs.items():
+        if type(name) is not str:
+            raise _not_json(env_id, f"name {name!r}", name)
+        walk(value, repr(name))
+
+
+def _not_json(env_id: str, where: str, value: Any) -> EnvSpecError:
+    kind = type(value)
+    return EnvSpecError(
+        f"env {env_id!r}: env kwarg {where} must be a JSON value (dict with str keys, list, str, "
+        f"int, float, bool or None; got {kind.__module__}.{kind.__qualname__}: "
+        f"{reprlib.repr(value)}). The cache key, the report and MLflow's params hold kwargs as "
+        "JSON, so they must carry exactly what the env receives: pass the JSON equivalent "
+        "(array.tolist(), float(x) or int(x), a list for a tuple) and convert it in the env's "
+        "constructor, or pass what the env can build the object from (a file path, a seed)."
+    )
 
 
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
@@ -139,7 +184,7 @@ class EnvFingerprint:
     env_id: str
     """The id as requested (``'module:EnvId-v0'`` included)."""
     kwargs: dict[str, Any]
-    """The requested kwargs."""
+    """The requested kwargs (JSON values, see ``check_env_kwargs``)."""
     max_episode_steps: int | None
     """The step cap episodes run under: ``max_steps`` or the registered one."""
     entry_point: str
@@ -234,6 +279,7 @@ class ResolvedEnv:
 
 def resolve_env(env_id: str, kwargs: dict[str, Any], max_steps: int | None) -> ResolvedEnv:
     """Make the env once in this process: unknown ids and bad kwargs fail here, not on workers."""
+    check_env_kwargs(env_id, kwargs)
     import_env_modules(env_id)
     bare_id = env_id.split(":", 1)[1] if ":" in env_id else env_id
     try:

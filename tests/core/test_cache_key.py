@@ -24,6 +24,7 @@ import evalfleet
 import evalfleet.cluster
 from evalfleet import cache as cache_mod
 from evalfleet.cache import cache_key
+from evalfleet.errors import EnvSpecError
 from evalfleet.models import EvalRequest
 from evalfleet.pipeline import Received, receive
 from evalfleet.provenance import SOURCE_PREFIX, code_version
@@ -303,6 +304,22 @@ def array_env(tmp_path, monkeypatch):
     yield f"{name}:{env_id}"
     _drop_modules(name)
     gymnasium.registry.pop(env_id, None)
+
+
+@pytest.mark.parametrize("value", [numpy.ones(2000), (1.0, 2.0), numpy.int64(3), numpy.float64(0.5),
+                                   [1, {"nested": numpy.ones(3)}], {"inner": {2: "int key"}}])
+def test_env_kwargs_json_cannot_carry_are_refused_at_stage_1(array_env, base, value):
+    """An array's ``str`` is truncated, a tuple would be keyed as a list: refused, not mis-keyed."""
+    with pytest.raises(EnvSpecError, match=r"env kwarg 'gains'.* must be a JSON value .*got "
+                                           r"(numpy|builtins)\..*tolist\(\)"):
+        _key(**base, env=array_env, env_kwargs={"gains": value})
+
+
+def test_one_element_of_a_list_kwarg_changes_the_key(array_env, base):
+    gains = [1.0] * 2000
+    key = _key(**base, env=array_env, env_kwargs={"gains": gains})
+    gains[500] = 100.0
+    assert _key(**base, env=array_env, env_kwargs={"gains": gains}) != key
 
 
 def test_one_element_of_a_registered_array_kwarg_changes_the_key(array_env, base, monkeypatch):

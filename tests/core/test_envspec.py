@@ -8,6 +8,7 @@ import numpy
 import pytest
 
 from evalfleet import envspec
+from evalfleet.errors import EnvSpecError
 
 
 @pytest.mark.parametrize("module", ["gymnasium.envs.classic_control.cartpole", "numpy.random",
@@ -30,6 +31,15 @@ def test_module_without_a_distribution_is_hashed_by_source():
 
 
 # --- what the fingerprint makes of kwargs ------------------------------------------------------
+
+def test_plain_json_kwargs_pass_and_the_rest_is_refused_with_its_path():
+    envspec.check_env_kwargs("X-v0", {"a": [1, 2.5, None, True, {"b": "c"}], "d": float("inf")})
+    with pytest.raises(EnvSpecError) as err:
+        envspec.check_env_kwargs("X-v0", {"a": [1, {"b": (1, 2)}]})
+    message = str(err.value)
+    assert "env 'X-v0': env kwarg 'a'[1]['b'] must be a JSON value" in message
+    assert "got builtins.tuple: (1, 2)" in message and "a list for a tuple" in message
+
 
 class _Opaque:
     pass
