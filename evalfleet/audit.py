@@ -14,7 +14,8 @@
 - Reward integrity: identical returns across episodes of varying length flag a constant or gamed
   reward; many steps exactly on the extreme reward values, while other steps fall strictly
   between them, flag a clipped reward.
-- Paired comparison: both policies on the same seeds (common random numbers).
+- Paired comparison: both policies on the same seeds (common random numbers); a verdict from
+  ``stats.MIN_PAIRS`` pairs on.
 """
 
 from __future__ import annotations
@@ -175,15 +176,22 @@ def audit_sample(indices: list[int], seed: int) -> list[int]:
 
 
 def determinism_audit(table: pa.Table, rerun: pa.Table) -> dict[str, Any]:
-    """Compare re-run episodes with the originals: return, length and end reason must match."""
+    """Compare re-run episodes with the originals: return, length and end reason must match.
+
+    ``checked`` counts the pairs compared. A re-run that cannot be compared (an infrastructure
+    failure on either run says nothing about the env's determinism, or no original row) is
+    counted in ``skipped``, present only when some were; ``determinism_audit_alarm`` speaks up
+    when nothing was compared.
+    """
     original = {r["episode_index"]: r for r in table.to_pylist()}
     mismatches = []
+    checked = skipped = 0
     for row in rerun.to_pylist():
         first = original.get(row["episode_index"])
-        if first is None:
+        if first is None or any(EndReason(r["end_reason"]).is_infrastructural for r in (first, row)):
+            skipped += 1
             continue
-        if EndReason(row["end_reason"]).is_infrastructural:
-            continue  # a sandbox crash on re-run says nothing about the env's determinism
+        checked += 1
         if (first["return"], first["length"], first["end_reason"]) != (
             row["return"], row["length"], row["end_reason"]
         ):
@@ -192,7 +200,22 @@ def determinism_audit(table: pa.Table, rerun: pa.Table) -> dict[str, Any]:
                 "first": [first["return"], first["length"], first["end_reason"]],
                 "rerun": [row["return"], row["length"], row["end_reason"]],
             })
-    return {"checked": rerun.num_rows, "mismatches": mismatches}
+    out: dict[str, Any] = {"checked": checked, "mismatches": mismatches}
+    if skipped:
+        out["skipped"] = skipped
+    return out
+
+
+def determinism_audit_alarm(audit: dict[str, Any] | None) -> str | None:
+    """``determinism_audit_incomplete`` when an audit was asked for and compared no episode."""
+    if audit is None or audit["checked"] > 0:
+        return None
+    skipped = int(audit.get("skipped", 0))
+    why = (f"all {skipped} re-run episodes ended in an infrastructure failure (timeout, crash, "
+           "oom) on one of the two runs" if skipped else "no episode was re-run")
+    return (f"determinism_audit_incomplete: the determinism audit compared no episode ({why}); "
+            "the env's determinism is unchecked: re-run the evaluation with --refresh, or look at "
+            "the workers' failures first")
 
 
 def step_rewards(table: pa.Table) -> dict[str, Any] | None:
@@ -267,7 +290,8 @@ def compare_with_baseline(table: pa.Table, baseline: pa.Table, seed: int, source
     The headline rule of ``evalfleet.scoring`` applies to both sides: an episode a policy broke
     (invalid action, error or hang in its forward) counts with its partial return; a pair where
     either side has a harness failure (or no row for the index, or another seed) is dropped, and
-    the result says how many pairs were dropped and why.
+    the result says how many pairs were dropped and why (``unmatched_pairs_alarm``). Below
+    ``stats.MIN_PAIRS`` pairs the verdict is ``"too few pairs"``, with a ``note``.
     """
     def scored_rows(t: pa.Table) -> tuple[dict[int, dict[str, Any]], set[int]]:
         kinds = outcomes(t)
@@ -290,9 +314,11 @@ def compare_with_baseline(table: pa.Table, baseline: pa.Table, seed: int, source
             "baseline": sum(EndReason(base[i]["end_reason"]).is_policy_attributable for i in common),
         },
     }
+    few = (f"{len(common)} paired episodes: a verdict needs at least {stats.MIN_PAIRS}"
+           if len(common) < stats.MIN_PAIRS else None)
     if len(common) < 2:
         return {"baseline": source, "n": len(common), **accounting,
-                "verdict": "not distinguishable", "note": "fewer than 2 paired episodes"}
+                "verdict": "too few pairs", "note": few}
     result = stats.paired_comparison(
         np.array([new[i]["return"] for i in common]), np.array([base[i]["return"] for i in common]),
         seed=seed,
@@ -301,4 +327,24 @@ def compare_with_baseline(table: pa.Table, baseline: pa.Table, seed: int, source
     out.update(accounting)
     out["baseline"] = source
     out["baseline_policy_sha256"] = baseline.column("policy_sha256")[0].as_py()
+    if few is not None:
+        out["note"] = few
     return out
+
+
+def unmatched_pairs_alarm(comparison: dict[str, Any] | None) -> str | None:
+    """``baseline_pairs_unmatched`` when episodes were left out for want of a baseline row.
+
+    An index the baseline lacks is not a random one: a table read from the episode cache lacks
+    exactly the episodes the policy's runtime or the infrastructure ended, and pairing without
+    them biases the difference. The caller makes sure such a table is never used; this alarm
+    catches what gets through.
+    """
+    if not comparison or not comparison.get("dropped_unmatched"):
+        return None
+    k, n = int(comparison["dropped_unmatched"]), int(comparison.get("n", 0))
+    return (f"baseline_pairs_unmatched: {k} episodes had no row of the baseline "
+            f"({comparison.get('baseline')}) on the same index and seed and were left out of the "
+            f"paired comparison ({n} pairs left): its verdict may be biased; evaluate the "
+            "baseline on the same seeds and episode count (pass its policy file)")
+

@@ -28,6 +28,11 @@ EXIT_OK, EXIT_HARNESS_FAULT, EXIT_BAD_REQUEST = 0, 3, 2
 #: ``--gate``: the evaluation is a significant regression against the training run's best
 #: earlier checkpoint (paired 95% CI of the return difference below 0).
 EXIT_REGRESSION = 4
+#: ``--gate``: the gate could not compare with the best earlier checkpoint (the run's history could
+#: not be read, the best checkpoint's episodes are gone, or too few pairs): not a pass.
+EXIT_GATE_UNDECIDED = 6
+#: Verdicts ``--gate`` passes: a first checkpoint has nothing to regress from.
+GATE_PASSES = ("first", "new_best", "not_distinguishable")
 #: Exit code of an evaluation that failed for a reason other than its request (a crash, a bug).
 EXIT_FAILED = 1
 #: The numbers are written (Parquet, cache), but an output asked for is not: the review's files,
@@ -129,7 +134,8 @@ def add_eval_arguments(p: argparse.ArgumentParser) -> None:
                    "across checkpoints (default: the success rate)")
     p.add_argument("--gate", action="store_true",
                    help=f"exit {EXIT_REGRESSION} when the evaluation is a significant regression "
-                   "against the best earlier checkpoint of --training-run-id (paired, same seeds)")
+                   "against the best earlier checkpoint of --training-run-id (paired, same seeds), "
+                   f"{EXIT_GATE_UNDECIDED} when it could not be compared with it")
     p.add_argument("--suite", default=None, metavar="SUITE_TOML",
                    help="evaluate on every task of a suite file (envs, kwargs grids, episodes, "
                    "normalisation; see examples/suite.toml) and aggregate across tasks; --env, "
@@ -420,14 +426,29 @@ def output_missing(missing: list[str]) -> int:
 
 
 def gate(report: EvalReport) -> int:
-    """``--gate``: ``EXIT_REGRESSION`` on a significant regression against the best checkpoint."""
+    """``--gate``: ``EXIT_REGRESSION`` on a significant regression against the best checkpoint.
+
+    Passes (``EXIT_OK``) only on a verdict of ``GATE_PASSES``; a gate that could not compare
+    (history unreadable, ``no_paired_episodes``) exits ``EXIT_GATE_UNDECIDED``: it fails closed.
+    """
     history = report.history or {}
     if report.training_run_id is None or report.step is None:
         print("evalfleet: --gate needs --training-run-id and --step: there is no best checkpoint "
               "to compare with", file=sys.stderr)
         return EXIT_BAD_REQUEST
-    if history.get("verdict") != "regression":
+    verdict = history.get("verdict")
+    if verdict in GATE_PASSES:
         return EXIT_OK
+    if verdict != "regression":
+        why = (f"the training run's history could not be read ({history['error']})"
+               if history.get("error") else
+               f"verdict {verdict!r}: {history.get('note') or 'no comparison was made'}")
+        print(f"evalfleet: gate: step {report.step} could not be compared with the best earlier "
+              f"checkpoint of training run {report.training_run_id!r}, so it does not pass: {why}. "
+              "The evaluation's results are written; fix the cause (the MLflow store, the best "
+              "checkpoint's episodes) and re-run, or promote by hand after reading the report "
+              f"(exit {EXIT_GATE_UNDECIDED})", file=sys.stderr)
+        return EXIT_GATE_UNDECIDED
     c = history.get("comparison") or {}
     print(f"evalfleet: gate: step {report.step} is a regression against the best checkpoint "
           f"(step {history.get('best_step')}): paired difference {c.get('mean_diff', float('nan')):+.4g}, "

@@ -8,12 +8,15 @@ back with MLflow's client (``checkpoints``), they give:
 - **The verdict** of a new evaluation against the *best earlier checkpoint* of the run (the
   latest earlier one whose own verdict made it best, ``first`` or ``new_best``): both policies'
   episodes paired by index and seed (common random numbers; the earlier episodes come from the
-  episode cache by the earlier run's key, or from its MLflow artifact), compared with
-  ``audit.compare_with_baseline`` (the paired bootstrap of ``stats.paired_comparison`` under the
-  headline rules of ``scoring``). ``new_best`` when the 95% CI of the paired difference of
-  returns is above 0, ``regression`` when below, else ``not_distinguishable``; ``first`` for the
-  first checkpoint of a run; ``no_paired_episodes`` when the best checkpoint's episodes are
-  gone (cache cleared and no artifact) or fewer than 2 pairs remain.
+  episode cache by the earlier run's key when it holds them all, else from its MLflow
+  artifact), compared with ``audit.compare_with_baseline`` (``stats.paired_comparison``'s
+  interval of the paired differences under the headline rules of ``scoring``). ``new_best``
+  when the 95% CI of the paired difference of returns is above 0, ``regression`` when below,
+  else ``not_distinguishable``; ``first`` for the first checkpoint of a run;
+  ``no_paired_episodes`` when the best checkpoint's episodes are gone (not whole in the cache,
+  which keeps no episode the policy's runtime or the infrastructure ended, and no artifact) or
+  fewer than ``stats.MIN_PAIRS`` pairs remain: an alarm line (``alarm_lines``), and ``--gate``
+  does not pass it.
 - **Alarms** against the *previous* checkpoint (the largest earlier step), each with its
   statistic, threshold and the two steps compared:
 
@@ -70,6 +73,7 @@ __all__ = [
     "drift_alarms",
     "episodes_of",
     "feed_back_history",
+    "logged_episodes",
     "protocol_id",
     "report_protocol",
 ]
@@ -218,27 +222,93 @@ def _read_any(path: Path) -> pa.Table:
     return pa.Table.from_arrays(cols, schema=EPISODE_SCHEMA)
 
 
-def episodes_of(cp: Checkpoint, cache: EpisodeCache | None, tracking_uri: str,
-                indices: range) -> pa.Table | None:
-    """The checkpoint's episodes among ``indices``: from the cache by its key, else its artifact."""
-    if cache is not None and cp.cache_key:
-        found = cache.lookup(cp.cache_key, indices)
-        if found.stored.num_rows:
-            return found.stored
+def _ran(cp: Checkpoint, indices: range) -> range:
+    """The indices among ``indices`` the checkpoint's evaluation ran (all, when not recorded)."""
+    episodes = cp.metrics.get("eval/episodes")
+    if episodes is None or not math.isfinite(episodes):
+        return indices
+    return range(indices.start, max(indices.start, min(indices.stop, int(episodes))))
+
+
+def _artifact_episodes(tracking_uri: str, mlflow_run_id: str) -> pa.Table | None:
+    """The ``episodes.parquet`` an MLflow run logged (every row it ran), None when it is gone."""
     from mlflow.tracking import MlflowClient
 
     try:
         with tempfile.TemporaryDirectory(prefix="evalfleet-history-") as tmp:
             local = MlflowClient(tracking_uri=tracking_uri).download_artifacts(
-                cp.mlflow_run_id, "episodes.parquet", tmp)
-            table = _read_any(Path(local))
-    except Exception as err:  # an artifact store that lost the file: no pairs, said so
-        logger.warning("episodes of step %s (run %s) not found in the cache nor MLflow: %s",
-                       cp.step, cp.mlflow_run_id, err)
+                mlflow_run_id, "episodes.parquet", tmp)
+            return _read_any(Path(local))
+    except Exception as err:  # an artifact store that lost the file: said by the caller
+        logger.warning("episodes.parquet of MLflow run %s cannot be read: %s", mlflow_run_id, err)
         return None
+
+
+def _among(table: pa.Table, indices: range) -> pa.Table:
     wanted = set(indices)
     keep = [i for i, x in enumerate(table.column("episode_index").to_pylist()) if x in wanted]
     return table.take(pa.array(keep, pa.int64())).sort_by("episode_index")
+
+
+def episodes_of(cp: Checkpoint, cache: EpisodeCache | None, tracking_uri: str,
+                indices: range) -> pa.Table | None:
+    """The checkpoint's episodes among ``indices``: from the cache by its key, else its artifact.
+
+    The cache answers only when it holds every one of those episodes the checkpoint ran: it keeps
+    no episode the policy's runtime or the infrastructure ended (policy_error, policy_timeout,
+    timeout, crashed, oom), and pairing without them would leave out exactly the episodes where
+    the policy broke. Otherwise the evaluation's ``episodes.parquet`` artifact (every row) is
+    read; None when that is gone too (a partial table is never returned).
+    """
+    ran = _ran(cp, indices)
+    partial = None
+    if cache is not None and cp.cache_key:
+        found = cache.lookup(cp.cache_key, ran)
+        if found.stored.num_rows and not found.missing:
+            return found.stored
+        partial = found.stored.num_rows
+    table = _artifact_episodes(tracking_uri, cp.mlflow_run_id)
+    if table is None:
+        held = (f"the cache holds {partial} of its {len(ran)} episodes (none of those the policy "
+                "or the infrastructure ended) and " if partial else "")
+        logger.warning("episodes of step %s (run %s) not found whole: %sthe MLflow artifact is "
+                       "gone", cp.step, cp.mlflow_run_id, held)
+        return None
+    return _among(table, indices)
+
+
+def logged_episodes(tracking_uri: str, cache_key: str, indices: range) -> pa.Table | None:
+    """Episodes among ``indices`` of the latest MLflow run under ``cache_key`` that holds them all.
+
+    From its ``episodes.parquet``; None when no run does. Where a table the episode cache
+    returned is partial (see ``episodes_of``), this is the whole one of the same policy, env and
+    protocol.
+    """
+    from mlflow.entities import ViewType
+    from mlflow.tracking import MlflowClient
+
+    if not cache_key or any(c not in "0123456789abcdef" for c in cache_key):
+        return None
+    db = tracking_uri.removeprefix("sqlite:///")
+    if db != tracking_uri and not Path(db).exists():
+        return None  # no store yet (and reading one would create it)
+    client = MlflowClient(tracking_uri=tracking_uri)
+    try:
+        experiments = [e.experiment_id for e in client.search_experiments(view_type=ViewType.ALL)]
+        runs = client.search_runs(experiments, f"tags.`{TAG_KEY}` = '{cache_key}'",
+                                  run_view_type=ViewType.ACTIVE_ONLY, max_results=20,
+                                  order_by=["attributes.start_time DESC"])
+    except Exception as err:  # MLflow raises its own exception types; the caller says what's missing
+        logger.warning("cannot search %s for episodes of cache key %s: %s", tracking_uri,
+                       cache_key[:12], err)
+        return None
+    for run in runs:
+        table = _artifact_episodes(tracking_uri, run.info.run_id)
+        if table is not None:
+            rows = _among(table, indices)
+            if rows.num_rows == len(indices):
+                return rows
+    return None
 
 
 # ----------------------------------------------------------------------------- per-table figures
@@ -301,7 +371,7 @@ def current_figures(table: pa.Table, outcome_metric: str | None) -> dict[str, An
 
 def _paired(new: dict[int, float], old: dict[int, float], seed: int) -> stats.PairedComparison | None:
     common = sorted(set(new) & set(old))
-    if len(common) < 2:
+    if len(common) < stats.MIN_PAIRS:  # a drift alarm from a handful of pairs is a coin toss
         return None
     return stats.paired_comparison(np.array([new[i] for i in common]),
                                    np.array([old[i] for i in common]), seed=seed)
@@ -430,13 +500,14 @@ def assess(
         best_table = table_of(best)
         if best_table is None or best_table.num_rows == 0:
             verdict = "no_paired_episodes"
-            note = (f"the episodes of the best checkpoint (step {best.step}) are neither in the "
-                    "cache nor in MLflow")
+            note = (f"the episodes of the best checkpoint (step {best.step}) are neither whole in "
+                    "the cache nor in MLflow")
         else:
-            comparison = compare_with_baseline(table, best_table, seed, f"step {best.step}")
+            comparison = compare_with_baseline(_planned_by(table, best), best_table, seed,
+                                               f"step {best.step}")
             verdict = {"better": "new_best", "worse": "regression"}.get(
                 str(comparison["verdict"]), "not_distinguishable")
-            if "ci" not in comparison:
+            if comparison["verdict"] == "too few pairs":
                 verdict, note = "no_paired_episodes", str(comparison.get("note"))
     is_best = verdict in ("first", "new_best")
     out.update(
@@ -461,11 +532,46 @@ def assess(
     return out
 
 
+def _planned_by(table: pa.Table, cp: Checkpoint) -> pa.Table:
+    """The rows of ``table`` on indices ``cp``'s evaluation also planned: the pairable ones.
+
+    Indices past the checkpoint's episode count were never pairable, so they are not counted as
+    dropped; any index dropped then is an anomaly (``alarm_lines``).
+    """
+    episodes = cp.metrics.get("eval/episodes")
+    if episodes is None or not math.isfinite(episodes):
+        return table
+    keep = np.asarray(table.column("episode_index").to_numpy()) < int(episodes)
+    return table if keep.all() else table.filter(pa.array(keep))
+
+
 def alarm_lines(history: dict[str, Any] | None) -> list[str]:
-    """The history's alarms as report alarm lines (``name: message``)."""
+    """The history's alarms as report alarm lines (``name: message``).
+
+    Besides the drift alarms: ``history_unavailable`` when the history could not be read,
+    ``history_not_compared`` when there is no verdict against the best checkpoint, and
+    ``history_pairs_unmatched`` when pairs were dropped for want of a row of the best checkpoint.
+    A gate reading the report must not take any of them for a pass.
+    """
     if not history:
         return []
-    return [f"{a['alarm']}: {a['message']}" for a in history.get("alarms") or []]
+    lines = []
+    if history.get("error"):
+        lines.append(f"history_unavailable: the training run's history could not be read "
+                     f"({history['error']}); no verdict against the best checkpoint and no drift "
+                     "alarms: check the MLflow store (--mlflow-uri) and re-run")
+    elif history.get("verdict") == "no_paired_episodes":
+        best = (history.get("compared_with") or {}).get("step")
+        where = f" (step {best})" if best is not None else ""
+        lines.append(f"history_not_compared: no verdict against the best checkpoint{where}: "
+                     f"{history.get('note')}; re-evaluate the best checkpoint on the same seeds "
+                     "and episode count, or compare with --baseline")
+    c = history.get("comparison") or {}
+    if c.get("dropped_unmatched"):
+        lines.append(f"history_pairs_unmatched: {c['dropped_unmatched']} episodes had no row of "
+                     f"the best checkpoint ({c.get('baseline')}) on the same index and seed and were "
+                     f"left out of the verdict ({c.get('n')} pairs left): it may be biased")
+    return lines + [f"{a['alarm']}: {a['message']}" for a in history.get("alarms") or []]
 
 
 # ----------------------------------------------------------------------------- the curve

@@ -345,9 +345,12 @@ def summarize(
             f"non_deterministic_env: {len(audit['mismatches'])} of {audit['checked']} re-run "
             f"episodes differ (seeds {seeds}); results are not reproducible"
         )
+    from evalfleet.audit import determinism_audit_alarm, unmatched_pairs_alarm
+
     comparison = None
     if baseline is not None:
         comparison = compare_with_baseline(collected.table, baseline[0], request.seed, baseline[1])
+    alarms += [a for a in (determinism_audit_alarm(audit), unmatched_pairs_alarm(comparison)) if a]
     returns = report.returns
     if schedule.interval is not None:
         # Adaptive: the 95% interval is the last look's Bonferroni-adjusted one (audit.py).
@@ -727,7 +730,13 @@ def baseline_request(request: EvalRequest, episodes: int) -> EvalRequest:
 
 
 def cached_baseline(request: EvalRequest, received: Received, episodes: int) -> tuple[pa.Table, str]:
-    """Episodes of a baseline given as 'sha256:HEX', found in the cache under the same protocol."""
+    """Episodes of a baseline given as 'sha256:HEX', found in the cache under the same protocol.
+
+    Every one of the ``episodes`` indices, or an error: the cache keeps no episode the policy's
+    runtime or the infrastructure ended, so where it lacks some, the evaluation logged under the
+    same key in MLflow (its ``episodes.parquet``) must hold them all. Pairing on the rest would
+    leave out exactly the episodes where the baseline broke.
+    """
     ref = str(request.baseline)
     prefix = ref.removeprefix("sha256:").lower()
     cache = episode_cache(request)
@@ -737,8 +746,29 @@ def cached_baseline(request: EvalRequest, received: Received, episodes: int) -> 
             continue
         same = {k: v for k, v in ing.items() if k != "policy"}
         mine = {k: v for k, v in received.cache_ingredients.items() if k != "policy"}
-        if same == mine:
-            return cache.lookup(str(entry["key"]), range(episodes)).stored, ref
+        if same != mine:
+            continue
+        key = str(entry["key"])
+        found = cache.lookup(key, range(episodes))
+        if not found.missing:
+            return found.stored, ref
+        from evalfleet.history import logged_episodes
+
+        uri = request.mlflow_uri or default_tracking_uri(request.output)
+        whole = logged_episodes(uri, key, range(episodes))
+        if whole is not None:
+            return whole, ref
+        some = ", ".join(str(i) for i in found.missing[:5]) + (", ..." if len(found.missing) > 5
+                                                                else "")
+        raise RequestError(
+            f"baseline {ref!r}: the cache holds {found.stored.num_rows} of the {episodes} episodes "
+            f"to pair on; {len(found.missing)} are missing (indices {some}): "
+            "episodes the baseline's policy runtime or the infrastructure ended (policy_error, "
+            "policy_timeout, timeout, crashed, oom) are never cached, or it ran fewer episodes, and "
+            f"no evaluation logged in {uri} under its key holds them all. Pairing without them "
+            "would bias the comparison: pass the baseline policy file instead (its missing "
+            "episodes then run on the same seeds)."
+        )
     raise RequestError(
         f"baseline {ref!r}: no cached episodes of a policy with that hash under this env and "
         f"protocol in {cache.root}; pass the baseline policy file instead."

@@ -11,7 +11,12 @@ def _fmt(x: float) -> str:
 
 def _dropped(comparison: dict[str, object]) -> str:
     harness = comparison.get("dropped_harness_failures", 0)
-    return f"; {harness} pairs dropped (harness failure on a side)" if harness else ""
+    unmatched = comparison.get("dropped_unmatched", 0)
+    parts = ([f"{harness} (harness failure on a side)"] if harness else []) + (
+        [f"{unmatched} unmatched (no baseline row on the same index and seed)"] if unmatched else [])
+    return f"; pairs dropped: {', '.join(parts)}" if parts else ""
+
+
 def _device(report: EvalReport) -> str:
     execution = report.manifest.get("execution") or {}
     device = str(execution.get("device", "?"))
@@ -22,10 +27,14 @@ def _device(report: EvalReport) -> str:
 def _history(h: dict[str, object]) -> str:
     c = h.get("comparison")
     text = str(h["verdict"])
-    if isinstance(c, dict) and "ci" in c:
+    if h.get("error"):
+        text = f"not compared: history could not be read ({h['error']})"
+    elif isinstance(c, dict) and "ci" in c:
         text += (f": {_fmt(c['mean_diff'])}  [{_fmt(c['ci']['low'])}, {_fmt(c['ci']['high'])}] "
                  f"paired over {c['n']} episodes against step {c['baseline'].removeprefix('step ')}; "
-                 f"P(improvement) {c['p_improvement']:.3f}")
+                 f"P(improvement) {c['p_improvement']:.3f}{_dropped(c)}")
+        if h.get("note"):
+            text += f" ({h['note']})"
     elif h.get("note"):
         text += f" ({h['note']})"
     return text + f"; best checkpoint: step {h.get('best_step')}"
@@ -69,11 +78,14 @@ def summary_rows(report: EvalReport) -> list[dict[str, str]]:
                                         f"{_dropped(c)}"))
         else:
             rows.append(("vs baseline", f"{c['verdict']} ({c.get('note', '')})"))
-    if report.history and report.history.get("verdict"):
+    if report.history and (report.history.get("verdict") or report.history.get("error")):
         rows.append(("vs best checkpoint", _history(report.history)))
     if report.audit is not None:
-        rows.append(("determinism audit", f"{report.audit['checked']} re-run, "
-                                          f"{len(report.audit['mismatches'])} mismatches"))
+        skipped = report.audit.get("skipped", 0)
+        rows.append(("determinism audit", f"{report.audit['checked']} re-run compared, "
+                                          f"{len(report.audit['mismatches'])} mismatches"
+                                          + (f", {skipped} not comparable (infrastructure failure)"
+                                             if skipped else "")))
     if report.step_rewards:
         w = report.step_rewards
         rows.append(("step rewards", f"{_fmt(w['min'])} .. {_fmt(w['max'])}; on min "

@@ -58,7 +58,11 @@ def flatten_metrics(report: dict[str, Any]) -> dict[str, float]:
         m["eval/baseline_diff_ci_high"] = c["ci"]["high"]
         m["eval/p_improvement"] = c["p_improvement"]
         m["eval/baseline_pairs"] = c["n"]
-        m["eval/baseline_pairs_dropped"] = c.get("dropped_harness_failures", 0)
+        # Both by name: a pair dropped for want of a baseline row can bias the difference.
+        m["eval/baseline_pairs_dropped_harness"] = c.get("dropped_harness_failures", 0)
+        m["eval/baseline_pairs_dropped_unmatched"] = c.get("dropped_unmatched", 0)
+        m["eval/baseline_pairs_dropped"] = (c.get("dropped_harness_failures", 0)
+                                            + c.get("dropped_unmatched", 0))
     if report.get("step_rewards"):
         r = report["step_rewards"]
         m["eval/step_reward_min"], m["eval/step_reward_max"] = r["min"], r["max"]
@@ -67,6 +71,7 @@ def flatten_metrics(report: dict[str, Any]) -> dict[str, float]:
     m.update(history_metrics(report.get("history")))
     if report.get("audit"):
         m["eval/audit_checked"] = report["audit"]["checked"]
+        m["eval/audit_skipped"] = report["audit"].get("skipped", 0)
         m["eval/audit_mismatches"] = len(report["audit"]["mismatches"])
     m["eval/cache_reused"] = report["cache"].get("reused", 0)
     for stage, seconds in report["timings"].items():
@@ -94,6 +99,9 @@ def history_metrics(history: dict[str, Any] | None) -> dict[str, float]:
         m["eval/best_diff_ci_low"] = c["ci"]["low"]
         m["eval/best_diff_ci_high"] = c["ci"]["high"]
         m["eval/best_p_improvement"] = c["p_improvement"]
+        m["eval/best_pairs"] = c["n"]
+        m["eval/best_pairs_dropped_harness"] = c.get("dropped_harness_failures", 0)
+        m["eval/best_pairs_dropped_unmatched"] = c.get("dropped_unmatched", 0)
     cur = history.get("current") or {}
     for i, share in enumerate(cur.get("action_shares") or []):
         m[f"eval/action_share/{i}"] = share

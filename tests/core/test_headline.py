@@ -198,3 +198,46 @@ def test_a_success_flag_reported_on_some_endings_only_raises_an_alarm():
     quiet = _report(records_to_table(full))
     assert quiet.success is not None and quiet.success["unreported"] == 0
     assert not any("success_partially" in a for a in quiet.alarms)
+
+
+def _stage6(table: pa.Table, baseline: pa.Table, audit_rows: pa.Table) -> EvalReport:
+    """Stage 6 (``pipeline.summarize``) of an evaluation of ``table`` against ``baseline``."""
+    from types import SimpleNamespace
+
+    from evalfleet.pipeline import Collected, summarize
+
+    request = EvalRequest(env=ENV, policy="x", episodes=table.num_rows, seed=0, cache="off",
+                          baseline="sha256:ee")
+    received = SimpleNamespace(env_spec={"env_id": ENV}, env_spec_hash="spec", isolation="inprocess",
+                               artifact=SimpleNamespace(summary=lambda: {"sha256": "ab" * 32}),
+                               cache_key="k", seconds=0.0, device="cpu", device_fallback=None)
+    collected = Collected(table=table, fresh=table, audit_rows=audit_rows, run_seconds=1.0,
+                          seconds=0.0, plan_cached=0, plan_seconds=0.0, cache_status="off",
+                          cache_corrupt=False)
+    return summarize(request, received, RoundSchedule(request), collected,  # type: ignore[arg-type]
+                     (baseline, "sha256:ee"))
+
+
+def test_dropped_pairs_show_on_every_surface_by_name():
+    new = records_to_table([_row(i, float(i % 7)) for i in range(30)] + [_row(30, 1.0, "crashed")])
+    # A baseline read back from a cache: the episodes its policy broke are not there.
+    base = records_to_table([_row(i, float(i % 5)) for i in range(31) if i % 6])
+    crashed = records_to_table([_row(0, math.nan, "crashed"), _row(1, math.nan, "timeout")])
+    report = _stage6(new, base, crashed)
+    c = report.comparison
+    assert c is not None
+    assert (c["n"], c["dropped_unmatched"], c["dropped_harness_failures"]) == (25, 5, 1)
+    names = [a.split(":", 1)[0] for a in report.alarms]
+    assert "baseline_pairs_unmatched" in names and "determinism_audit_incomplete" in names
+    assert next(a for a in report.alarms if a.startswith("baseline_pairs_unmatched")).startswith(
+        "baseline_pairs_unmatched: 5 episodes had no row of the baseline (sha256:ee)")
+    metrics = flatten_metrics(report.model_dump(mode="json"))
+    assert metrics["eval/baseline_pairs_dropped_unmatched"] == 5.0
+    assert metrics["eval/baseline_pairs_dropped_harness"] == 1.0
+    assert metrics["eval/baseline_pairs_dropped"] == 6.0
+    assert report.audit == {"checked": 0, "mismatches": [], "skipped": 2}
+    assert metrics["eval/audit_checked"] == 0.0 and metrics["eval/audit_skipped"] == 2.0
+    text = summary_text(report)
+    assert ("pairs dropped: 1 (harness failure on a side), 5 unmatched (no baseline row on the same "
+            "index and seed)") in text
+    assert "0 re-run compared, 0 mismatches, 2 not comparable (infrastructure failure)" in text

@@ -18,11 +18,19 @@ from mlflow.tracking import MlflowClient
 
 import tests.core.courier as courier
 from evalfleet.cache import EpisodeCache
-from evalfleet.cli import EXIT_OK, EXIT_REGRESSION, gate, history_table, run_history
+from evalfleet.cli import (
+    EXIT_GATE_UNDECIDED,
+    EXIT_OK,
+    EXIT_REGRESSION,
+    gate,
+    history_table,
+    run_history,
+)
 from evalfleet.envspec import env_thunk, resolve_env
 from evalfleet.history import (
     ACTION_TV_THRESHOLD,
     LENGTH_SHIFT_RATIO,
+    alarm_lines,
     checkpoints,
     curve_row,
     drift_alarms,
@@ -67,11 +75,12 @@ def _table(policy_name: str, seed: int = 0):
 
 
 def evaluate_checkpoint(tmp: Path, policy_name: str, step: int, *, seed: int = 0,
-                        outcome_metric: str | None = None, run: str) -> EvalReport:
-    """Stage 6 and 7 of one evaluation of ``policy_name`` at ``step``, on the real stores."""
-    table = _table(policy_name, seed)
+                        outcome_metric: str | None = None, run: str, table=None) -> EvalReport:
+    """Stage 6 and 7 of one evaluation of ``policy_name`` (or ``table``) at ``step``, on the real
+    stores."""
+    table = _table(policy_name, seed) if table is None else table
     request = EvalRequest(env=courier.ENV_ID, policy=f"tests.core.courier:{policy_name}",
-                          episodes=EPISODES, seed=seed, output=tmp, training_run_id=run,
+                          episodes=table.num_rows, seed=seed, output=tmp, training_run_id=run,
                           step=step, outcome_metric=outcome_metric, cache_dir=tmp / "cache",
                           request_id=f"{run}-{policy_name}-{step}-{seed}")
     sha = f"{policy_name}-{step}".encode().hex().ljust(64, "0")[:64]  # same weights, same hash
@@ -332,3 +341,114 @@ def test_a_baseline_evaluation_is_no_checkpoint_of_the_training_run(tmp_path):
     report = aggregate(other, table, env_spec={}, env_spec_hash="spec", policy={"sha256": "b" * 64},
                        isolation="inprocess", timings={}, cache={}, run_seconds=1.0)
     assert with_history(other, report, table).history is None  # no MLflow read, no verdict
+
+
+def _broken_on(indices: range, n: int = 200, name: str = "p") -> object:
+    """Returns ~ Normal(100, 5) on seed-ledger seeds; the policy raises on ``indices`` (return 10)."""
+    normal = np.random.default_rng(0).normal(100, 5, n)
+    ledger = SeedLedger(0)
+    return records_to_table([
+        EpisodeRecord("r", name, "e", "s", i, ledger.seed(i), 10.0 if i in indices else float(normal[i]),
+                      10, "policy_error" if i in indices else "terminated",
+                      "RuntimeError" if i in indices else None, None, 0.1, "w", "b", "inprocess")
+        for i in range(n)])
+
+
+def test_the_best_checkpoints_policy_failures_are_paired_not_dropped(store):
+    # Both checkpoints break on 20 of 200 seeds (other seeds): equally good. The cache keeps no
+    # policy_error row, so pairing on it alone dropped the best's failures and kept the new one's:
+    # a false 'regression' (-10.0, CI [-14.6, -6.0]) and a false failure_rate_jump.
+    best = evaluate_checkpoint(store, "careful", 1000, run="broken", table=_broken_on(range(20)))
+    new = evaluate_checkpoint(store, "careful", 2000, run="broken", table=_broken_on(range(20, 40)))
+    h = new.history
+    assert h["verdict"] == "not_distinguishable"
+    c = h["comparison"]
+    assert (c["n"], c["dropped_unmatched"], c["dropped_harness_failures"]) == (200, 0, 0)
+    assert c["policy_failures"] == {"new": 20, "baseline": 20}
+    assert c["mean_diff"] == pytest.approx(new.mean - best.mean, abs=1e-9)
+    assert c["ci"]["low"] < 0 < c["ci"]["high"]
+    assert h["alarms"] == [] and not [a for a in new.alarms if a.startswith("history_")]
+
+
+def test_a_partial_cache_without_the_artifact_gives_no_verdict_and_the_gate_fails_closed(store,
+                                                                                         capsys):
+    from evalfleet.history import Checkpoint, assess, episodes_of
+
+    n = 200
+    cache = EpisodeCache(store / "cache")
+    key = hashlib.sha256(b"partial/best").hexdigest()
+    assert cache.store(key, _broken_on(range(20)), {"policy": {}}) == 180
+    cp = Checkpoint("no-such-run", 1000, "req", "cd" * 32, key, "proto",
+                    {"eval/reward": 91.0, "eval/episodes": float(n)}, "first", True, False)
+    uri = f"sqlite:///{store / 'mlflow.db'}"
+    h = assess(_broken_on(range(20, 40)), step=2000, seed=0, earlier=[cp],
+               episodes=lambda c: episodes_of(c, cache, uri, range(n)))
+    assert h["verdict"] == "no_paired_episodes" and h["comparison"] is None
+    assert h["note"] == ("the episodes of the best checkpoint (step 1000) are neither whole in the "
+                         "cache nor in MLflow")
+    assert h["alarms"] == [] and h["alarms_note"].startswith("episodes of the previous checkpoint")
+    assert alarm_lines(h) == [
+        "history_not_compared: no verdict against the best checkpoint (step 1000): the episodes of "
+        "the best checkpoint (step 1000) are neither whole in the cache nor in MLflow; re-evaluate "
+        "the best checkpoint on the same seeds and episode count, or compare with --baseline"]
+    report = evaluate_checkpoint(store, "careful", 5, run="gate-closed").model_copy(
+        update={"history": h})
+    assert gate(report) == EXIT_GATE_UNDECIDED == 6
+    err = capsys.readouterr().err
+    assert "could not be compared with the best earlier checkpoint of training run 'gate-closed'" in err
+    assert "verdict 'no_paired_episodes'" in err and "(exit 6)" in err
+
+
+def test_an_unreadable_history_is_an_alarm_and_the_gate_fails_closed(store, tmp_path, capsys):
+    from evalfleet.summary import summary_text
+
+    report = evaluate_checkpoint(store, "careful", 5, run="unreadable")
+    (tmp_path / "a-file").write_text("")  # a store under a file: unreadable
+    request = EvalRequest(env=courier.ENV_ID, policy="tests.core.courier:careful", output=tmp_path,
+                          training_run_id="unreadable", step=6,
+                          mlflow_uri=f"sqlite:///{tmp_path / 'a-file' / 'mlflow.db'}")
+    failed = with_history(request, report.model_copy(update={"alarms": []}), _table("careful"))
+    assert failed.history["verdict"] is None
+    assert failed.history["error"].startswith("FileExistsError: ")
+    assert failed.alarms == alarm_lines(failed.history)
+    assert failed.alarms[0].startswith("history_unavailable: the training run's history could not "
+                                       "be read (FileExistsError: ")
+    assert "not compared: history could not be read (FileExistsError" in summary_text(failed)
+    assert gate(failed) == EXIT_GATE_UNDECIDED
+    assert "history could not be read (FileExistsError" in capsys.readouterr().err
+    # Too few pairs is no verdict either.
+    few = report.model_copy(update={"history": {
+        "verdict": "no_paired_episodes", "note": "3 paired episodes: a verdict needs at least 10",
+        "compared_with": {"step": 4}, "alarms": []}})
+    assert gate(few) == EXIT_GATE_UNDECIDED
+
+
+def test_a_sha256_baseline_is_the_whole_table_or_a_clear_error(store, tmp_path):
+    from types import SimpleNamespace
+
+    from evalfleet.errors import RequestError
+    from evalfleet.pipeline import cached_baseline
+
+    ing = {"policy": {"sha256": "ee" * 32}, "env": {"x": 1}, "protocol": {"seed": 0}}
+    table = _broken_on(range(20), name="ee" * 32)
+    key = hashlib.sha256(b"sha-baseline").hexdigest()
+    EpisodeCache(tmp_path / "cache").store(key, table, ing)
+    request = EvalRequest(env=courier.ENV_ID, policy="x", baseline="sha256:eeee",
+                          cache_dir=tmp_path / "cache", output=tmp_path, episodes=200)
+    received = SimpleNamespace(cache_ingredients=dict(ing, policy={"sha256": "ff" * 32}))
+    with pytest.raises(RequestError) as err:
+        cached_baseline(request, received, 200)  # type: ignore[arg-type]
+    assert str(err.value).startswith(
+        "baseline 'sha256:eeee': the cache holds 180 of the 200 episodes to pair on; 20 are "
+        "missing (indices 0, 1, 2, 3, 4, ...): episodes the baseline's policy runtime")
+    assert "pass the baseline policy file instead" in str(err.value)
+    # The evaluation logged under the same key holds them all: its episodes.parquet is used.
+    report = aggregate(request.model_copy(update={"baseline": None}), table, env_spec={},
+                       env_spec_hash="spec", policy={"sha256": "ee" * 32}, isolation="inprocess",
+                       timings={}, cache={"status": "miss", "key": key}, run_seconds=1.0)
+    parquet = write_episodes(table, tmp_path / "run" / "episodes.parquet")
+    log_evaluation(f"sqlite:///{tmp_path / 'mlflow.db'}", "evalfleet", report.model_dump(mode="json"),
+                   {}, [parquet], run_name="baseline")
+    whole, source = cached_baseline(request, received, 200)  # type: ignore[arg-type]
+    assert source == "sha256:eeee" and whole.num_rows == 200
+    assert whole.column("end_reason").to_pylist().count("policy_error") == 20
