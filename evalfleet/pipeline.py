@@ -123,9 +123,8 @@ def receive_unloaded(request: EvalRequest) -> tuple[Received, Callable[[], Recei
     """Stage 1 but the policy's load: the ``Received`` (its cache key is final), and the check.
 
     The check (``policy.check_policy``: load the policy, run a dummy batch; where torch gets
-    imported) returns the ``Received`` with its seconds added. A caller that finds the request's
-    episodes all in the cache may skip it: those bytes, factory code and versions were loaded
-    and checked when the episodes ran.
+    imported) returns the ``Received`` with its seconds added. ``received_before_flow`` says
+    when it may be skipped.
     """
     t0 = time.perf_counter()
     env = resolve_env(request.env, request.env_kwargs, request.max_steps)
@@ -156,6 +155,27 @@ def receive_unloaded(request: EvalRequest) -> tuple[Received, Callable[[], Recei
                        loaded=True)
 
     return received, check
+
+
+#: Policy formats whose stage-1 check depends only on what the cache key holds (the bytes,
+#: torch's version, the env's spaces, the deterministic flag): a full cache hit may skip it.
+#: A state_dict's factory or a callable runs code the key may not cover whole (what it calls
+#: in other modules, a file it reads): those are loaded and checked on a hit too, so a policy
+#: that no longer loads fails stage 1 instead of being answered from the cache.
+SELF_CONTAINED_FORMATS = frozenset({"torchscript"})
+
+
+def received_before_flow(request: EvalRequest) -> tuple[Received, bool]:
+    """Stage 1 as ``evaluate`` runs it before the flow: the ``Received``, and cache-hit or not.
+
+    On a full hit the policy is not loaded where its format allows (``SELF_CONTAINED_FORMATS``).
+    """
+    received, check = receive_unloaded(request)
+    fixed = request.target_ci_halfwidth is None and request.baseline is None
+    hit = fixed and lookup(request, received).status == "hit"
+    if hit and received.artifact.format in SELF_CONTAINED_FORMATS:
+        return received, True
+    return check(), hit
 
 
 def harness_versions() -> dict[str, str]:

@@ -20,9 +20,8 @@ from evalfleet.pipeline import (
     baseline_request,
     cached_baseline,
     episode_cache,
-    lookup,
     receive,
-    receive_unloaded,
+    received_before_flow,
     same_policy,
     shard_persister,
     store_in_cache,
@@ -107,10 +106,8 @@ def evaluate(request: EvalRequest) -> EvalReport:
     Stage 1 runs here, before the flow, so bad input fails before anything is spawned; the flow's
     stage 1 records its result. A request the cache answers whole starts no cluster at all.
     """
-    received, load = receive_unloaded(request)  # the policy's load waits for the cache's answer
-    fixed = request.target_ci_halfwidth is None and request.baseline is None
-    hit = fixed and lookup(request, received).status == "hit"
-    checked = [(request, received if hit else load())]  # a hit's bytes were loaded when they ran
+    received, hit = received_before_flow(request)  # a TorchScript hit loads no policy
+    checked = [(request, received)]
     if request.baseline and not request.baseline.startswith("sha256:"):  # its nested run's stage 1
         other = baseline_request(request, request.episodes)
         checked.append((other, receive(other)))
