@@ -94,6 +94,7 @@ def test_no_secret_reaches_any_output(isolation: str, prefect_server: str, tmp_p
     planted = planted_secrets()
     for name, value in planted.items():
         monkeypatch.setenv(name, value)
+    monkeypatch.setenv("EVALFLEET_ALLOWED_HOSTS", "127.0.0.1")  # the sink listens on loopback
     output = tmp_path / "out"
     with fleet_cluster(None, 2) as address:  # workers inherit the planted environment
         report = evaluate(EvalRequest.build(
