@@ -13,9 +13,10 @@ spaces (deterministic action = argmax, stochastic = a categorical sample) or to 
 ``(B, *shape)`` for ``Box`` spaces. The policy hash is the sha256 of the policy's bytes (the file,
 or for a callable the source file of its module). Code that turns those bytes into actions is
 identified as well: a state_dict's factory by the sha256 of its reference, its module's source and
-the source of the module that defines the function (``factory_sha256``), and the factory's or
-callable's top-level package by its code version (``evalfleet.provenance``: a wheel's version, or
-the source of every file of an editable, path or uninstalled package).
+the source of the module that defines the function (``factory_sha256``), and the code versions
+(``evalfleet.provenance``: a wheel's version, or the source of every file of an editable, path or
+uninstalled package) of the factory's or callable's top-level package and of every package its
+code imports, followed through the packages identified by their source (``code``).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ import numpy.typing as npt
 from gymnasium import spaces
 
 from evalfleet.errors import PolicyError
-from evalfleet.provenance import code_version
+from evalfleet.provenance import imported_code
 
 logger = logging.getLogger(__name__)
 
@@ -102,6 +103,21 @@ def factory_source(ref: str) -> bytes:
     return b"\n".join(parts)
 
 
+def code_versions(ref: str, what: str) -> tuple[tuple[str, str], ...]:
+    """``(top-level module, code version)`` pairs of the code a ``module:function`` runs, sorted.
+
+    The module named by ``ref``, the module that defines the function, and every package their
+    source imports (``evalfleet.provenance.imported_code``): a factory's network class from a
+    module beside it, a callable's helper module.
+    """
+    fn = import_object(ref, what)
+    modules = [ref.split(":")[0]]
+    defined_in = getattr(fn, "__module__", None)
+    if isinstance(defined_in, str) and defined_in not in modules:
+        modules.append(defined_in)
+    return tuple(imported_code(modules).items())
+
+
 def inference_device(device: str, fmt: str) -> str:
     """The kind of device inference runs on, as it goes into the cache key: 'cpu' or 'cuda'.
 
@@ -128,7 +144,7 @@ class PolicyArtifact:
     factory: str | None
     output_kind: str
     factory_sha256: str | None = None
-    code: tuple[str, str] | None = None
+    code: tuple[tuple[str, str], ...] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -143,7 +159,7 @@ class PolicyArtifact:
             "source": self.source,
             "factory": self.factory,
             "factory_sha256": self.factory_sha256,
-            "code": list(self.code) if self.code else None,
+            "code": dict(self.code) if self.code else None,
             "nbytes": self.nbytes,
             "output_kind": self.output_kind,
         }
@@ -386,7 +402,11 @@ def read_policy(
             "deterministic=False samples from a torch policy's logits over a Discrete action "
             f"space; this is a {fmt} policy with {action_space}. Use deterministic=True."
         )
-    code_ref = {"callable": policy, "state_dict": factory}.get(fmt)
+    code = None  # a TorchScript file holds its code
+    if fmt == "callable":
+        code = code_versions(policy, "callable policy")
+    elif factory is not None:
+        code = code_versions(factory, "policy factory")
     return PolicyArtifact(
         sha256=sha256_bytes(payload),
         format=fmt,
@@ -395,7 +415,7 @@ def read_policy(
         factory=factory,
         output_kind=output_kind(fmt, action_space),
         factory_sha256=sha256_bytes(factory_source(factory)) if factory else None,
-        code=code_version(code_ref.split(":")[0]) if code_ref else None,
+        code=code,
     )
 
 

@@ -7,22 +7,33 @@ folder on ``sys.path`` that no distribution installed (this repository's ``envs/
 ``my_envs.py``), or a module that shadows the installed copy all keep their version while their
 code changes. Those are identified by the sha256 of the source of every ``.py`` file of their
 top-level package instead, so an edit to any helper module changes the answer.
+
+Code reaches other packages through its imports (a factory's ``from netlib import Net``, a
+callable's ``import helpers``): ``imported_code`` follows them through the source of every package
+identified by its source, and answers the code version of each package it reaches.
 """
 
 from __future__ import annotations
 
+import ast
+import csv
 import functools
 import hashlib
 import importlib.metadata
 import importlib.util
 import json
 import logging
+import sys
+from collections import deque
+from collections.abc import Iterable
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
 #: Prefix of a code version given by source rather than by a distribution's version.
 SOURCE_PREFIX = "source-sha256:"
+#: Most modules whose source ``imported_code`` reads: a bound on the walk (it is logged when hit).
+MAX_IMPORTED_MODULES = 500
 
 
 @functools.lru_cache(maxsize=1)
@@ -41,10 +52,21 @@ def distribution_named_like(top: str) -> list[str]:
         dist = importlib.metadata.distribution(top)
     except (importlib.metadata.PackageNotFoundError, ValueError):
         return []
-    tops = set((dist.read_text("top_level.txt") or "").split())
-    if not tops:
-        tops = {str(f).split("/", 1)[0].removesuffix(".py") for f in dist.files or []}
+    tops = set((dist.read_text("top_level.txt") or "").split()) or _recorded_tops(dist)
     return [dist.metadata["Name"]] if top in tops else []
+
+
+def _recorded_tops(dist: importlib.metadata.Distribution) -> set[str]:
+    """The first path component (``.py`` stripped) of every file ``dist`` installed.
+
+    Its ``RECORD`` read as CSV text: ``dist.files`` builds a path object per file, 40-60 ms for
+    numpy's or prefect's, paid again for every package a policy imports.
+    """
+    record = dist.read_text("RECORD")
+    if record is None:
+        return {str(f).split("/", 1)[0].removesuffix(".py") for f in dist.files or []}
+    return {row[0].split("/", 1)[0].removesuffix(".py")
+            for row in csv.reader(record.splitlines()) if row}
 
 
 def _source_files(top: str) -> list[tuple[str, Path]]:
@@ -133,3 +155,135 @@ def code_version(module: str) -> tuple[str, str]:
         return name, f"{version}+{SOURCE_PREFIX}{digest}" if digest else version
     digest = source_digest(top)
     return top, f"{SOURCE_PREFIX}{digest}" if digest else "unknown"
+
+
+def _module_file(name: str) -> tuple[Path, bool] | None:
+    """The ``.py`` file module ``name`` runs from, and whether it is a package.
+
+    Found without importing anything (``find_spec`` of a submodule would import its parents).
+    None for a namespace package, a compiled or frozen module, and a name that is no module.
+    """
+    top, *rest = name.split(".")
+    try:
+        spec = importlib.util.find_spec(top)
+    except (ImportError, ValueError):  # ``__main__`` run as a script has no spec
+        return None
+    if spec is None:
+        return None
+    if not rest:
+        origin = spec.origin
+        if origin and origin.endswith(".py"):
+            return Path(origin), bool(spec.submodule_search_locations)
+        return None
+    locations = [Path(p) for p in spec.submodule_search_locations or []]
+    for depth, part in enumerate(rest, 1):
+        portions: list[Path] = []
+        for location in locations:  # the order the import system searches them in
+            folder = location / part
+            if (folder / "__init__.py").is_file():
+                if depth == len(rest):
+                    return folder / "__init__.py", True
+                portions = [folder]
+                break
+            if (location / f"{part}.py").is_file():
+                return (location / f"{part}.py", False) if depth == len(rest) else None
+            if folder.is_dir():
+                portions.append(folder)
+        locations = portions
+    return None
+
+
+#: Imported module names by (module, is a package, sha256 of its source): a file's imports are
+#: parsed once per process and version of the file.
+_IMPORTS: dict[tuple[str, bool, str], tuple[str, ...]] = {}
+
+
+def _imports(name: str, path: Path, is_package: bool) -> tuple[str, ...]:
+    """Absolute names of the modules ``name``'s source imports.
+
+    Wherever the import statement is (module level, inside a function, under ``if TYPE_CHECKING``);
+    ``from a import b`` gives ``a`` and ``a.b`` (``b`` may be a submodule).
+    """
+    try:
+        source = path.read_bytes()
+    except OSError:
+        return ()
+    key = (name, is_package, hashlib.sha256(source).hexdigest())
+    if key in _IMPORTS:
+        return _IMPORTS[key]
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError):  # not Python this interpreter runs: nothing to follow
+        tree = ast.Module(body=[], type_ignores=[])
+    package = name if is_package else name.rpartition(".")[0]
+    found: dict[str, None] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(dict.fromkeys(alias.name for alias in node.names))
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".") if package else []
+                if node.level - 1 > len(parts):
+                    continue  # beyond the top-level package: fails at import
+                anchor = ".".join(parts[: len(parts) - node.level + 1])
+                base = ".".join(p for p in (anchor, base) if p)
+            if base:
+                found[base] = None
+                found.update(dict.fromkeys(f"{base}.{alias.name}" for alias in node.names
+                                           if alias.name != "*"))
+    if len(_IMPORTS) > 20_000:
+        _IMPORTS.clear()
+    _IMPORTS[key] = tuple(found)
+    return _IMPORTS[key]
+
+
+def imported_code(modules: Iterable[str], limit: int = MAX_IMPORTED_MODULES) -> dict[str, str]:
+    """``{top-level module: code version}`` of ``modules`` and of every package their code imports.
+
+    Imports are read from the source (no module is imported, nor asked what it imported: the
+    answer is the same whatever this process imported before) and followed through every package
+    identified by its source; the standard library is left out, and a package identified by its
+    version is not read further. Imports the source does not spell (``importlib.import_module`` of
+    a computed name) are not seen. Sorted by module name.
+    """
+    versions: dict[str, str] = {}
+    queued: set[str] = set()
+    queue: deque[str] = deque()
+
+    def reach(name: str) -> None:
+        top = name.split(".", 1)[0]
+        if not top or top in sys.stdlib_module_names or top == "__main__":
+            return
+        if top not in versions:
+            try:
+                versions[top] = code_version(top)[1]
+            except ValueError:  # a spec-less module (``__main__``-like): nothing identifies it
+                versions[top] = "unknown"
+        if SOURCE_PREFIX not in versions[top]:
+            return
+        parts = name.split(".")
+        for depth in range(1, len(parts) + 1):  # importing a.b.c runs a and a.b first
+            module = ".".join(parts[:depth])
+            if module not in queued:
+                queued.add(module)
+                queue.append(module)
+
+    starts = list(modules)
+    for name in starts:
+        reach(name)
+    read = 0
+    while queue:
+        name = queue.popleft()
+        found = _module_file(name)
+        if found is None:
+            continue
+        if read == limit:
+            logger.warning("Read the imports of %d modules from %s and stopped: those of %r and "
+                           "of the modules after it are not in the code versions", limit,
+                           ", ".join(starts), name)
+            break
+        read += 1
+        for imported in _imports(name, *found):
+            reach(imported)
+    return dict(sorted(versions.items()))

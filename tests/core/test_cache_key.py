@@ -143,6 +143,100 @@ def test_factory_imported_from_another_module_is_keyed_by_that_module(tmp_path, 
         _drop_modules(alias)
 
 
+# --- code the factory or callable imports from other packages ---------------------------------
+
+SIBLING_NET = """
+    import torch.nn as nn
+
+    HIDDEN, ACTIVATION = 8, nn.ReLU
+
+
+    class Net(nn.Sequential):
+        def __init__(self):
+            super().__init__(nn.Linear(4, HIDDEN), ACTIVATION(), nn.Linear(HIDDEN, 2))
+"""
+
+SIBLING_FACTORY = {
+    "top": """
+        from {net} import Net
+
+
+        def build():
+            return Net()
+    """,
+    "inside": """
+        def build():
+            from {net} import Net
+
+            return Net()
+    """,
+}
+
+
+def _sibling_factory(tmp_path: Path, request: pytest.FixtureRequest, where: str = "top"
+                     ) -> tuple[dict[str, Any], Path]:
+    """A factory whose network class comes from another top-level module beside it (imported at
+    the factory module's top or inside the factory); returns request fields and that module."""
+    net, factory = _unique("keynetlib"), _unique("keyfactmod")
+    root = tmp_path / "sibling"
+    _write(root, {f"{net}.py": SIBLING_NET,
+                  f"{factory}.py": SIBLING_FACTORY[where].format(net=net)})
+    request.getfixturevalue("monkeypatch").syspath_prepend(str(root))
+    request.addfinalizer(lambda: (_drop_modules(net), _drop_modules(factory)))
+    torch.save(importlib.import_module(factory).build().state_dict(), root / "sd.pt")
+    return dict(policy=str(root / "sd.pt"), policy_factory=f"{factory}:build"), root / f"{net}.py"
+
+
+CALLABLE_WITH_HELPER = """
+    import numpy as np
+
+    import {helper}
+
+
+    def act(obs):
+        return ({helper}.GAIN * obs[:, 2] > 0).astype(np.int64)
+"""
+
+
+def _callable_with_helper(tmp_path: Path, request: pytest.FixtureRequest) -> tuple[str, Path]:
+    """A callable policy reading a constant of a helper module beside it: its reference and the
+    helper's file."""
+    helper, policy = _unique("keycbhelp"), _unique("keycbpol")
+    root = tmp_path / "callable"
+    _write(root, {f"{helper}.py": "GAIN = 1.0\n",
+                  f"{policy}.py": CALLABLE_WITH_HELPER.format(helper=helper)})
+    request.getfixturevalue("monkeypatch").syspath_prepend(str(root))
+    request.addfinalizer(lambda: (_drop_modules(helper), _drop_modules(policy)))
+    return f"{policy}:act", root / f"{helper}.py"
+
+
+def test_the_packages_a_factory_imports_are_in_the_key(tmp_path, request):
+    fields, net = _sibling_factory(tmp_path, request)
+    code = _received(**fields, output=tmp_path / "out").cache_ingredients["policy"]["code"]
+    assert code[net.stem].startswith(SOURCE_PREFIX)  # not installed: keyed by its source
+    assert code["torch"] == torch.__version__  # a wheel: by its version
+    assert list(code) == sorted(code)
+
+
+def test_code_a_callable_imports_is_keyed_alike_in_a_fresh_process(tmp_path, request):
+    """The key does not depend on what the process imported before; an edit still changes it."""
+    import json
+    import subprocess
+
+    policy, helper = _callable_with_helper(tmp_path, request)
+    fields = dict(policy=policy, output=str(tmp_path / "out"))
+    here = _key(**fields)
+    code = ("import json, sys; sys.path.insert(0, sys.argv[1]); "
+            "from evalfleet.models import EvalRequest; "
+            "from evalfleet.pipeline import receive_unloaded; "
+            "print(receive_unloaded(EvalRequest.build(**json.loads(sys.argv[2])))[0].cache_key)")
+    fresh = subprocess.run([sys.executable, "-c", code, str(helper.parent), json.dumps(fields)],
+                           capture_output=True, text=True, timeout=300, cwd=ROOT, check=True)
+    assert fresh.stdout.split()[-1] == here, fresh.stderr[-2000:]
+    helper.write_text("GAIN = -1.0\n")
+    assert _key(**fields) != here
+
+
 # --- the env's package ------------------------------------------------------------------------
 
 ENV_PACKAGE = {
@@ -361,7 +455,8 @@ def _readme_rows() -> list[str]:
 #: README row (start of its first cell) -> planted change of the request or the process.
 PLANTED: dict[str, list[str]] = {
     "policy sha256": ["weights"],
-    "factory": ["factory_source", "factory_ref"],
+    "factory": ["factory_source", "factory_ref", "factory_sibling_module",
+                "factory_import_inside_function", "callable_helper_module"],
     "env id": ["env_id", "env_kwargs", "env_max_episode_steps"],
     "registered spec": ["env_spec_kwargs", "env_spec_wrappers", "env_spec_wrapper_kwargs"],
     "code version of the package providing the env": ["env_source", "env_registering_module",
@@ -402,6 +497,16 @@ def test_each_planted_change_is_a_miss(change, base, tmp_path, monkeypatch, requ
             fields["policy_factory"] = f"{name}:build_too"
         else:
             (tmp_path / f"{name}.py").write_text((tmp_path / f"{name}.py").read_text() + "# edit\n")
+    elif change in ("factory_sibling_module", "factory_import_inside_function"):
+        where = "inside" if change == "factory_import_inside_function" else "top"
+        sibling, net = _sibling_factory(tmp_path, request, where)
+        fields.update(sibling)
+        key = _key(**fields)
+        net.write_text(net.read_text().replace("nn.ReLU", "nn.Tanh"))
+    elif change == "callable_helper_module":
+        fields["policy"], helper = _callable_with_helper(tmp_path, request)
+        key = _key(**fields)
+        helper.write_text("GAIN = -1.0\n")
     elif change == "env_id":
         fields["env"] = "CartPole-v0"
     elif change == "env_kwargs":
