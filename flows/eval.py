@@ -31,7 +31,7 @@ from evalfleet.storage import read_episodes
 from flows.api_ledger import api_ledger, kept, run_recorded, settle
 from flows.progress import watch
 from flows.reaper import driver_tag, reap_quietly, untagged_tasks
-from flows.runtime import import_in_background, prefect_api
+from flows.runtime import import_in_background, prefect_api, worker_modules
 from tasks.aggregate import aggregate
 from tasks.collect_rewards import collect_rewards
 from tasks.distribute_policy import distribute_policy
@@ -112,7 +112,8 @@ def evaluate(request: EvalRequest) -> EvalReport:
         other = baseline_request(request, request.episodes)
         checked.append((other, receive(other)))
     probe_in_background()  # the report's sandbox manifest (~1 s of child processes), meanwhile
-    cluster = nullcontext(None) if hit else fleet_cluster(request.dask_address, request.workers)
+    cluster = nullcontext(None) if hit else fleet_cluster(
+        request.dask_address, request.workers, worker_modules(torch=received.artifact.format != "callable"))
     later = None if hit else import_in_background()  # stage 6-7 modules while the cluster starts
     with checked_before(*checked), prefect_api(wait=False) as api, cluster as address, \
             api_ledger() as ledger:  # what the Prefect API fails to record: in the report

@@ -15,7 +15,7 @@ from evalfleet.models import EvalReport, EvalRequest
 from evalfleet.sandbox.forkclient import shutdown_fork_servers
 from evalfleet.suite import Suite, SuiteReport
 from flows.eval import evaluate
-from flows.runtime import prefect_api
+from flows.runtime import prefect_api, worker_modules
 from flows.suite import evaluate_suite
 from flows.warm import FeedBackLane, evaluate_warm
 
@@ -46,7 +46,8 @@ class LocalFlowRunner:
         stack = ExitStack()
         try:
             stack.enter_context(prefect_api())
-            address = stack.enter_context(fleet_cluster(self.dask_address, self.workers))
+            address = stack.enter_context(fleet_cluster(  # the Evaluator's policies are torch
+                self.dask_address, self.workers, worker_modules(torch=True)))
         except BaseException:
             stack.close()
             raise

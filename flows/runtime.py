@@ -167,6 +167,16 @@ def flush_to_api(timeout: float = FLUSH_TIMEOUT_S) -> None:
 heartbeats.install()  # before any flow of this process runs
 
 
+#: What the flows' local workers import beside the core's ``WORKER_MODULES``: Prefect's task
+#: engine and the stage-4 task (the main module too, which imports these).
+FLOW_WORKER_MODULES = ("prefect", "prefect.task_engine", "prefect_dask", "tasks.run_episodes")
+
+
+def worker_modules(torch: bool) -> tuple[str, ...]:
+    """The local workers' fork server's preload; ``torch`` for a cluster running torch policies."""
+    return FLOW_WORKER_MODULES + (("torch",) if torch else ())
+
+
 #: What stages 6 and 7 import on first use (~2 s in all): statistics, MLflow's SQL store, plots.
 LATER_MODULES = ("scipy.stats", "mlflow.tracking", "mlflow.store.tracking.sqlalchemy_store",
                  "evalfleet.plots")

@@ -39,7 +39,7 @@ from evalfleet.suite_report import (
 )
 from flows.api_ledger import api_ledger, best_effort, kept, run_recorded, settle
 from flows.reaper import driver_tag, reap_quietly, untagged_tasks
-from flows.runtime import prefect_api
+from flows.runtime import prefect_api, worker_modules
 from tasks.distribute_policy import distribute_policy
 from tasks.receive_weights import checked_before
 from tasks.run_episodes import shard_tables
@@ -204,7 +204,9 @@ def evaluate_suite(suite: Suite, base: EvalRequest) -> SuiteReport:
     for group in groups:  # one group holds all its tasks' cache locks at once
         same_as(suite, [rec.cache_key for r, rec in checked if r in group])
     hit = all(lookup(r, rec).status == "hit" for r, rec in checked)
-    cluster = nullcontext(None) if hit else fleet_cluster(base.dask_address, base.workers)
+    torch = any(rec.artifact.format != "callable" for _, rec in checked)
+    cluster = nullcontext(None) if hit else fleet_cluster(
+        base.dask_address, base.workers, worker_modules(torch))
     with checked_before(*checked), prefect_api(wait=False) as api, cluster as address, \
             api_ledger() as ledger:
         api.wait()
