@@ -85,7 +85,7 @@ def _running(pid: int, started: float) -> bool:
     """Whether process ``pid`` started at ``started`` still runs (a reused pid does not)."""
     try:
         proc = psutil.Process(pid)
-        return proc.create_time() == started and proc.status() != psutil.STATUS_ZOMBIE
+        return bool(proc.create_time() == started and proc.status() != psutil.STATUS_ZOMBIE)
     except psutil.Error:
         return False
 
