@@ -86,12 +86,14 @@ def aggregate_and_draw(
 def build_suite_report(
     suite: Suite, base: EvalRequest, reports: Sequence[EvalReport], tables: Sequence[pa.Table],
     baseline_tables: Sequence[pa.Table] | None = None, seconds: float = 0.0, *,
-    aggregated: Aggregated | None = None,
+    aggregated: Aggregated | None = None, baseline_reports: Sequence[EvalReport] = (),
 ) -> SuiteReport:
     """Aggregate the tasks' scored episodes (and the baseline's, on the same tasks and seeds).
 
     ``aggregated`` (from ``aggregate_and_draw`` on the same episodes) supplies the aggregates, so
     the bootstrap is not run twice; the task rows, alarms and outputs come from ``reports``.
+    The baseline's own alarms and harness faults (``baseline_reports``) are the suite's too: its
+    aggregates and P(improvement) stand on what of its episodes was scored.
     """
     scores = [task_scores(t, table) for t, table in zip(suite.tasks, tables, strict=True)]
     baseline, poi = None, None
@@ -107,6 +109,7 @@ def build_suite_report(
                     "task_means": [float(s.mean()) for s in theirs]}
         poi = improvement(scores, theirs, base.seed, suite.reps)
     alarms = [f"{r.request_id}: {a}" for r in reports for a in r.alarms]
+    alarms += [f"baseline {r.request_id}: {a}" for r in baseline_reports for a in r.alarms]
     if not suite.normalised:
         alarms.append("suite_not_normalised: some tasks have no 'normalise'; raw returns of "
                       "different scales are aggregated together")
@@ -117,7 +120,7 @@ def build_suite_report(
         tasks=[task_row(t, r, s) for t, r, s in zip(suite.tasks, reports, scores, strict=True)],
         aggregates=summary["aggregates"], profile=summary["profile"], gamma=suite.gamma,
         baseline=baseline, probability_of_improvement=poi, alarms=alarms,
-        harness_fault=any(r.harness_fault for r in reports), seconds=seconds,
+        harness_fault=any(r.harness_fault for r in [*reports, *baseline_reports]), seconds=seconds,
     )
 
 

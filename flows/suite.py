@@ -80,7 +80,8 @@ def suite_stages(suite: Suite, base: EvalRequest, address: str | None) -> SuiteR
             done.reports[:] = stage(feed_back_all)(*(quote(x) for x in done[:4]))
     return aggregate_suite(suite, base, quote(mine.reports), quote(tables_of(mine.collected)),
                            quote(tables_of(theirs.collected) if theirs else None),
-                           time.perf_counter() - t0, quote(drawn))
+                           time.perf_counter() - t0, quote(drawn),
+                           quote(theirs.reports if theirs else []))
 
 
 class Ran(NamedTuple):
@@ -167,7 +168,8 @@ def gpu(received: Received) -> dict[str, int]:
 @task(name="aggregate-suite", cache_policy=NO_CACHE)
 def aggregate_suite(suite: Suite, base: EvalRequest, reports: list[EvalReport], tables: list[pa.Table],
                     baseline_tables: list[pa.Table] | None, seconds: float,
-                    drawn: Future[Aggregated] | Any = None) -> SuiteReport:
+                    drawn: Future[Aggregated] | Any = None,
+                    baseline_reports: list[EvalReport] | None = None) -> SuiteReport:
     """Aggregates across tasks, plots, report page, JSON, MLflow parent run, Prefect artifact.
 
     ``drawn``: the aggregates and figures ``draw_beside`` started; when it failed (a lost worker),
@@ -179,7 +181,8 @@ def aggregate_suite(suite: Suite, base: EvalRequest, reports: list[EvalReport], 
             done = drawn.result()
         except Exception as err:  # noqa: BLE001 - recomputed below, which raises what is real
             get_run_logger().warning("suite aggregates on the worker failed (%s); computing here", err)
-    report = build_suite_report(suite, base, reports, tables, baseline_tables, seconds, aggregated=done)
+    report = build_suite_report(suite, base, reports, tables, baseline_tables, seconds, aggregated=done,
+                                baseline_reports=baseline_reports or [])
     final = suite_feed_back(report, base, done)
     with best_effort("the suite's artifact"):  # the UI's copy: the result is written above
         create_markdown_artifact(suite_markdown(final, pictures=True),

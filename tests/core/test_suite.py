@@ -129,3 +129,44 @@ def test_options_a_suite_cannot_honour_are_refused(tmp_path) -> None:
                                baseline="sha256:abc")
     with pytest.raises(SuiteError, match="baseline must be a policy file"):
         task_requests(suite, hashed)
+
+
+def _episodes(returns: np.ndarray, reasons: list[str]) -> pa.Table:
+    from evalfleet.records import EpisodeRecord, records_to_table
+    from evalfleet.seeds import SeedLedger
+
+    ledger = SeedLedger(0)
+    return records_to_table([
+        EpisodeRecord("r", "ab" * 32, "CartPole-v1", "spec", i, ledger.seed(i), float(returns[i]),
+                      10, reasons[i], None, None, 0.1, "w", "s", "inprocess")
+        for i in range(len(returns))])
+
+
+def _report(table: pa.Table, request_id: str):
+    from evalfleet.report import aggregate
+
+    request = EvalRequest(env="CartPole-v1", policy="x", episodes=table.num_rows, seed=0,
+                          request_id=request_id)
+    return aggregate(request, table, env_spec={"env_id": "CartPole-v1"}, env_spec_hash="spec",
+                     policy={"sha256": "ab" * 32}, isolation="inprocess", timings={"run": 1.0},
+                     cache={"status": "miss"}, run_seconds=1.0)
+
+
+def test_the_baselines_harness_faults_and_alarms_are_the_suites() -> None:
+    """A baseline whose episodes mostly crashed makes the comparison a harness fault, not a
+    clean P(improvement) on the 40% of its episodes that ran."""
+    from evalfleet.suite_report import build_suite_report
+
+    suite = parse_suite({"suite": {"episodes": 100, "reps": 50},
+                         "task": [{"env": "CartPole-v1", "normalise": {"random": 0, "reference": 1}}]})
+    base = EvalRequest(env="CartPole-v1", policy="x", baseline="y", episodes=100, seed=0)
+    rng = np.random.default_rng(0)
+    mine = _episodes(rng.random(100), ["terminated"] * 100)
+    theirs = _episodes(np.r_[np.zeros(60), rng.random(40)], ["crashed"] * 60 + ["terminated"] * 40)
+    their_report = _report(theirs, "base-task")
+    assert their_report.harness_fault
+
+    report = build_suite_report(suite, base, [_report(mine, "mine-task")], [mine], [theirs],
+                                baseline_reports=[their_report])
+    assert report.harness_fault
+    assert any(a.startswith("baseline base-task: ") for a in report.alarms), report.alarms
