@@ -27,18 +27,31 @@ Isolation level and worker count are not in the key: they must not change result
 Rows that failed for infrastructural reasons (timeout, crashed, oom) or through the policy's
 runtime (policy_error) are never stored; env failures that are deterministic for a seed are.
 
-Each entry is ``<root>/<key[:2]>/<key>/episodes.parquet`` plus ``manifest.json`` holding the key's
-ingredients, the row count and the sha256 of the Parquet file; an entry whose file does not match
-its manifest is corrupt: it is removed and recomputed, never returned. An exclusive file lock per
-key makes concurrent identical requests compute once: the second waits and then hits.
+Each entry is ``<root>/<key[:2]>/<key>/manifest.json`` and the Parquet table it names,
+``episodes-<sha256>.parquet``: the manifest holds the key's ingredients, the row count, the table's
+file name and its sha256. Renaming the manifest into place is a store's one commit point: the
+table is written under its sha256 first and never rewritten, the manifest then switches to it, and
+only after that are the tables it replaced deleted, so a reader always finds the table its manifest
+names (or, if a store deleted it in between, a new manifest, which it follows). An entry written
+before tables were named by their sha256 (``episodes.parquet``, a manifest without ``table``) is
+read the same way. An entry whose table does not match its manifest is corrupt: it is never
+returned. Only a holder of the key's lock removes it and says so (``Lookup.corrupt``); a lookup
+without the lock treats it as a miss and leaves it to the holder, who recomputes it. An exclusive
+file lock per key makes concurrent identical requests compute once: the second waits and then
+hits.
 
 Episodes persist as their shard finishes, before the evaluation ends: each finished shard's
-cacheable rows go to ``<entry>/shards/<first-index>-<id>.parquet``, written to a temporary name,
-fsynced, renamed, and the folder fsynced, so a file under its final name is always whole (a
-killed writer leaves at most a ``.tmp`` file, which readers never open and the next write
-sweeps). A lookup reads the entry and every shard file: a request re-run after its driver was
-killed runs only the episodes no finished shard holds, and says how many it took from shard
-files (``Lookup.resumed``). The evaluation's final ``store`` folds the shard files into the entry.
+cacheable rows go to ``<entry>/shards/<first-index>-<id>-<sha256>.parquet``, written to a
+temporary name, fsynced, renamed, and the folder fsynced, so a file under its final name is always
+whole (a killed writer leaves at most a ``.tmp`` file, which readers never open and the next
+holder of the lock sweeps). The sha256 of its bytes is in its name: a shard file whose bytes no
+longer match (a disk fault; Parquet reads many flipped bits back as other numbers without error)
+is corrupt like an entry: its episodes are missing and recomputed, and the holder of the lock
+removes it. Shard files without a sha256 in their name (written before they had one) are never
+read; their episodes are recomputed. A lookup reads the entry and every shard file: a request
+re-run after its driver was killed runs only the episodes no finished shard holds, and says how
+many it took from shard files (``Lookup.resumed``). The evaluation's final ``store`` folds the shard
+files into the entry, also when they held every episode asked for.
 """
 
 from __future__ import annotations
@@ -51,7 +64,7 @@ import os
 import shutil
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,7 +77,7 @@ import pyarrow.parquet as pq
 
 from evalfleet.errors import CacheCorruptError, CacheLockTimeout
 from evalfleet.records import EPISODE_SCHEMA, SCHEMA_VERSION
-from evalfleet.storage import read_episodes, write_json
+from evalfleet.storage import write_json
 
 logger = logging.getLogger(__name__)
 
@@ -102,6 +115,7 @@ class Lookup:
     stored: pa.Table
     missing: list[int]
     corrupt: bool = False
+    """A corrupt entry or shard file was found and removed (only by a holder of the key's lock)."""
     resumed: int = 0
     """Stored rows read from shard files an unfinished evaluation persisted (see the module doc)."""
 
@@ -124,6 +138,21 @@ def _lock_holder(lock_path: Path) -> str:
 #: The folder of an entry holding the shard files persisted while an evaluation runs.
 SHARDS = "shards"
 
+#: An entry's manifest: renaming it into place commits a store.
+MANIFEST = "manifest.json"
+
+#: The table of an entry stored before tables were named by their sha256 (still read).
+LEGACY_TABLE = "episodes.parquet"
+
+#: How often a read follows a manifest that a store switched while it read.
+_FOLLOW = 5
+
+#: Temporary files older than this are a killed writer's, swept by the lock's holder.
+_STALE_TMP_S = 60.0
+
+#: Keys whose lock this process holds, as (resolved cache root, key); set by ``exclusive``.
+_HELD: set[tuple[str, str]] = set()
+
 
 def _fsync_dir(folder: Path) -> None:
     fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
@@ -133,19 +162,48 @@ def _fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
-def _durable_parquet(table: pa.Table, path: Path) -> Path:
-    """Write ``table`` to ``path``: temporary name, fsync, rename, fsync the folder."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+def _durable_parquet(table: pa.Table, folder: Path, name: Callable[[str], str]) -> tuple[Path, str]:
+    """Write ``table`` as ``folder / name(sha256)``; returns the path and the sha256 of its bytes.
+
+    Temporary name, fsync, rename, fsync the folder: the final name holds a whole file or none.
+    """
+    tmp = folder / f".{name('')}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
     try:
         pq.write_table(table.cast(EPISODE_SCHEMA), tmp, compression="zstd")
         with open(tmp, "rb+") as fh:
             os.fsync(fh.fileno())
+        sha = _sha256_file(tmp)
+        path = folder / name(sha)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    _fsync_dir(path.parent)
-    return path
+    _fsync_dir(folder)
+    return path, sha
+
+
+def _verified(path: Path, sha256: str) -> pa.Table:
+    """The episode table in ``path``, read from the very bytes whose sha256 was checked."""
+    data = path.read_bytes()
+    if hashlib.sha256(data).hexdigest() != sha256:
+        raise CacheCorruptError(f"{path.name} does not match its sha256")
+    return pq.read_table(pa.BufferReader(data), schema=EPISODE_SCHEMA)
+
+
+def _named_sha256(path: Path) -> str | None:
+    """The sha256 a shard file's name ends with (None: a file written before names held one)."""
+    tail = path.name.removesuffix(".parquet").rsplit("-", 1)[-1]
+    return tail if len(tail) == 64 and all(c in "0123456789abcdef" for c in tail) else None
+
+
+def _sweep_tmp(folder: Path) -> None:
+    """Delete temporary files a killed writer left (old enough that no live writer owns them)."""
+    for tmp in folder.glob(".*.tmp"):
+        try:
+            if time.time() - tmp.stat().st_mtime > _STALE_TMP_S:
+                tmp.unlink()
+        except OSError:
+            pass
 
 
 def _cacheable(table: pa.Table) -> pa.Table:
@@ -169,6 +227,13 @@ class EpisodeCache:
     def entry(self, key: str) -> Path:
         """The folder of one key."""
         return self.root / key[:2] / key
+
+    def holds_lock(self, key: str) -> bool:
+        """Whether this process holds the key's lock (``exclusive``): no store can be under way.
+
+        Only then may a lookup call what fails verification corrupt and remove it.
+        """
+        return (str(self.root.resolve()), key) in _HELD
 
     @contextmanager
     def exclusive(self, key: str, timeout_s: float = 3600.0) -> Iterator[None]:
@@ -206,46 +271,80 @@ class EpisodeCache:
                     except BaseException as err:  # Ctrl-C, a termination signal
                         err.add_note(f"while waiting for cache key {key[:12]} held by pid {holder}")
                         raise
+            held = (str(self.root.resolve()), key)
             try:
                 fh.seek(0)
                 fh.truncate()
                 fh.write(str(os.getpid()))
                 fh.flush()
+                _HELD.add(held)
                 yield
             finally:
+                _HELD.discard(held)
                 fcntl.flock(fh, fcntl.LOCK_UN)
 
     def _read(self, key: str) -> pa.Table | None:
-        folder = self.entry(key)
-        manifest_path, data_path = folder / "manifest.json", folder / "episodes.parquet"
-        if not manifest_path.exists() and not data_path.exists():
-            return None
-        try:
-            manifest = json.loads(manifest_path.read_text())
-            if manifest.get("key") != key:
-                raise CacheCorruptError(f"manifest names key {manifest.get('key')!r}")
-            if _sha256_file(data_path) != manifest["parquet_sha256"]:
-                raise CacheCorruptError("episodes.parquet does not match its manifest's sha256")
-            table = read_episodes(data_path)
-            if table.num_rows != manifest["rows"]:
-                raise CacheCorruptError(f"{table.num_rows} rows, manifest says {manifest['rows']}")
-            return table
-        except (OSError, ValueError, KeyError, pa.ArrowException, CacheCorruptError) as err:
-            raise CacheCorruptError(f"cache entry {key[:12]} is corrupt: {err}") from err
+        """The entry's rows; None if no manifest was committed. ``CacheCorruptError`` if damaged.
+
+        The table a manifest names is never rewritten, so a mismatch is damage, except when a
+        store switched the manifest and deleted the table it replaced between this read of the
+        manifest and the opening of that table: the manifest is read again and a new one followed.
+        """
+        manifest_path = self.entry(key) / MANIFEST
+        seen: str | None = None
+        failure: Exception | None = None
+        for _ in range(_FOLLOW):
+            try:
+                text = manifest_path.read_text()
+            except FileNotFoundError:
+                return None  # never committed, or removed meanwhile
+            except OSError as err:
+                raise CacheCorruptError(f"cache entry {key[:12]} is corrupt: {err}") from err
+            if text == seen:
+                break  # the same manifest: what failed is the entry, not a store under way
+            seen = text
+            try:
+                return self._table(key, text)
+            except (OSError, ValueError, KeyError, TypeError, pa.ArrowException,
+                    CacheCorruptError) as err:
+                failure = err
+        raise CacheCorruptError(f"cache entry {key[:12]} is corrupt: {failure}") from failure
+
+    def _table(self, key: str, manifest_text: str) -> pa.Table:
+        """The table ``manifest_text`` names, checked against its sha256 and row count."""
+        manifest = json.loads(manifest_text)
+        if manifest.get("key") != key:
+            raise CacheCorruptError(f"manifest names key {manifest.get('key')!r}")
+        name = manifest.get("table", LEGACY_TABLE)
+        if not isinstance(name, str) or Path(name).name != name or not name.endswith(".parquet"):
+            raise CacheCorruptError(f"manifest names table {name!r}")
+        table = _verified(self.entry(key) / name, manifest["parquet_sha256"])
+        if table.num_rows != manifest["rows"]:
+            raise CacheCorruptError(f"{table.num_rows} rows, manifest says {manifest['rows']}")
+        return table
 
     def lookup(self, key: str, indices: Sequence[int]) -> Lookup:
-        """Stored rows among ``indices`` and the indices still to run; corrupt entries are dropped.
+        """Stored rows among ``indices`` and the indices still to run.
 
         Rows come from the entry and from the shard files of evaluations that did not finish.
+        What fails verification is never returned; a holder of the key's lock removes it and
+        reports it (``corrupt``), a lookup without the lock leaves it for the holder to judge.
         """
-        corrupt = False
+        judge = self.holds_lock(key)
+        # Shard files first: a store deletes them only after its manifest holds their rows.
+        shards, _, damaged = self._read_shards(key, judge=judge)
+        corrupt = judge and damaged
         try:
             table = self._read(key)
         except CacheCorruptError as err:
-            logger.warning("%s; removing it and recomputing", err)
-            self._remove_entry_files(key)
-            table, corrupt = None, True
-        shards, _ = self._read_shards(key)
+            table = None
+            if judge:
+                logger.warning("%s; removing it and recomputing", err)
+                self._remove_entry_files(key)
+                corrupt = True
+            else:
+                logger.info("%s (seen without the key's lock: a miss here; the lock's holder "
+                            "removes and recomputes it)", err)
         if table is None and shards is None:
             return Lookup(key, EPISODE_SCHEMA.empty_table(), list(indices), corrupt=corrupt)
         wanted = pa.array(np.asarray(indices, dtype=np.int64))
@@ -274,43 +373,53 @@ class EpisodeCache:
         keep = keep.sort_by("episode_index")
         folder = self.entry(key) / SHARDS
         folder.mkdir(parents=True, exist_ok=True)
-        first = int(keep.column("episode_index")[0].as_py())
-        _durable_parquet(keep, folder / f"{first:010d}-{uuid.uuid4().hex[:12]}.parquet")
+        stem = f"{int(keep.column('episode_index')[0].as_py()):010d}-{uuid.uuid4().hex[:12]}"
+        _durable_parquet(keep, folder, lambda sha: f"{stem}-{sha}.parquet")
         return int(keep.num_rows)
 
     def shard_files(self, key: str) -> list[Path]:
         """The key's persisted shard files (whole ones only: temporary files are never listed)."""
         return sorted((self.entry(key) / SHARDS).glob("*.parquet"))
 
-    def _read_shards(self, key: str) -> tuple[pa.Table | None, list[Path]]:
-        """Rows of every readable shard file (a later file wins an index), and the files read.
+    def _read_shards(self, key: str, *, judge: bool) -> tuple[pa.Table | None, list[Path], bool]:
+        """Rows of the verified shard files, the files listed, and whether one failed verification.
 
-        An unreadable file (a disk fault: renamed files are whole) is deleted and its episodes
-        recomputed. Temporary files left by a killed writer are swept once they are a minute old.
+        A later file wins an index. A file whose bytes do not match the sha256 in its name, or
+        that cannot be read, is damaged (renamed files are whole): its episodes are missing.
+        ``judge`` (the key's lock is held) also deletes it and sweeps a killed writer's temporary
+        files.
         """
         folder = self.entry(key) / SHARDS
         if not folder.is_dir():
-            return None, []
-        for tmp in folder.glob(".*.tmp"):
+            return None, [], False
+        if judge:
+            _sweep_tmp(folder)
+        listed = self.shard_files(key)
+        tables, damaged = [], False
+        for path in listed:
+            sha = _named_sha256(path)
+            if sha is None:
+                logger.info("shard file %s has no sha256 in its name (written by an earlier "
+                            "evalfleet); its episodes are recomputed", path)
+                continue
             try:
-                if time.time() - tmp.stat().st_mtime > 60:
-                    tmp.unlink()
-            except OSError:
-                pass
-        tables, files = [], []
-        for path in self.shard_files(key):
-            try:
-                tables.append(read_episodes(path))
-                files.append(path)
-            except (OSError, pa.ArrowException) as err:
-                logger.warning("shard file %s is unreadable (%s); its episodes are recomputed",
-                               path, err)
-                path.unlink(missing_ok=True)
+                tables.append(_verified(path, sha))
+            except FileNotFoundError:
+                continue  # folded into the entry by a store since the listing
+            except (OSError, pa.ArrowException, CacheCorruptError) as err:
+                damaged = True
+                if judge:
+                    logger.warning("shard file %s is corrupt (%s); removing it and recomputing "
+                                   "its episodes", path, err)
+                    path.unlink(missing_ok=True)
+                else:
+                    logger.info("shard file %s is corrupt (%s); its episodes are missing here",
+                                path, err)
         if not tables:
-            return None, files
+            return None, listed, damaged
         merged = pa.concat_tables(tables[::-1])  # newest first, so its row is the one kept
         _, first = np.unique(merged.column("episode_index").to_numpy(), return_index=True)
-        return merged.take(pa.array(np.sort(first))), files
+        return merged.take(pa.array(np.sort(first))), listed, damaged
 
     def discard_shards(self, key: str) -> int:
         """Delete the key's shard files (rows that must not be reused); returns files deleted."""
@@ -320,27 +429,32 @@ class EpisodeCache:
         return len(files)
 
     def _remove_entry_files(self, key: str) -> None:
-        """Delete a corrupt entry's table and manifest, keeping shard files (whole by design)."""
+        """Delete a corrupt entry's manifest and tables, keeping shard files (checked apart)."""
         if not self.shard_files(key):
             self.remove(key)
             return
         folder = self.entry(key)
-        for name in ("episodes.parquet", "manifest.json"):
-            (folder / name).unlink(missing_ok=True)
+        (folder / MANIFEST).unlink(missing_ok=True)
+        for path in folder.glob("episodes*.parquet"):
+            path.unlink(missing_ok=True)
 
     def store(self, key: str, table: pa.Table, ingredients: dict[str, Any], *, replace: bool = False,
               audit: dict[str, Any] | None = None) -> int:
         """Merge cacheable rows of ``table`` into the entry (or replace it); returns rows stored.
 
-        ``audit`` is the determinism audit that passed for these rows, reported again on a hit.
+        The caller holds the key's lock (``exclusive``). Verified shard files are folded in (a
+        damaged one is removed); the manifest's rename commits the new table, and only then are
+        the table it replaced and the shard files deleted. ``audit`` is the determinism audit
+        that passed for these rows, reported again on a hit.
         """
         keep = _cacheable(table)
         old = None
-        shards, shard_files = self._read_shards(key)
+        shards, shard_files, _ = self._read_shards(key, judge=True)
         if not replace:
             try:
                 old = self._read(key)
-            except CacheCorruptError:
+            except CacheCorruptError as err:
+                logger.warning("%s; replacing it with the rows being stored", err)
                 old = None
             if shards is not None:  # episodes persisted by shards (this or an interrupted run)
                 old = shards if old is None else pa.concat_tables([
@@ -354,18 +468,23 @@ class EpisodeCache:
         keep = keep.sort_by("episode_index")
         folder = self.entry(key)
         folder.mkdir(parents=True, exist_ok=True)
-        data_path = _durable_parquet(keep, folder / "episodes.parquet")
+        _sweep_tmp(folder)
+        data_path, sha = _durable_parquet(keep, folder, lambda h: f"episodes-{h}.parquet")
         write_json(
             {
                 "key": key,
                 "rows": keep.num_rows,
-                "parquet_sha256": _sha256_file(data_path),
+                "table": data_path.name,
+                "parquet_sha256": sha,
                 "ingredients": ingredients,
                 "audit": audit,
                 "updated": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             },
-            folder / "manifest.json",
-        )
+            folder / MANIFEST,
+        )  # the commit: readers now open data_path; what it replaced can go
+        for path in folder.glob("episodes*.parquet"):
+            if path != data_path:
+                path.unlink(missing_ok=True)
         for path in shard_files:  # folded into the entry just written
             path.unlink(missing_ok=True)
         return int(keep.num_rows)
@@ -419,7 +538,7 @@ class EpisodeCache:
             key = folder.parent.name
             if key in listed or not self.shard_files(key):
                 continue  # an entry with a manifest counts its shard files' rows when stored
-            shards, files = self._read_shards(key)
+            shards, files, _ = self._read_shards(key, judge=False)
             out.append({  # only an interrupted evaluation's shards: a re-run resumes from them
                 "key": key, "env": None, "policy_sha256": None, "seed": None,
                 "rows": shards.num_rows if shards is not None else 0,

@@ -679,13 +679,14 @@ def flush_queued(output: Path) -> str | None:
 def store_in_cache(request: EvalRequest, received: Received, collected: Collected | None) -> int:
     """Store the episodes under the request's key (while its lock is held); returns rows stored.
 
-    Nothing is stored with the cache off, on a full hit, or when the determinism audit found
-    re-run episodes that differ (a non-reproducible table must never be reused). The audit is
-    kept in the entry's manifest, so that a later hit reports it as the miss did.
+    Nothing is stored with the cache off, on a full hit the entry alone answered, or when the
+    determinism audit found re-run episodes that differ (a non-reproducible table must never be
+    reused). A hit that took rows from shard files folds them into the entry. The audit is kept
+    in the entry's manifest, so that a later hit reports it as the miss did.
     """
     if collected is None or request.cache == "off":
         return 0
-    if not (collected.fresh.num_rows or request.cache == "refresh"):
+    if not (collected.fresh.num_rows or collected.resumed or request.cache == "refresh"):
         return 0
     audit = determinism_audit(collected.table, collected.audit_rows) if request.audit else None
     if audit and audit["mismatches"]:

@@ -1,18 +1,22 @@
 """The cache key must change with every ingredient that can change an episode, and only those."""
 
+import hashlib
 import importlib
+import json
 import sys
 import threading
 
 import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import torch
 
 import evalfleet
+import evalfleet.cache
 from evalfleet.cache import EpisodeCache
 from evalfleet.models import EvalRequest
-from evalfleet.pipeline import lookup, receive
-from evalfleet.records import EpisodeRecord, records_to_table
+from evalfleet.pipeline import Collected, episode_cache, lookup, receive, store_in_cache
+from evalfleet.records import EPISODE_SCHEMA, EpisodeRecord, records_to_table
 
 
 def _key(**fields):
@@ -108,12 +112,18 @@ def test_infrastructure_failures_are_not_stored(tmp_path):
     assert cache.lookup("a" * 64, range(6)).missing == [2, 3, 5]
 
 
+def _entry_table(cache, key):
+    """The Parquet file the entry's manifest names."""
+    return cache.entry(key) / json.loads((cache.entry(key) / "manifest.json").read_text())["table"]
+
+
 @pytest.mark.parametrize("damage", ["truncate", "manifest", "swap"])
 def test_corrupt_entries_are_detected_removed_and_never_returned(tmp_path, damage):
+    """Only under the key's lock: without it, a damaged entry is a miss and stays in place."""
     cache = EpisodeCache(tmp_path)
     key = "c" * 64
     cache.store(key, _table(range(10)), {})
-    data = cache.entry(key) / "episodes.parquet"
+    data = _entry_table(cache, key)
     if damage == "truncate":
         data.write_bytes(data.read_bytes()[:-40])
     elif damage == "manifest":
@@ -121,10 +131,71 @@ def test_corrupt_entries_are_detected_removed_and_never_returned(tmp_path, damag
     else:
         other = EpisodeCache(tmp_path / "other")
         other.store(key, _table(range(3)), {})
-        data.write_bytes((other.entry(key) / "episodes.parquet").read_bytes())
-    found = cache.lookup(key, range(10))
+        data.write_bytes(_entry_table(other, key).read_bytes())
+    unlocked = cache.lookup(key, range(10))
+    assert (unlocked.status, unlocked.stored.num_rows, unlocked.corrupt) == ("miss", 0, False)
+    assert cache.entry(key).exists()
+    with cache.exclusive(key):
+        found = cache.lookup(key, range(10))
     assert found.corrupt and found.status == "miss" and found.stored.num_rows == 0
     assert not cache.entry(key).exists()
+
+
+def test_lookup_without_the_lock_during_a_store_keeps_the_entry(tmp_path, monkeypatch):
+    """A lookup between a top-up's table and its manifest sees the entry as it was, whole."""
+    writer, reader = EpisodeCache(tmp_path), EpisodeCache(tmp_path)
+    key = "f" * 64
+    writer.store(key, _table(range(10)), {})
+    seen = []
+    real = evalfleet.cache.write_json
+
+    def interleaved(data, path):
+        if path.name == "manifest.json":  # the new table is on disk, the manifest not yet
+            seen.append(reader.lookup(key, range(25)))
+        return real(data, path)
+
+    monkeypatch.setattr(evalfleet.cache, "write_json", interleaved)
+    assert writer.store(key, _table(range(10, 25)), {}) == 25
+    [during] = seen
+    assert (during.status, during.stored.num_rows, during.corrupt) == ("partial", 10, False)
+    after = reader.lookup(key, range(25))
+    assert (after.status, after.stored.num_rows, after.corrupt) == ("hit", 25, False)
+    assert sorted(p.name for p in writer.entry(key).iterdir()) == [
+        _entry_table(writer, key).name, "manifest.json"]
+
+
+def test_a_read_follows_a_manifest_switched_while_it_read(tmp_path, monkeypatch):
+    """The reader has the old manifest; a store switches it and deletes the old table."""
+    writer, reader = EpisodeCache(tmp_path), EpisodeCache(tmp_path)
+    key = "9" * 64
+    writer.store(key, _table(range(10)), {})
+    real, fired = evalfleet.cache._verified, []
+
+    def store_meanwhile(path, sha256):
+        if not fired:
+            fired.append(path.name)
+            writer.store(key, _table(range(10, 25)), {})
+        return real(path, sha256)
+
+    monkeypatch.setattr(evalfleet.cache, "_verified", store_meanwhile, raising=False)
+    found = reader.lookup(key, range(25))
+    assert fired and not (writer.entry(key) / fired[0]).exists()
+    assert (found.status, found.stored.num_rows, found.corrupt) == ("hit", 25, False)
+
+
+def test_entries_stored_before_tables_were_named_by_sha256_are_read(tmp_path):
+    cache = EpisodeCache(tmp_path)
+    key = "7" * 64
+    folder = cache.entry(key)
+    folder.mkdir(parents=True)
+    pq.write_table(_table(range(4)).cast(EPISODE_SCHEMA), folder / "episodes.parquet")
+    (folder / "manifest.json").write_text(json.dumps({
+        "key": key, "rows": 4, "ingredients": {},
+        "parquet_sha256": hashlib.sha256((folder / "episodes.parquet").read_bytes()).hexdigest()}))
+    assert cache.lookup(key, range(4)).status == "hit"
+    assert cache.store(key, _table(range(4, 6)), {}) == 6
+    assert not (folder / "episodes.parquet").exists()
+    assert cache.lookup(key, range(6)).status == "hit"
 
 
 def test_exclusive_lock_serialises_holders(tmp_path):
@@ -177,6 +248,58 @@ def test_unreadable_shard_file_is_dropped_and_recomputed(tmp_path):
     cache.persist_shard(key, _table([2, 3]))
     first = cache.shard_files(key)[0]
     first.write_bytes(first.read_bytes()[:20])  # a disk fault after the rename
-    found = cache.lookup(key, range(4))
-    assert found.missing == [0, 1] and found.resumed == 2
+    with cache.exclusive(key):
+        found = cache.lookup(key, range(4))
+    assert found.missing == [0, 1] and found.resumed == 2 and found.corrupt
     assert first not in cache.shard_files(key)
+
+
+def _silent_flip(data):
+    """``data`` with the first single-bit flip that Parquet reads back as other returns."""
+    original = pq.read_table(pa.BufferReader(data), schema=EPISODE_SCHEMA)
+    for pos in range(4, len(data) - 8):
+        flipped = bytearray(data)
+        flipped[pos] ^= 0x01
+        try:
+            table = pq.read_table(pa.BufferReader(bytes(flipped)), schema=EPISODE_SCHEMA)
+        except (pa.ArrowException, OSError):
+            continue
+        if not table.column("return").equals(original.column("return")):
+            return bytes(flipped)
+    raise AssertionError("no flip reads back silently: the planted case needs another table")
+
+
+def test_flipped_bit_in_a_shard_file_is_detected_and_its_episodes_recomputed(tmp_path):
+    cache = EpisodeCache(tmp_path)
+    key = "b" * 64
+    cache.persist_shard(key, _table([0, 1, 2]))
+    cache.persist_shard(key, _table([3, 4]))
+    first = cache.shard_files(key)[0]
+    first.write_bytes(_silent_flip(first.read_bytes()))
+    unlocked = cache.lookup(key, range(5))
+    assert (unlocked.missing, unlocked.resumed, unlocked.corrupt) == ([0, 1, 2], 2, False)
+    assert first in cache.shard_files(key)  # left for the lock's holder to judge
+    with cache.exclusive(key):
+        found = cache.lookup(key, range(5))
+    assert (found.missing, found.resumed, found.corrupt) == ([0, 1, 2], 2, True)
+    assert found.stored.column("return").to_pylist() == [3.5, 4.5]
+    assert first not in cache.shard_files(key)
+
+
+def test_request_answered_from_shard_files_alone_leaves_an_entry(example_policy, tmp_path):
+    """A re-run of a run killed after its last shard: nothing to compute, the shards are folded."""
+    request = EvalRequest.build(policy=example_policy, episodes=6, output=tmp_path)
+    received = receive(request)
+    cache, key = episode_cache(request), received.cache_key
+    assert cache.persist_shard(key, _table(range(6))) == 6
+    found = lookup(request, received)
+    assert (found.status, found.resumed) == ("hit", 6)
+    collected = Collected(table=found.stored, fresh=EPISODE_SCHEMA.empty_table(),
+                          audit_rows=EPISODE_SCHEMA.empty_table(), run_seconds=0.0, seconds=0.0,
+                          plan_cached=6, plan_seconds=0.0, cache_status=found.status,
+                          cache_corrupt=False, resumed=found.resumed)
+    with cache.exclusive(key):
+        assert store_in_cache(request, received, collected) == 6
+    assert cache.shard_files(key) == [] and (cache.entry(key) / "manifest.json").exists()
+    again = cache.lookup(key, range(6))
+    assert (again.status, again.resumed, again.stored.num_rows) == ("hit", 0, 6)
