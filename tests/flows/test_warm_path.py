@@ -92,7 +92,7 @@ def test_result_first_then_the_whole_report(prefect_server, tmp_path):
 
 def test_the_verdict_comes_with_the_fast_result(prefect_server, tmp_path):
     # A trainer acts on the verdict (promotion, best checkpoint): it must not arrive "later".
-    with Evaluator(env="CartPole-v1", policy_factory=mlp, num_episodes=8, concurrency=8,
+    with Evaluator(env="CartPole-v1", policy_factory=mlp, num_episodes=12, concurrency=12,
                    output=tmp_path / "out", runner=LocalFlowRunner(workers=1),
                    training_run_id="warm-run") as ev:
         first = ev.evaluate(_model(1), step=1)

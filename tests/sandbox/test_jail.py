@@ -67,7 +67,7 @@ def test_binds_are_narrow() -> None:
 @pytest.mark.parametrize("level", ["inprocess", "bwrap"])
 def test_planted_env_cannot_read_secrets(level: str, secrets: dict[str, str]) -> None:
     records, _ = run_direct(level, fe.env_id("ReadFiles"), 12, 3,
-                            kwargs={"targets": tuple(secrets)})
+                            kwargs={"targets": list(secrets)})
     probes = [r for r in records if fe.is_faulty(r.seed)]
     assert probes and all(r.end_reason == "env_error" for r in probes)
     for r in probes:
