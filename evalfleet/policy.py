@@ -429,7 +429,11 @@ def check_policy(
     loaded = load_policy(artifact.format, artifact.payload, artifact.factory, artifact.source,
                          action_space, device="cpu", deterministic=deterministic)
     kind = check_outputs(loaded, observation_space, artifact.source)
-    assert kind == artifact.output_kind, (kind, artifact.output_kind)
+    if kind != artifact.output_kind:  # the key was fixed from output_kind(): they must agree
+        raise PolicyError(
+            f"policy {artifact.source!r} outputs {kind} where its format {artifact.format!r} "
+            f"implies {artifact.output_kind}; report this as an evalfleet bug."
+        )
 
 
 def receive_policy(

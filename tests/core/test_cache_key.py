@@ -7,6 +7,7 @@ must not change results (output folder, workers, concurrency, isolation...) must
 from __future__ import annotations
 
 import importlib
+import os
 import re
 import sys
 import textwrap
@@ -226,11 +227,13 @@ def test_code_a_callable_imports_is_keyed_alike_in_a_fresh_process(tmp_path, req
     policy, helper = _callable_with_helper(tmp_path, request)
     fields = dict(policy=policy, output=str(tmp_path / "out"))
     here = _key(**fields)
-    code = ("import json, sys; sys.path.insert(0, sys.argv[1]); "
+    code = ("import json, sys; "
             "from evalfleet.models import EvalRequest; "
             "from evalfleet.pipeline import receive_unloaded; "
-            "print(receive_unloaded(EvalRequest.build(**json.loads(sys.argv[2])))[0].cache_key)")
-    fresh = subprocess.run([sys.executable, "-c", code, str(helper.parent), json.dumps(fields)],
+            "print(receive_unloaded(EvalRequest.build(**json.loads(sys.argv[1])))[0].cache_key)")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(helper.parent), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    fresh = subprocess.run([sys.executable, "-c", code, json.dumps(fields)], env=env,
                            capture_output=True, text=True, timeout=300, cwd=ROOT, check=True)
     assert fresh.stdout.split()[-1] == here, fresh.stderr[-2000:]
     helper.write_text("GAIN = -1.0\n")
