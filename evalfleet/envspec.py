@@ -34,7 +34,7 @@ import numpy as np
 from gymnasium import spaces
 
 from evalfleet.errors import EnvSpecError
-from evalfleet.provenance import code_version
+from evalfleet.provenance import code_version, imported_code
 
 logger = logging.getLogger(__name__)
 
@@ -166,14 +166,13 @@ def _module_of(entry_point: Any) -> str:
 
 
 def _code_versions(modules: set[str], known: str) -> dict[str, str]:
-    """``{top-level package: code version}`` of ``modules``, but ``known`` (keyed already)."""
-    tops = {m.split(".", 1)[0] for m in modules} - {known, "builtins"}
-    versions: dict[str, str] = {}
-    for top in sorted(tops):
-        try:
-            versions[top] = _package_of(top)[1]
-        except ValueError:  # ``__main__`` run as a script has no spec: nothing identifies it
-            versions[top] = "unknown"
+    """``{top-level package: code version}`` of ``modules`` and of what their code imports, but ``known``.
+
+    ``known`` is keyed already (the entry point's package). Imports are followed as
+    ``evalfleet.provenance.imported_code`` does: an env's dynamics in a sibling module count.
+    """
+    versions = imported_code(modules)
+    versions.pop(known, None)
     return versions
 
 
@@ -200,7 +199,8 @@ class EnvFingerprint:
     wrappers: list[dict[str, Any]] = field(default_factory=list)
     """The registered spec's additional wrappers: name, entry point, kwargs (exact form)."""
     code: dict[str, str] = field(default_factory=dict)
-    """Code version of every other package involved: the id's module, wrappers, spec kwargs."""
+    """Code version of every other package involved: the id's module, wrappers, spec kwargs, and
+    every package their code and the entry point's imports (read from source, not imported)."""
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready form, used in the spec hash, the cache key and the manifest."""
@@ -328,7 +328,7 @@ def resolve_env(env_id: str, kwargs: dict[str, Any], max_steps: int | None) -> R
             package_version=package_version,
             spec_kwargs=spec_kwargs,
             wrappers=wrappers,
-            code=_code_versions(modules, _module_of(ep).split(".", 1)[0]),
+            code=_code_versions(modules | {_module_of(ep)}, _module_of(ep).split(".", 1)[0]),
         )
         return ResolvedEnv(fingerprint, env.observation_space, env.action_space)
     finally:

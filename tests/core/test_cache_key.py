@@ -655,3 +655,47 @@ def test_no_gpu_driver_means_torch_sees_no_cuda():
     else:  # a GPU machine: torch is asked
         assert evalfleet.cluster.gpu_count() == (torch.cuda.device_count()
                                                 if torch.cuda.is_available() else 0)
+
+
+SIBLING_ENV = {
+    "{mod}.py": """
+        import gymnasium as gym
+        from gymnasium.envs.classic_control.cartpole import CartPoleEnv
+
+        from {phys} import FORCE
+
+
+        class SiblingCartPole(CartPoleEnv):
+            def __init__(self, **kwargs):
+                super().__init__(**kwargs)
+                self.force_mag = FORCE
+
+
+        gym.register("{env_id}", entry_point="{mod}:SiblingCartPole", max_episode_steps=200)
+    """,
+    "{phys}.py": """
+        FORCE = 10.0
+    """,
+}
+
+
+def test_code_the_envs_module_imports_from_another_module_is_in_the_key(base, tmp_path,
+                                                                        monkeypatch):
+    """An env whose dynamics live in a sibling top-level module (``from physics import FORCE``):
+    editing that module is a miss, as for a policy factory's imports."""
+    mod, phys = _unique("keysibenv"), _unique("keyphys")
+    env_id = f"KeySib{uuid.uuid4().hex[:6]}-v0"
+    _write(tmp_path / "sib", {name.format(mod=mod, phys=phys): text.format(
+        mod=mod, phys=phys, env_id=env_id) for name, text in SIBLING_ENV.items()})
+    monkeypatch.syspath_prepend(str(tmp_path / "sib"))
+    try:
+        fields = {**base, "env": f"{mod}:{env_id}"}
+        before = _received(**fields)
+        assert before.cache_ingredients["env"]["code"][phys].startswith(SOURCE_PREFIX)
+        physics = tmp_path / "sib" / f"{phys}.py"
+        physics.write_text(physics.read_text().replace("10.0", "12.0"))
+        assert _key(**fields) != before.cache_key
+    finally:
+        _drop_modules(mod)
+        _drop_modules(phys)
+        gymnasium.registry.pop(env_id, None)
