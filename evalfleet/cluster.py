@@ -164,6 +164,7 @@ WORKER_MODULES = ("distributed", "numpy", "pyarrow", "cloudpickle", "gymnasium",
                   "evalfleet.worker", "evalfleet.lifeline")
 
 _local_clusters = 0  # local clusters open in this process: the last one out stops the fork server
+_owned: set[str] = set()  # scheduler addresses of the local clusters open in this process
 
 
 @contextmanager
@@ -198,10 +199,22 @@ def fleet_cluster(address: str | None, workers: int, preload: tuple[str, ...] = 
     ) as cluster:
         logger.info("local Dask cluster at %s (dashboard %s)", cluster.scheduler_address,
                     cluster.dashboard_link)
+        _owned.add(cluster.scheduler_address)
         try:
             yield cluster.scheduler_address
         finally:
+            _owned.discard(cluster.scheduler_address)
             forget_client(cluster.scheduler_address)
+
+
+def owned(address: str) -> bool:
+    """True for a local cluster this process started: its workers are ours to restart."""
+    return address in _owned
+
+
+def restart_workers(address: str, timeout_s: float = 120.0) -> None:
+    """Restart every worker of the cluster at ``address`` (fresh processes, fresh imports)."""
+    client_for(address).restart(timeout=timeout_s, wait_for_workers=True)
 
 
 @contextmanager
@@ -396,8 +409,8 @@ class PolicyInstaller(WorkerPlugin):
                 del _loaded[key]
 
 
-def distribute(artifact: PolicyArtifact, address: str | None, device: str, deterministic: bool
-               ) -> PolicyHandle:
+def distribute(artifact: PolicyArtifact, address: str | None, device: str, deterministic: bool,
+               code: dict[str, str] | None = None) -> PolicyHandle:
     """Stage 3: one copy of the policy bytes per worker (a worker plugin), not per shard."""
     plugin_name = None
     if address is not None:
@@ -416,6 +429,7 @@ def distribute(artifact: PolicyArtifact, address: str | None, device: str, deter
         device=device,
         deterministic=deterministic,
         distributed_at=time.time(),
+        code=tuple(sorted((code or {}).items())),
     )
 
 

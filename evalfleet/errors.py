@@ -84,3 +84,11 @@ class Stopped(BaseException):
 
         self.signum = signum
         super().__init__(f"stopped by {signal.Signals(signum).name}")
+
+
+class StaleWorkerCode(EvalfleetError):
+    """A Dask worker runs other code than the evaluation's cache key names.
+
+    A long-lived worker keeps the modules it imported: an env, factory or helper file edited
+    since (or another install on that machine) would run under a key that names the new code.
+    """

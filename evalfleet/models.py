@@ -305,6 +305,9 @@ class PolicyHandle(_Frozen):
     device: str
     deterministic: bool
     distributed_at: float
+    code: tuple[tuple[str, str], ...] = ()
+    """``(top-level module, code version)`` the cache key names (``pipeline.expected_code``):
+    a worker running other code refuses the shard (``StaleWorkerCode``)."""
 
 
 class EvalReport(_Frozen):

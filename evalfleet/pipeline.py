@@ -25,7 +25,7 @@ from evalfleet.audit import (
 )
 from evalfleet.cache import EpisodeCache, Lookup, cache_key, default_cache_dir, key_ingredients
 from evalfleet.envspec import resolve_env
-from evalfleet.errors import RequestError
+from evalfleet.errors import RequestError, StaleWorkerCode
 from evalfleet.models import EvalReport, EvalRequest, PolicyHandle, Shard, ShardPlan, with_missing
 from evalfleet.planning import plan_shards
 from evalfleet.policy import (
@@ -53,7 +53,7 @@ from evalfleet.sandbox.isolation import resolve_isolation
 from evalfleet.seeds import SeedLedger
 from evalfleet.storage import run_dir, write_episodes, write_json, write_table
 from evalfleet.tracking import default_tracking_uri, flush_pending, log_or_queue, pending_dir
-from evalfleet.worker import warm_sandboxes
+from evalfleet.worker import stale_message, warm_sandboxes
 
 logger = logging.getLogger(__name__)
 
@@ -287,7 +287,20 @@ def spawn(request: EvalRequest, received: Received, address: str | None, planned
     if not planned.shards or address is None:
         return planned
     t0 = time.perf_counter()
-    warmed = cluster.on_each_worker(address, warm_sandboxes, request, received.isolation)
+    code = expected_code(received)
+    warmed = cluster.on_each_worker(address, warm_sandboxes, request, received.isolation, code)
+    stale = {w["worker"]: w["stale"] for w in warmed if w.get("stale")}
+    if stale and cluster.owned(address):
+        # Our own workers (an Evaluator's kept cluster) imported files edited since: new ones.
+        logger.warning("restarting the local workers: %s", "; ".join(
+            f"{w} runs old code of {', '.join(sorted(s))}" for w, s in stale.items()))
+        cluster.restart_workers(address)
+        warmed = cluster.on_each_worker(address, warm_sandboxes, request, received.isolation, code)
+        stale = {w["worker"]: w["stale"] for w in warmed if w.get("stale")}
+    if stale:
+        worker, modules = sorted(stale.items())[0]
+        raise StaleWorkerCode(stale_message(worker, modules) + (
+            f" ({len(stale)} workers in all; nothing was run.)" if len(stale) > 1 else ""))
     seconds = planned.plan.seconds + time.perf_counter() - t0
     return replace(planned, plan=planned.plan.model_copy(update={"seconds": seconds}),
                    warmed=tuple(warmed))
@@ -295,7 +308,31 @@ def spawn(request: EvalRequest, received: Received, address: str | None, planned
 
 def distribute(request: EvalRequest, received: Received, address: str | None) -> PolicyHandle:
     """Stage 3: one copy of the policy per worker."""
-    return cluster.distribute(received.artifact, address, received.device, request.deterministic)
+    return cluster.distribute(received.artifact, address, received.device, request.deterministic,
+                              expected_code(received))
+
+
+#: The harness's own packages: every worker runs them, the cache key names their versions.
+HARNESS_MODULES = ("evalfleet", "gymnasium", "numpy")
+
+
+def expected_code(received: Received) -> dict[str, str]:
+    """``{top-level module: code version}`` the cache key names: what every worker must run.
+
+    The env's entry point package and what the env's code imports, the policy's code (torch for a
+    TorchScript or state_dict policy) and the harness's. Read from the files here, now; a worker
+    that imported one of them before an edit, or has another install, runs something else
+    (``provenance.stale_code``).
+    """
+    code = {top: code_version(top)[1] for top in HARNESS_MODULES}
+    env = received.env_spec
+    code.update(env.get("code") or {})
+    code[str(env["entry_point"]).split(":", 1)[0].split(".", 1)[0]] = str(env["package_version"])
+    artifact = received.artifact
+    code.update(dict(artifact.code or ()))
+    if artifact.format != "callable":
+        code["torch"] = code_version("torch")[1]
+    return code
 
 
 def collect(

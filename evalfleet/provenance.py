@@ -24,8 +24,9 @@ import importlib.util
 import json
 import logging
 import sys
+import threading
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -287,3 +288,36 @@ def imported_code(modules: Iterable[str], limit: int = MAX_IMPORTED_MODULES) -> 
         for imported in _imports(name, *found):
             reach(imported)
     return dict(sorted(versions.items()))
+
+
+#: ``{top-level module: code version}`` as this process first checked it (``stale_code``): in a
+#: long-lived worker, the code it imported then, whatever its files hold now.
+_seen: dict[str, str] = {}
+_seen_lock = threading.Lock()
+
+
+def stale_code(expected: Mapping[str, str]) -> dict[str, tuple[str, str]]:
+    """``{module: (version this process runs, version expected)}`` where they differ.
+
+    ``expected`` is what a cache key names (the driver's reading of the files). A module this
+    process has imported is judged by its code version at the first check after its import; a
+    long-lived Dask worker keeps running the code it imported even when its files are edited
+    since, or it may have another install than the driver's. Modules not imported here yet (they
+    will be imported from the files as they are now) and ``"unknown"`` versions are not judged.
+    """
+    out: dict[str, tuple[str, str]] = {}
+    for top, want in expected.items():
+        if want == "unknown" or top not in sys.modules:
+            continue
+        with _seen_lock:
+            have = _seen.get(top)
+        if have is None:
+            try:
+                have = code_version(top)[1]
+            except ValueError:  # a spec-less module: nothing identifies it
+                continue
+            with _seen_lock:
+                have = _seen.setdefault(top, have)
+        if have != want:
+            out[top] = (have, want)
+    return out

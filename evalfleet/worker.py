@@ -20,8 +20,10 @@ from distributed import get_worker
 
 from evalfleet.cluster import policy_on_worker, worker_name
 from evalfleet.envspec import env_thunk, resolve_env
+from evalfleet.errors import StaleWorkerCode
 from evalfleet.models import EvalRequest, PolicyHandle, Shard
 from evalfleet.progress import shard_publisher
+from evalfleet.provenance import stale_code
 from evalfleet.records import records_to_table
 from evalfleet.redaction import scrubbed_exception
 from evalfleet.runner import EpisodeContext, run_shard
@@ -91,22 +93,46 @@ def _resolve(request: EvalRequest) -> Any:
     return resolved
 
 
-def warm_sandboxes(request: EvalRequest, isolation: str) -> dict[str, Any]:
+def stale_message(worker: str, stale: dict[str, tuple[str, str]]) -> str:
+    """``StaleWorkerCode``'s text: which modules differ, how, and what to do."""
+    which = "; ".join(f"{top!r} runs {have} where the key names {want}"
+                      for top, (have, want) in sorted(stale.items()))
+    return (f"worker {worker} runs other code than this evaluation's cache key names: {which}. "
+            "It imported those modules before their files changed (or it has another install); "
+            "its episodes would be stored and reported under a key for code they did not run. "
+            "Restart the cluster's workers (Client.restart(), or restart the 'dask worker' "
+            "processes), or install the same code on them, and run again.")
+
+
+def check_code(expected: dict[str, str]) -> None:
+    """Raise ``StaleWorkerCode`` when this process runs other code than ``expected``."""
+    stale = stale_code(expected)
+    if stale:
+        raise StaleWorkerCode(stale_message(worker_name(), stale))
+
+
+def warm_sandboxes(request: EvalRequest, isolation: str, code: dict[str, str] | None = None
+                   ) -> dict[str, Any]:
     """Stage 2 on one worker: start what its shards' sandboxes come from, before any shard runs.
 
     The env is resolved (its modules imported, one instance made: all ``inprocess`` slots need)
     and, at ``process`` and ``bwrap``, this worker's fork server is started and has the env's
     modules imported, so the run stage only forks sandboxes (milliseconds each) and runs episodes.
     What fails here would fail the run stage the same way; its text is scrubbed likewise.
+
+    ``code`` is what the cache key names (``pipeline.expected_code``): modules this worker runs
+    at another version come back under ``"stale"`` (the driver restarts its own workers, or
+    refuses to run on a cluster it does not own) and nothing is started for them.
     """
     try:
         t0 = time.perf_counter()
         tune_malloc()
         resolved = _resolve(request)
-        if isolation in ("process", "bwrap"):
+        stale = stale_code(code or {})
+        if isolation in ("process", "bwrap") and not stale:
             _start_fork_server(request, isolation, resolved.fingerprint.as_dict())
         return {"worker": worker_name(), "isolation": isolation,
-                "seconds": time.perf_counter() - t0}
+                "seconds": time.perf_counter() - t0, "stale": stale}
     except Exception as err:
         clean = scrubbed_exception(err)
         if clean is None:
@@ -135,6 +161,7 @@ def _execute_shard(shard: Shard, handle: PolicyHandle, request: EvalRequest, iso
     tune_malloc()
     resolved = _resolve(request)
     policy = policy_on_worker(handle, request.policy, resolved.action_space)
+    check_code(dict(handle.code))  # after both imported: what they run is what the key names
     ctx = EpisodeContext(
         request_id=request.request_id,
         policy_sha256=handle.sha256,
