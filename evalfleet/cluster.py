@@ -165,11 +165,12 @@ WORKER_MODULES = ("distributed", "numpy", "pyarrow", "cloudpickle", "gymnasium",
 
 _local_clusters = 0  # local clusters open in this process: the last one out stops the fork server
 _owned: set[str] = set()  # scheduler addresses of the local clusters open in this process
+_single_use: dict[str, Any] = {}  # of those, clusters of one evaluation (``done_with``)
 
 
 @contextmanager
-def fleet_cluster(address: str | None, workers: int, preload: tuple[str, ...] = ()
-                  ) -> Iterator[str]:
+def fleet_cluster(address: str | None, workers: int, preload: tuple[str, ...] = (),
+                  single_use: bool = False) -> Iterator[str]:
     """Yield a scheduler address: ``address`` as given, or a new ``LocalCluster``'s.
 
     Local workers are processes with one thread each (torch and numpy get one core each), and
@@ -177,6 +178,8 @@ def fleet_cluster(address: str | None, workers: int, preload: tuple[str, ...] = 
     fork server that has imported ``WORKER_MODULES`` and ``preload`` (modules the caller's
     shards will need, torch for a torch policy); it is started with the cluster, from this
     process's environment then, and stopped with the last local cluster.
+
+    ``single_use``: a cluster for one evaluation, whose workers ``done_with`` may stop early.
     """
     if address:
         client = client_for(address)
@@ -200,11 +203,30 @@ def fleet_cluster(address: str | None, workers: int, preload: tuple[str, ...] = 
         logger.info("local Dask cluster at %s (dashboard %s)", cluster.scheduler_address,
                     cluster.dashboard_link)
         _owned.add(cluster.scheduler_address)
+        if single_use:
+            _single_use[cluster.scheduler_address] = cluster
         try:
             yield cluster.scheduler_address
         finally:
             _owned.discard(cluster.scheduler_address)
+            _single_use.pop(cluster.scheduler_address, None)
             forget_client(cluster.scheduler_address)
+
+
+def done_with(address: str | None) -> bool:
+    """The evaluation needs no more work from the cluster at ``address``: stop its workers now.
+
+    Only for a ``single_use`` local cluster (``evaluate()``'s own): its workers, their fork
+    servers and sandboxes exit in the background while the driver aggregates and feeds back, so
+    those stages neither wait for the shutdown at the end nor hold the workers' memory beside
+    their own. Any other cluster is left as it is. True when workers were told to stop.
+    """
+    with _lock:
+        cluster = _single_use.pop(address, None) if address else None
+    if cluster is None:
+        return False
+    cluster.scale(0)  # returns at once; the scheduler retires and closes the workers
+    return True
 
 
 def owned(address: str) -> bool:

@@ -32,6 +32,7 @@ from evalfleet.policy import (
     INFERENCE_DTYPE,
     PolicyArtifact,
     check_policy,
+    check_policy_apart,
     inference_device,
     load_policy,
     read_policy,
@@ -119,12 +120,13 @@ def receive(request: EvalRequest) -> Received:
     return check()
 
 
-def receive_unloaded(request: EvalRequest) -> tuple[Received, Callable[[], Received]]:
+def receive_unloaded(request: EvalRequest) -> tuple[Received, Callable[..., Received]]:
     """Stage 1 but the policy's load: the ``Received`` (its cache key is final), and the check.
 
     The check (``policy.check_policy``: load the policy, run a dummy batch; where torch gets
-    imported) returns the ``Received`` with its seconds added. ``received_before_flow`` says
-    when it may be skipped.
+    imported) returns the ``Received`` with its seconds added; ``check(apart=True)`` runs it in a
+    forked child (``policy.check_policy_apart``). ``received_before_flow`` says when it may be
+    skipped.
     """
     t0 = time.perf_counter()
     env = resolve_env(request.env, request.env_kwargs, request.max_steps)
@@ -148,9 +150,10 @@ def receive_unloaded(request: EvalRequest) -> tuple[Received, Callable[[], Recei
                         device=placement.device, device_fallback=placement.fallback,
                         loaded=False)
 
-    def check() -> Received:
+    def check(apart: bool = False) -> Received:
         t1 = time.perf_counter()
-        check_policy(artifact, env.observation_space, env.action_space, request.deterministic)
+        (check_policy_apart if apart else check_policy)(
+            artifact, env.observation_space, env.action_space, request.deterministic)
         return replace(received, seconds=received.seconds + time.perf_counter() - t1,
                        loaded=True)
 
@@ -168,14 +171,16 @@ SELF_CONTAINED_FORMATS = frozenset({"torchscript"})
 def received_before_flow(request: EvalRequest) -> tuple[Received, bool]:
     """Stage 1 as ``evaluate`` runs it before the flow: the ``Received``, and cache-hit or not.
 
-    On a full hit the policy is not loaded where its format allows (``SELF_CONTAINED_FORMATS``).
+    On a full hit the policy is not loaded where its format allows (``SELF_CONTAINED_FORMATS``);
+    otherwise it is, in a forked child (``policy.check_policy_apart``): the driver never imports
+    torch, only its workers do.
     """
     received, check = receive_unloaded(request)
     fixed = request.target_ci_halfwidth is None and request.baseline is None
     hit = fixed and lookup(request, received).status == "hit"
     if hit and received.artifact.format in SELF_CONTAINED_FORMATS:
         return received, True
-    return check(), hit
+    return check(apart=True), hit
 
 
 def harness_versions() -> dict[str, str]:
@@ -785,6 +790,18 @@ def baseline_request(request: EvalRequest, episodes: int) -> EvalRequest:
         # Not a checkpoint of the training run: no history of its own, nothing in the trainer's run.
         "step": None,
     })
+
+
+def check_hash_baseline(request: EvalRequest, received: Received) -> None:
+    """Stage 1 for a ``sha256:`` baseline: its episodes are found before anything runs.
+
+    ``cached_baseline`` over the episodes every run pairs on (a fixed count, or an adaptive
+    run's first round): where the cache and the logged runs lack some, the error comes now, not
+    after the evaluated policy ran.
+    """
+    if request.baseline and request.baseline.startswith("sha256:") and not same_policy(
+            request, received):
+        cached_baseline(request, received, request.episodes)
 
 
 def cached_baseline(request: EvalRequest, received: Received, episodes: int) -> tuple[pa.Table, str]:

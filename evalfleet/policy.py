@@ -436,6 +436,73 @@ def check_policy(
         )
 
 
+#: How long a policy's stage-1 check may take in its own process before it is an error.
+CHECK_TIMEOUT_S = 600.0
+
+
+def check_policy_apart(
+    artifact: PolicyArtifact,
+    observation_space: spaces.Space[Any],
+    action_space: spaces.Space[Any],
+    deterministic: bool = True,
+    timeout_s: float = CHECK_TIMEOUT_S,
+) -> None:
+    """``check_policy`` in a child forked from this process, so this one never imports torch.
+
+    A driver that only dispatches work has no use for torch (~140 MiB, 1-2 s to import): its
+    workers load the policy. The child answers ``None`` or the error by pipe; a policy whose load
+    kills the process (a segfault in a factory) is a ``PolicyError`` here, not a dead driver.
+    Where forking is not safe or not useful (torch imported already, other threads running, no
+    ``fork``), the check runs in this process.
+    """
+    import multiprocessing
+    import sys
+    import threading
+
+    if ("torch" in sys.modules or threading.active_count() > 1
+            or "fork" not in multiprocessing.get_all_start_methods()):
+        check_policy(artifact, observation_space, action_space, deterministic)
+        return
+    ctx = multiprocessing.get_context("fork")
+    answer, send = ctx.Pipe(duplex=False)
+    child = ctx.Process(target=_check_child, name="evalfleet-policy-check", daemon=True,
+                        args=(send, artifact, observation_space, action_space, deterministic))
+    child.start()
+    send.close()
+    try:
+        if not answer.poll(timeout_s):
+            raise PolicyError(f"policy {artifact.source!r}: loading it and running a dummy batch "
+                              f"took more than {timeout_s:.0f} s; check what its code does on load.")
+        error = answer.recv()
+    except EOFError:
+        child.join(5)
+        raise PolicyError(
+            f"policy {artifact.source!r}: the process loading it for the stage-1 check died "
+            f"(exit code {child.exitcode}: a negative code is the signal); its code or "
+            "weights crash the interpreter where they are loaded.") from None
+    finally:
+        if child.is_alive():
+            child.kill()
+        child.join(5)
+        answer.close()
+    if error is not None:
+        raise error
+
+
+def _check_child(send: Any, *args: Any) -> None:
+    """The forked child of ``check_policy_apart``: the check, and its answer on ``send``."""
+    try:
+        check_policy(*args)
+        send.send(None)
+    except BaseException as err:  # noqa: BLE001 - every outcome is the parent's to raise
+        try:
+            send.send(err)
+        except Exception:  # noqa: BLE001 - an exception that does not pickle: its text
+            send.send(PolicyError(f"{type(err).__name__}: {err}"))
+    finally:
+        send.close()
+
+
 def receive_policy(
     policy: str,
     factory: str | None,

@@ -12,13 +12,14 @@ from prefect.task_runners import ThreadPoolTaskRunner
 from prefect_dask import DaskTaskRunner
 
 from evalfleet.audit import RoundSchedule
-from evalfleet.cluster import fleet_cluster, installed
+from evalfleet.cluster import done_with, fleet_cluster, installed
 from evalfleet.models import EvalReport, EvalRequest
 from evalfleet.pipeline import (
     Collected,
     Received,
     baseline_request,
     cached_baseline,
+    check_hash_baseline,
     episode_cache,
     receive,
     received_before_flow,
@@ -70,6 +71,7 @@ def stages(request: EvalRequest, address: str | None) -> EvalReport:
         store_in_cache(request, received, collected)                             # before the lock goes
     # The baseline runs with no lock held: its nested evaluation takes its own key's lock.
     baseline = baseline_episodes(request, received, collected, address)
+    done_with(address)  # evaluate()'s own workers stop while stages 6-7 run here
     report = aggregate(request, received, schedule, collected, baseline)         # 6 aggregate
     return feed_back(request, received, report, collected)                       # 7 feed back
 
@@ -107,13 +109,15 @@ def evaluate(request: EvalRequest) -> EvalReport:
     stage 1 records its result. A request the cache answers whole starts no cluster at all.
     """
     received, hit = received_before_flow(request)  # a TorchScript hit loads no policy
+    check_hash_baseline(request, received)  # a 'sha256:' baseline's episodes, found or an error
     checked = [(request, received)]
     if request.baseline and not request.baseline.startswith("sha256:"):  # its nested run's stage 1
         other = baseline_request(request, request.episodes)
         checked.append((other, receive(other)))
     probe_in_background()  # the report's sandbox manifest (~1 s of child processes), meanwhile
+    torch = received.artifact.format != "callable"
     cluster = nullcontext(None) if hit else fleet_cluster(
-        request.dask_address, request.workers, worker_modules(torch=received.artifact.format != "callable"))
+        request.dask_address, request.workers, worker_modules(torch), single_use=True)
     later = None if hit else import_in_background()  # stage 6-7 modules while the cluster starts
     with checked_before(*checked), prefect_api(wait=False) as api, cluster as address, \
             api_ledger() as ledger:  # what the Prefect API fails to record: in the report

@@ -93,6 +93,25 @@ def test_paired_baseline_from_a_file_and_from_the_cache(prefect_server, tmp_path
     assert by_hash.comparison["ci"] == c["ci"]
 
 
+def test_a_hash_baseline_missing_episodes_fails_before_anything_runs(prefect_server, tmp_path,
+                                                                     example_policy):
+    """The cache holds 10 of the 20 episodes to pair on: a clear error, and the evaluated policy
+    never ran (no run folder, no cache entry of its own), not an error after its evaluation."""
+    from evalfleet.errors import RequestError
+    from evalfleet.pipeline import episode_cache
+
+    worse = _linear(tmp_path / "worse.pt", [0.0, 0.0, 0.0, 0.0])
+    common = dict(concurrency=10, seed=2, output=tmp_path / "out")
+    base_report = evaluate(EvalRequest.build(policy=worse, episodes=10, **common))
+    request = EvalRequest.build(policy=example_policy, episodes=20,
+                                baseline=f"sha256:{base_report.policy_sha256[:16]}", **common)
+    with pytest.raises(RequestError, match="the cache holds 10 of the 20 episodes to pair on"):
+        evaluate(request)
+    assert [p.name for p in (tmp_path / "out" / "runs").iterdir()] == [base_report.request_id]
+    stored = {e.get("policy_sha256") for e in episode_cache(request).entries()}
+    assert stored == {base_report.policy_sha256}
+
+
 def test_trajectories_videos_and_failure_clusters(prefect_server, tmp_path):
     import pyarrow.parquet as pq
 
