@@ -177,7 +177,10 @@ def received_before_flow(request: EvalRequest) -> tuple[Received, bool]:
     """
     received, check = receive_unloaded(request)
     fixed = request.target_ci_halfwidth is None and request.baseline is None
-    hit = fixed and lookup(request, received).status == "hit"
+    found = lookup(request, received) if fixed else None
+    # Rows from shard files alone are no hit when audited: the audit runs on a cluster (``plan``).
+    hit = (found is not None and found.status == "hit"
+           and not (found.resumed and request.audit))
     if hit and received.artifact.format in SELF_CONTAINED_FORMATS:
         return received, True
     return check(apart=True), hit
@@ -223,8 +226,10 @@ def plan(
     wanted = [i for i in range(episodes) if i not in have]
     found = lookup(request, received, wanted)
     round_indices = sorted(set(found.missing) | set(found.stored.column("episode_index").to_pylist()))
-    # Audit rounds that run something; a full cache hit was audited when it was computed.
-    audit = audit_sample(round_indices, request.seed) if request.audit and found.missing else []
+    # Audit rounds that run something, and rows from shard files (an interrupted evaluation's,
+    # never audited); a full hit of the entry was audited when it was stored.
+    audit = (audit_sample(round_indices, request.seed)
+             if request.audit and (found.missing or found.resumed) else [])
     work = len(found.missing) + len(audit)
     slots = cluster.worker_slots(address) if work and address else 1
     slots = min(slots, max_shards) if max_shards else slots

@@ -161,3 +161,25 @@ def test_killed_driver_resumes_to_the_undisturbed_table(prefect_server: str, tmp
     with get_client(sync_client=True) as client:  # the tag is the flow run's only: no slot per task
         task_runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run.id])))
     assert task_runs and not [t for t in task_runs if any(x.startswith(DRIVER_TAG) for x in t.tags)]
+
+
+def test_a_run_answered_by_shard_files_alone_is_audited(prefect_server: str, tmp_path: Path
+                                                        ) -> None:
+    """Every episode in shard files an interrupted run persisted, none in an entry: the re-run
+    re-runs the audit sample against them (they were never audited), and folds them in."""
+    from flows.eval import evaluate
+
+    fields = dict(FIELDS, episodes=24)
+    clean = evaluate(EvalRequest.build(**fields, output=tmp_path / "clean", cache="off"))
+    table = read_episodes(clean.outputs["episodes"])
+    request = EvalRequest.build(**fields, output=tmp_path / "out")
+    cache = EpisodeCache(tmp_path / "out" / "cache")
+    cache.persist_shard(clean.cache["key"], table.slice(0, 10))
+    cache.persist_shard(clean.cache["key"], table.slice(10))
+    resumed = evaluate(request)
+    assert (resumed.cache["status"], resumed.cache["resumed"]) == ("hit", 24)
+    assert resumed.audit is not None and resumed.audit["checked"] > 0, resumed.audit
+    assert resumed.audit["mismatches"] == []
+    assert not [a for a in resumed.alarms if a.startswith("determinism_audit")], resumed.alarms
+    again = evaluate(request)  # the entry now, with the audit that passed
+    assert again.cache["status"] == "hit" and again.audit == resumed.audit
