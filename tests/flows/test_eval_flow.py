@@ -2,10 +2,8 @@
 
 import json
 import os
-import socket
 import subprocess
 import sys
-import time
 
 import httpx
 import pyarrow.parquet as pq
@@ -17,6 +15,7 @@ from evalfleet.pipeline import outcome_table
 from evalfleet.records import EPISODE_SCHEMA
 from evalfleet.storage import read_episodes
 from flows.eval import evaluate
+from tests.dask_processes import external_cluster
 
 pytestmark = pytest.mark.slow
 
@@ -97,39 +96,14 @@ def test_users_own_env_module_syntax(prefect_server, tmp_path):
     assert report.manifest["policy"]["format"] == "callable"
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_existing_scheduler_via_dask_address(prefect_server, tmp_path):
-    port = _free_port()
-    address = f"tcp://127.0.0.1:{port}"
-    bindir = os.path.dirname(sys.executable)
-    env = dict(os.environ)
-    procs = [subprocess.Popen([os.path.join(bindir, "dask"), "scheduler", "--host", "127.0.0.1",
-                               "--port", str(port), "--no-dashboard"], env=env,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
-    try:
-        time.sleep(1.0)
-        procs.append(subprocess.Popen(
-            [os.path.join(bindir, "dask"), "worker", address, "--nthreads", "1", "--nworkers",
-             "2", "--no-dashboard", "--name", "ext"], env=env,
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+    with external_cluster(2, name="ext") as address:
         report = evaluate(_request(tmp_path, dask_address=address, episodes=24, seed=11))
         table = read_episodes(report.outputs["episodes"])
         assert table.num_rows == 24
         assert all(w.startswith("ext") for w in table.column("worker").to_pylist())
         local = evaluate(_request(tmp_path, episodes=24, seed=11))
         assert outcome_table(table).equals(outcome_table(read_episodes(local.outputs["episodes"])))
-    finally:
-        for p in reversed(procs):
-            p.terminate()
-            try:
-                p.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                p.kill()
 
 
 def test_cli_help_documents_every_option():

@@ -9,11 +9,8 @@ Planted here with an env whose reward scale is a module constant, edited from 1.
 from __future__ import annotations
 
 import os
-import socket
-import subprocess
 import sys
 import textwrap
-import time
 import uuid
 from pathlib import Path
 
@@ -24,6 +21,7 @@ from evalfleet.errors import StaleWorkerCode
 from evalfleet.models import EvalRequest
 from flows.eval import evaluate
 from flows.local_runner import LocalFlowRunner
+from tests.dask_processes import external_cluster
 
 pytestmark = pytest.mark.slow
 
@@ -70,26 +68,10 @@ def _double_the_reward(source: Path) -> None:
     source.write_text(source.read_text().replace("REWARD = 1.0", "REWARD = 2.0"))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def test_a_cluster_not_ours_with_old_code_is_refused_with_what_to_do(prefect_server, tmp_path,
                                                                       scaled_env):
     env, source = scaled_env
-    port = _free_port()
-    address = f"tcp://127.0.0.1:{port}"
-    dask = os.path.join(os.path.dirname(sys.executable), "dask")
-    procs = [subprocess.Popen([dask, "scheduler", "--host", "127.0.0.1", "--port", str(port),
-                               "--no-dashboard"], stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL)]
-    try:
-        time.sleep(1.0)
-        procs.append(subprocess.Popen(
-            [dask, "worker", address, "--nthreads", "1", "--nworkers", "2", "--no-dashboard"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+    with external_cluster(2) as address:
         before = evaluate(_request(tmp_path, env, dask_address=address))
         assert before.completed == 12
         _double_the_reward(source)
@@ -104,13 +86,6 @@ def test_a_cluster_not_ours_with_old_code_is_refused_with_what_to_do(prefect_ser
         after = evaluate(_request(tmp_path, env, dask_address=address))
         assert after.cache["status"] == "miss"
         assert after.mean == pytest.approx(2 * before.mean)
-    finally:
-        for p in reversed(procs):
-            p.terminate()
-            try:
-                p.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                p.kill()
 
 
 def test_the_evaluators_own_workers_are_restarted_and_run_the_new_code(prefect_server, tmp_path,
