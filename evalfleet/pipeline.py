@@ -300,7 +300,8 @@ def spawn(request: EvalRequest, received: Received, address: str | None, planned
     code = expected_code(received)
     warmed = cluster.on_each_worker(address, warm_sandboxes, request, received.isolation, code)
     stale = {w["worker"]: w["stale"] for w in warmed if w.get("stale")}
-    if stale and cluster.owned(address):
+    restarted = bool(stale) and cluster.owned(address)
+    if restarted:
         # Our own workers (an Evaluator's kept cluster) imported files edited since: new ones.
         logger.warning("restarting the local workers: %s", "; ".join(
             f"{w} runs old code of {', '.join(sorted(s))}" for w, s in stale.items()))
@@ -310,7 +311,10 @@ def spawn(request: EvalRequest, received: Received, address: str | None, planned
     if stale:
         worker, modules = sorted(stale.items())[0]
         raise StaleWorkerCode(stale_message(worker, modules) + (
-            f" ({len(stale)} workers in all; nothing was run.)" if len(stale) > 1 else ""))
+            f" {len(stale)} workers in all." if len(stale) > 1 else "") + (
+            " They are this process's own workers, restarted once already: they are forked from a "
+            "server that imported that code when the cluster started (or this process did). "
+            "Start a new Evaluator (or process)." if restarted else "") + " Nothing was run.")
     seconds = planned.plan.seconds + time.perf_counter() - t0
     return replace(planned, plan=planned.plan.model_copy(update={"seconds": seconds}),
                    warmed=tuple(warmed))
