@@ -302,6 +302,35 @@ def run_cli(
     return run_eval(evaluate, build_parser().parse_args(argv), evaluate_suite)
 
 
+def check_report_path(path: str | None) -> None:
+    """``--report``'s file can be written: its folder made, the file opened, before anything runs.
+
+    A report asked for and not written after the evaluation ran would be a result lost.
+    """
+    if not path:
+        return
+    target = Path(path)
+    existed = target.exists()
+    try:
+        if target.is_dir():
+            raise IsADirectoryError(f"{path} is a folder")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with target.open("a"):
+            pass
+    except OSError as err:
+        raise RequestError(f"--report {path!r} cannot be written ({err}); give a file path in a "
+                           "folder this user may write to.") from err
+    if not existed:
+        target.unlink()
+
+
+def write_report(path: str | None, report: Any) -> None:
+    """Write ``report`` (a pydantic model) as JSON to ``--report``'s path, when one was given."""
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(report.model_dump(mode="json"), indent=2) + "\n")
+
+
 #: ``flows.suite.evaluate_suite``'s shape: (suite, base request) -> suite report.
 SuiteEvaluator = Callable[[Any, EvalRequest], Any]
 
@@ -314,6 +343,7 @@ def run_suite(evaluate_suite: SuiteEvaluator | None, args: argparse.Namespace) -
         with stop_on_sigterm():
             suite = load_suite(args.suite)
             base = request_from_args(args)
+            check_report_path(args.report)
             if evaluate_suite is None:
                 raise RequestError("--suite needs the suite flow: run python flows/eval.py or "
                                    "evalfleet eval.")
@@ -328,9 +358,7 @@ def run_suite(evaluate_suite: SuiteEvaluator | None, args: argparse.Namespace) -
         return 128 + signum
     from evalfleet.suite_report import suite_markdown
 
-    if args.report:
-        Path(args.report).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.report).write_text(json.dumps(report.model_dump(mode="json"), indent=2) + "\n")
+    write_report(args.report, report)
     print(suite_markdown(report))
     print(f"suite report: {report.outputs.get('report_html') or report.outputs.get('report')}")
     if "prefect_lost" in report.outputs:
@@ -383,6 +411,7 @@ def _run_eval(evaluate: Callable[[EvalRequest], EvalReport], args: argparse.Name
     try:
         with stop_on_sigterm():
             request = request_from_args(args)
+            check_report_path(args.report)
             report = evaluate(request)
     except EvalfleetError as err:
         print(f"evalfleet: error: {err}", file=sys.stderr)
@@ -399,9 +428,7 @@ def _run_eval(evaluate: Callable[[EvalRequest], EvalReport], args: argparse.Name
             traceback.print_exc()
         print(failure_paragraph(err, verbose), file=sys.stderr)
         return EXIT_FAILED
-    if args.report:
-        Path(args.report).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.report).write_text(json.dumps(report.model_dump(mode="json"), indent=2) + "\n")
+    write_report(args.report, report)
     print(summary_text(report))
     if report.harness_fault and not args.allow_failures:
         recording = [a for a in report.alarms if a.startswith("recording_incomplete")]

@@ -151,3 +151,32 @@ def test_console_subcommands(tmp_path, capsys):
     text = capsys.readouterr().out
     assert served.value.code == 0 and text.startswith("usage: evalfleet serve")
     assert "--ready-file" in text and "--drain-timeout" in text
+
+
+def test_a_report_path_that_cannot_be_written_fails_before_anything_runs(tmp_path, capsys,
+                                                                         example_policy):
+    """``--report`` under a regular file: exit 2 with what to do, and no evaluation ran (the
+    report would otherwise be lost after the whole run, with a traceback)."""
+    from evalfleet.cli import EXIT_BAD_REQUEST, run_cli
+
+    def refuse(request):
+        raise AssertionError("the evaluation ran with a --report it cannot write")
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    code = run_cli(refuse, ["--policy", example_policy, "--episodes", "4",
+                            "--output", str(tmp_path / "out"),
+                            "--report", str(blocker / "report.json")])
+    assert code == EXIT_BAD_REQUEST
+    err = capsys.readouterr().err
+    assert f"--report '{blocker / 'report.json'}' cannot be written" in err
+    assert "folder this user may write to" in err
+    report = tmp_path / "reports" / "r.json"  # a folder to be made, a file to be created: fine
+    seen = []
+
+    def stop(request):
+        seen.append(request)
+        raise RequestError("stopped by the test")
+
+    run_cli(stop, ["--policy", example_policy, "--episodes", "4", "--report", str(report)])
+    assert seen and report.parent.is_dir() and not report.exists()
