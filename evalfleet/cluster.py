@@ -209,7 +209,9 @@ def fleet_cluster(address: str | None, workers: int, preload: tuple[str, ...] = 
             yield cluster.scheduler_address
         finally:
             _owned.discard(cluster.scheduler_address)
-            _single_use.pop(cluster.scheduler_address, None)
+            if single_use:
+                _single_use.pop(cluster.scheduler_address, None)
+                _scheduler_log.removeFilter(_lost_results_filter)
             forget_client(cluster.scheduler_address)
 
 
@@ -225,8 +227,19 @@ def done_with(address: str | None) -> bool:
         cluster = _single_use.pop(address, None) if address else None
     if cluster is None:
         return False
+    # The run stage's results are in the driver already; the scheduler still names them, and
+    # would warn that removing the workers loses them ("recomputed elsewhere": never, none left).
+    _scheduler_log.addFilter(_lost_results_filter)
     cluster.scale(0)  # returns at once; the scheduler retires and closes the workers
     return True
+
+
+def _lost_results_filter(record: logging.LogRecord) -> bool:
+    """Drop the scheduler's "lose already computed task(s)" warning after ``done_with``."""
+    return "caused the cluster to lose already computed task" not in record.getMessage()
+
+
+_scheduler_log = logging.getLogger("distributed.scheduler")
 
 
 def owned(address: str) -> bool:
