@@ -13,7 +13,7 @@ from contextlib import contextmanager
 from importlib.resources import files
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import Any, NoReturn
 
 from evalfleet.console import configure_console, quiet_environment
 from evalfleet.errors import EvalfleetError, RequestError, Stopped
@@ -300,6 +300,30 @@ def run_cli(
     ``evaluate_suite`` runs ``--suite`` (``flows.suite.evaluate_suite``).
     """
     return run_eval(evaluate, build_parser().parse_args(argv), evaluate_suite)
+
+
+def exit_now(code: int) -> NoReturn:
+    """End the process with ``code`` once everything it wrote is out, skipping interpreter teardown.
+
+    What an orderly exit does that matters runs first: other non-daemon threads are joined, the
+    ``atexit`` handlers run (Prefect's log and event workers drain, multiprocessing's finalizers,
+    MLflow's), logging and the standard streams are flushed. What is skipped is the interpreter
+    freeing every module's objects one by one (2-3 s with torch, MLflow and Prefect loaded), which
+    writes nothing.
+    """
+    import atexit
+    import logging
+    import threading
+
+    main = threading.main_thread()
+    for thread in threading.enumerate():
+        if thread is not main and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def check_report_path(path: str | None) -> None:

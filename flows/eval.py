@@ -140,6 +140,6 @@ def evaluate_suite(suite: Suite, base: EvalRequest) -> SuiteReport:
 
 
 if __name__ == "__main__":
-    from evalfleet.cli import run_cli
+    from evalfleet.cli import exit_now, run_cli
 
-    raise SystemExit(run_cli(evaluate, evaluate_suite=evaluate_suite))
+    exit_now(run_cli(evaluate, evaluate_suite=evaluate_suite))
