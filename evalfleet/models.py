@@ -306,7 +306,7 @@ class PolicyHandle(_Frozen):
     deterministic: bool
     distributed_at: float
     code: tuple[tuple[str, str], ...] = ()
-    """``(top-level module, code version)`` the cache key names (``pipeline.expected_code``):
+    """``(top-level module, code version)`` the cache key names (``Received.expected_code``):
     a worker running other code refuses the shard (``StaleWorkerCode``)."""
 
 

@@ -5,6 +5,7 @@ Each function takes and returns small typed values; the Prefect layer only wires
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -59,6 +60,10 @@ from evalfleet.worker import stale_message, warm_sandboxes
 logger = logging.getLogger(__name__)
 
 
+#: The harness's own packages: every worker runs them, the cache key names their versions.
+HARNESS_MODULES = ("evalfleet", "gymnasium", "numpy")
+
+
 @dataclass(frozen=True)
 class Received:
     """Stage 1 output: the validated policy and env, and the isolation level that will be used."""
@@ -76,6 +81,24 @@ class Received:
     """Why a requested 'auto' runs on CPU; None when nothing fell back."""
     loaded: bool = True
     """Whether stage 1 loaded the policy; not when the cache held every episode it asked for."""
+
+    @functools.cached_property
+    def expected_code(self) -> dict[str, str]:
+        """``{top-level module: code version}`` the cache key names: what every worker must run.
+
+        The env's entry point package and what the env's code imports, the policy's code (torch
+        for a TorchScript or state_dict policy) and the harness's (``HARNESS_MODULES``). Read
+        from the files here, once per ``Received``; a worker that imported one of them before an
+        edit, or has another install, runs something else (``provenance.stale_code``).
+        """
+        code = {top: code_version(top)[1] for top in HARNESS_MODULES}
+        code.update(self.env_spec.get("code") or {})
+        entry = str(self.env_spec["entry_point"]).split(":", 1)[0].split(".", 1)[0]
+        code[entry] = str(self.env_spec["package_version"])
+        code.update(dict(self.artifact.code or ()))
+        if self.artifact.format != "callable":
+            code["torch"] = code_version("torch")[1]
+        return code
 
 
 @dataclass(frozen=True)
@@ -172,8 +195,8 @@ def received_before_flow(request: EvalRequest) -> tuple[Received, bool]:
     """Stage 1 as ``evaluate`` runs it before the flow: the ``Received``, and cache-hit or not.
 
     On a full hit the policy is not loaded where its format allows (``SELF_CONTAINED_FORMATS``);
-    otherwise it is, in a forked child (``policy.check_policy_apart``): the driver never imports
-    torch, only its workers do.
+    otherwise it is, in a forked child (``policy.check_policy_apart``): the driver holds no torch
+    for it while the workers run (stage 7's replays import it later, where they run).
     """
     received, check = receive_unloaded(request)
     fixed = request.target_ci_halfwidth is None and request.baseline is None
@@ -297,7 +320,7 @@ def spawn(request: EvalRequest, received: Received, address: str | None, planned
     if not planned.shards or address is None:
         return planned
     t0 = time.perf_counter()
-    code = expected_code(received)
+    code = received.expected_code
     warmed = cluster.on_each_worker(address, warm_sandboxes, request, received.isolation, code)
     stale = {w["worker"]: w["stale"] for w in warmed if w.get("stale")}
     restarted = bool(stale) and cluster.owned(address)
@@ -323,30 +346,7 @@ def spawn(request: EvalRequest, received: Received, address: str | None, planned
 def distribute(request: EvalRequest, received: Received, address: str | None) -> PolicyHandle:
     """Stage 3: one copy of the policy per worker."""
     return cluster.distribute(received.artifact, address, received.device, request.deterministic,
-                              expected_code(received))
-
-
-#: The harness's own packages: every worker runs them, the cache key names their versions.
-HARNESS_MODULES = ("evalfleet", "gymnasium", "numpy")
-
-
-def expected_code(received: Received) -> dict[str, str]:
-    """``{top-level module: code version}`` the cache key names: what every worker must run.
-
-    The env's entry point package and what the env's code imports, the policy's code (torch for a
-    TorchScript or state_dict policy) and the harness's. Read from the files here, now; a worker
-    that imported one of them before an edit, or has another install, runs something else
-    (``provenance.stale_code``).
-    """
-    code = {top: code_version(top)[1] for top in HARNESS_MODULES}
-    env = received.env_spec
-    code.update(env.get("code") or {})
-    code[str(env["entry_point"]).split(":", 1)[0].split(".", 1)[0]] = str(env["package_version"])
-    artifact = received.artifact
-    code.update(dict(artifact.code or ()))
-    if artifact.format != "callable":
-        code["torch"] = code_version("torch")[1]
-    return code
+                              received.expected_code)
 
 
 def collect(

@@ -447,9 +447,9 @@ def check_policy_apart(
     deterministic: bool = True,
     timeout_s: float = CHECK_TIMEOUT_S,
 ) -> None:
-    """``check_policy`` in a child forked from this process, so this one never imports torch.
+    """``check_policy`` in a child forked from this process, which imports no torch for it.
 
-    A driver that only dispatches work has no use for torch (~140 MiB, 1-2 s to import): its
+    A driver that dispatches the run stage has no use for torch then (~140 MiB resident): its
     workers load the policy. The child answers ``None`` or the error by pipe; a policy whose load
     kills the process (a segfault in a factory) is a ``PolicyError`` here, not a dead driver.
     Where forking is not safe or not useful (torch imported already, other threads running, no

@@ -120,7 +120,7 @@ def warm_sandboxes(request: EvalRequest, isolation: str, code: dict[str, str] | 
     modules imported, so the run stage only forks sandboxes (milliseconds each) and runs episodes.
     What fails here would fail the run stage the same way; its text is scrubbed likewise.
 
-    ``code`` is what the cache key names (``pipeline.expected_code``): modules this worker runs
+    ``code`` is what the cache key names (``Received.expected_code``): modules this worker runs
     at another version come back under ``"stale"`` (the driver restarts its own workers, or
     refuses to run on a cluster it does not own) and nothing is started for them.
     """
