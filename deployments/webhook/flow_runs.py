@@ -26,6 +26,8 @@ T = TypeVar("T")
 FINAL_STATES = ("COMPLETED", "FAILED", "CRASHED", "CANCELLED")
 #: States whose evaluation a new delivery with the same cache key may replace.
 RETRYABLE_STATES = ("FAILED", "CRASHED", "CANCELLED")
+#: Calls per read of the Prefect API (a read is always safe to repeat).
+READ_ATTEMPTS = 3
 
 
 def _transient(err: BaseException) -> bool:
@@ -35,13 +37,22 @@ def _transient(err: BaseException) -> bool:
     return isinstance(err, httpx.TransportError)
 
 
+def _busy(err: BaseException) -> bool:
+    # What a read retries: the server answered 5xx. A refused connection is not retried here
+    # (the client's transport already tried it for ~1.5 s; the server is down, not busy).
+    return isinstance(err, httpx.HTTPStatusError) and err.response.status_code >= 500
+
+
 class PrefectAPI:
     """The calls the receiver makes to a Prefect server, with Prefect's sync client.
 
     The client's own retry loop (``PREFECT_CLIENT_MAX_RETRIES``: five retries, 2 to 32 s apart,
     about a minute on a 503) is switched off for these calls: a webhook answers 503 quickly and
-    the trainer retries, and only flow-run creation retries here, briefly (``create_flow_run``).
-    With retries off, Prefect's client still pauses ~2 s after a 408/429/502/503 answer before
+    the trainer retries. Here, calls retry briefly instead, 0.25 s doubling between them:
+    flow-run creation at most 4 calls on 5xx and connection errors (``create_flow_run``), reads
+    at most ``READ_ATTEMPTS`` calls on a 5xx answer. A busy server's SQLite answers 503 now and
+    then, and one such answer should not turn a delivery into a 503 for the trainer. With
+    retries off, Prefect's client still pauses ~2 s after a 408/429/502/503 answer before
     returning it.
     """
 
@@ -69,7 +80,13 @@ class PrefectAPI:
         with SettingsContext(profile=self._profile, settings=self._settings):
             yield
 
-    def _call(self, fn: Callable[[], T]) -> T:
+    def _call(self, fn: Callable[[], T], attempts: int = 1,
+              retry: Callable[[BaseException], bool] = _busy) -> T:
+        if attempts > 1:
+            retrying = Retrying(stop=stop_after_attempt(attempts),
+                                wait=wait_exponential(multiplier=0.25),
+                                retry=retry_if_exception(retry), reraise=True)
+            return retrying(self._call, fn)
         with self._prefect_settings():
             return fn()
 
@@ -80,7 +97,8 @@ class PrefectAPI:
     def deployment_id(self) -> UUID:
         """The deployment's id (looked up once)."""
         if self._deployment_id is None:
-            deployment = self._call(lambda: self._client.read_deployment_by_name(self.deployment))
+            deployment = self._call(lambda: self._client.read_deployment_by_name(
+                self.deployment), READ_ATTEMPTS)
             self._deployment_id = deployment.id
         return self._deployment_id
 
@@ -96,11 +114,9 @@ class PrefectAPI:
         pause of Prefect's client to each attempt (see the class docstring).
         """
         deployment_id = self.deployment_id()
-        retrying = Retrying(stop=stop_after_attempt(attempts), wait=wait_exponential(multiplier=0.25),
-                            retry=retry_if_exception(_transient), reraise=True)
-        run: FlowRun = retrying(self._call, lambda: self._client.create_flow_run_from_deployment(
-            deployment_id, parameters=parameters, idempotency_key=idempotency_key, tags=tags))
-        return run
+        return self._call(lambda: self._client.create_flow_run_from_deployment(
+            deployment_id, parameters=parameters, idempotency_key=idempotency_key, tags=tags),
+            attempts, _transient)
 
     def _filters(self, tags: list[str], states: tuple[str, ...] | None
                  ) -> tuple[FlowRunFilter, DeploymentFilter]:
@@ -123,7 +139,7 @@ class PrefectAPI:
         """Flow runs of the deployment carrying every tag in ``tags`` (and in ``states``)."""
         runs, deployments = self._filters(tags, states)
         return self._call(lambda: self._client.count_flow_runs(
-            flow_run_filter=runs, deployment_filter=deployments))
+            flow_run_filter=runs, deployment_filter=deployments), READ_ATTEMPTS)
 
     def find_flow_run(self, tags: list[str]) -> FlowRun | None:
         """The oldest flow run of the deployment carrying every tag in ``tags``, if any."""
@@ -132,12 +148,12 @@ class PrefectAPI:
         runs, deployments = self._filters(tags, None)
         found = self._call(lambda: self._client.read_flow_runs(
             flow_run_filter=runs, deployment_filter=deployments,
-            sort=FlowRunSort.EXPECTED_START_TIME_ASC, limit=1))
+            sort=FlowRunSort.EXPECTED_START_TIME_ASC, limit=1), READ_ATTEMPTS)
         return found[0] if found else None
 
     def flow_run(self, flow_run_id: str) -> FlowRun:
         """The flow run with this id."""
-        return self._call(lambda: self._client.read_flow_run(UUID(flow_run_id)))
+        return self._call(lambda: self._client.read_flow_run(UUID(flow_run_id)), READ_ATTEMPTS)
 
     def ui_url(self, flow_run_id: str) -> str:
         """Link to the flow run in the Prefect UI served next to the API."""

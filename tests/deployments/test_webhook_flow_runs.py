@@ -1,9 +1,9 @@
 """The receiver's Prefect calls against a loopback stand-in that answers 503 on demand.
 
-A real Prefect server cannot be made to fail on cue; this stand-in speaks the three routes the
-receiver uses, so the retry semantics of flow-run creation are pinned: at most 4 calls, 0.25 s
-doubling between them, 5xx and connection errors retried, 4xx not, and Prefect's own minute-long
-retry loop switched off (one call per attempt, even on a 503).
+A real Prefect server cannot be made to fail on cue; this stand-in speaks the routes the
+receiver uses, so the retry semantics are pinned: flow-run creation at most 4 calls and reads at
+most 3, 0.25 s doubling between them, 5xx and connection errors retried, 4xx not, and Prefect's
+own minute-long retry loop switched off (one call per attempt, even on a 503).
 """
 
 from __future__ import annotations
@@ -29,6 +29,8 @@ class StandIn(ThreadingHTTPServer):
 
     statuses: list[int]
     creates: list[tuple[float, dict[str, Any]]]
+    read_statuses: list[int]
+    reads: list[float]
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -56,6 +58,14 @@ class Handler(BaseHTTPRequestHandler):
 
     def do_POST(self) -> None:
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if self.path in ("/api/flow_runs/filter", "/api/flow_runs/count"):
+            self.server.reads.append(time.monotonic())
+            status = self.server.read_statuses.pop(0) if self.server.read_statuses else 200
+            if status >= 300:
+                self._answer(status, {"detail": f"stand-in says {status}"})
+            else:
+                self._answer(200, [] if self.path.endswith("filter") else 0)
+            return
         if self.path != f"/api/deployments/{DEPLOYMENT_ID}/create_flow_run":
             self._answer(404, {"detail": "Not found"})
             return
@@ -72,7 +82,7 @@ class Handler(BaseHTTPRequestHandler):
 @pytest.fixture
 def stand_in() -> Iterator[StandIn]:
     server = StandIn(("127.0.0.1", 0), Handler)
-    server.statuses, server.creates = [], []
+    server.statuses, server.creates, server.read_statuses, server.reads = [], [], [], []
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     yield server
@@ -122,6 +132,28 @@ def test_create_gives_up_after_four_calls_and_answers_503(stand_in: StandIn,
     assert rejected.value.status == 503
     assert rejected.value.body["reason"].startswith("Prefect refused: 503")
     receiver.close()
+
+
+def test_a_read_retries_a_busy_servers_503_and_gives_up_after_three_calls(
+        stand_in: StandIn) -> None:
+    # One 503 from a busy server's SQLite must not turn a delivery into a 503 for the trainer.
+    prefect = api(stand_in)
+    stand_in.read_statuses = [503]
+    assert prefect.find_flow_run(["evalfleet-eval:x"]) is None
+    stand_in.read_statuses = [502, 500]
+    assert prefect.count_flow_runs(["evalfleet-key:k"]) == 0
+    assert len(stand_in.reads) == 2 + 3
+    del stand_in.reads[:]
+    stand_in.read_statuses = [503] * 10
+    with pytest.raises(httpx.HTTPStatusError) as info:
+        prefect.find_flow_run(["evalfleet-eval:x"])
+    assert info.value.response.status_code == 503 and len(stand_in.reads) == 3
+    stand_in.read_statuses = [404]  # a 4xx will not change on retry
+    del stand_in.reads[:]
+    with pytest.raises(httpx.HTTPStatusError):
+        prefect.count_flow_runs(["evalfleet-key:k"])
+    assert len(stand_in.reads) == 1
+    prefect.close()
 
 
 def test_create_does_not_retry_a_4xx(stand_in: StandIn) -> None:
