@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from typing import Any
 
@@ -161,7 +162,8 @@ def _cluster_gpus(address: str) -> tuple[int, int, str, list[str]]:
 #: server the workers are forked from: a worker starts in a fraction of a second instead of
 #: importing them itself, and the workers share those pages instead of holding a copy each.
 WORKER_MODULES = ("distributed", "numpy", "pyarrow", "cloudpickle", "gymnasium",
-                  "evalfleet.worker", "evalfleet.lifeline")
+                  "evalfleet.worker", "evalfleet.lifeline",
+                  "pandas")  # pyarrow imports it at a shard's first table (~0.5-2 s per worker)
 
 _local_clusters = 0  # local clusters open in this process: the last one out stops the fork server
 _owned: set[str] = set()  # scheduler addresses of the local clusters open in this process
@@ -258,28 +260,89 @@ def _worker_fork_server(modules: tuple[str, ...]) -> Iterator[None]:
 
     Stopped when the last local cluster of this process closes, so the next cluster's server
     starts from the environment of its time (as spawned workers would) and nothing outlives an
-    ``Evaluator``'s shutdown. A fork server whose preload has started is not changed.
+    ``Evaluator``'s shutdown. A fork server already running (``start_fork_server``, or another
+    cluster's) is used as it is: its preload has started.
     """
     global _local_clusters
-    import multiprocessing
-    import multiprocessing.forkserver
-
-    import distributed.utils
-
-    distributed.utils._forkserver_preload_set = True  # Dask's own list imports pandas here
     with _lock:
-        if _local_clusters == 0:
-            multiprocessing.get_context("forkserver").set_forkserver_preload(list(modules))
+        if _local_clusters == 0 and not _fork_server_up():
+            _set_preload(modules)
         _local_clusters += 1
     try:
         yield
     finally:
         with _lock:
             _local_clusters -= 1
-            last = _local_clusters == 0
-        stop = getattr(multiprocessing.forkserver._forkserver, "_stop", None)
-        if last and stop is not None:
-            stop()  # the server exits; the workers, closed already, were its only children
+        stop_idle_fork_server()
+
+
+def start_fork_server(preload: tuple[str, ...]) -> None:
+    """Start the local workers' fork server now, with ``WORKER_MODULES`` and ``preload``.
+
+    For a local cluster about to start: its imports (torch's among them) run on another core
+    while this process goes on, and ``policy.check_policy_apart(start_method="forkserver")`` can
+    check the policy in a child of it, importing nothing more. The next ``fleet_cluster`` forks
+    its workers from it; ``stop_idle_fork_server`` stops it when no cluster follows.
+    """
+    import multiprocessing.forkserver
+
+    with _lock:
+        if _local_clusters == 0 and not _fork_server_up():
+            _set_preload(WORKER_MODULES + preload)
+            multiprocessing.forkserver.ensure_running()
+
+
+def stop_idle_fork_server(now: bool = False) -> None:
+    """Stop the fork server when no local cluster of this process uses it.
+
+    ``now``: killed rather than asked, so a server still importing its preload (stage 1 failed
+    while it started) does not hold up the error by seconds.
+    """
+    import multiprocessing.forkserver
+
+    server: Any = multiprocessing.forkserver._forkserver  # private: its pid and ``_stop``
+    with _lock:
+        if _local_clusters or not _fork_server_up():
+            return
+        if now:
+            with suppress(ProcessLookupError):
+                os.kill(server._forkserver_pid, signal.SIGKILL)
+        server._stop()  # the server exits; the workers, closed already, were its only children
+
+
+@contextmanager
+def idle_fork_server_stopped() -> Iterator[None]:
+    """After the block, a fork server ``start_fork_server`` started that no cluster uses is killed.
+
+    Stage 1 may start one for the cluster that follows; when something fails before that
+    cluster starts (or none is needed), it must not outlive the evaluation, nor serve a later
+    cluster from this moment's environment.
+    """
+    try:
+        yield
+    finally:
+        stop_idle_fork_server(now=True)
+
+
+def fork_server_up() -> bool:
+    """True while this process's multiprocessing fork server runs."""
+    with _lock:
+        return _fork_server_up()
+
+
+def _fork_server_up() -> bool:
+    import multiprocessing.forkserver
+
+    return getattr(multiprocessing.forkserver._forkserver, "_forkserver_pid", None) is not None
+
+
+def _set_preload(modules: tuple[str, ...]) -> None:
+    import multiprocessing
+
+    import distributed.utils
+
+    distributed.utils._forkserver_preload_set = True  # Dask's own list imports pandas here
+    multiprocessing.get_context("forkserver").set_forkserver_preload(list(modules))
 
 
 def client_for(address: str) -> Client:

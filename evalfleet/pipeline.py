@@ -35,7 +35,6 @@ from evalfleet.policy import (
     check_policy,
     check_policy_apart,
     inference_device,
-    load_policy,
     read_policy,
 )
 from evalfleet.provenance import SOURCE_PREFIX, code_version
@@ -43,14 +42,12 @@ from evalfleet.records import EPISODE_SCHEMA, OUTCOME_COLUMNS, concat_sorted, st
 from evalfleet.redaction import redact_json, redact_table
 from evalfleet.replay import (
     ReplayResult,
-    ReplaySandbox,
     probe_encoder,
     probe_rendering,
-    record_episodes,
-    replay_inputs,
 )
 from evalfleet.report import aggregate, curve_so_far, versions
-from evalfleet.review import choose_episodes, cluster_failures, report_page
+from evalfleet.review import cluster_failures, report_page
+from evalfleet.review_replays import ReviewReplays, replay_sandbox, review_replays
 from evalfleet.sandbox.isolation import resolve_isolation
 from evalfleet.seeds import SeedLedger
 from evalfleet.storage import run_dir, write_episodes, write_json, write_table
@@ -135,6 +132,9 @@ class Collected:
     cache_corrupt: bool
     resumed: int = 0
     """Reused rows that shard files of an interrupted evaluation held (all rounds)."""
+    replays: ReviewReplays | None = None
+    """Stage 7's replays when a worker ran them ahead (``review_replays``); None: stage 7 runs
+    them itself."""
 
 
 def receive(request: EvalRequest) -> Received:
@@ -147,9 +147,9 @@ def receive_unloaded(request: EvalRequest) -> tuple[Received, Callable[..., Rece
     """Stage 1 but the policy's load: the ``Received`` (its cache key is final), and the check.
 
     The check (``policy.check_policy``: load the policy, run a dummy batch; where torch gets
-    imported) returns the ``Received`` with its seconds added; ``check(apart=True)`` runs it in a
-    forked child (``policy.check_policy_apart``). ``received_before_flow`` says when it may be
-    skipped.
+    imported) returns the ``Received`` with its seconds added; ``check(apart=...)`` runs it in a
+    child process started that way (``policy.check_policy_apart``). ``received_before_flow``
+    says when it may be skipped.
     """
     t0 = time.perf_counter()
     env = resolve_env(request.env, request.env_kwargs, request.max_steps)
@@ -173,10 +173,13 @@ def receive_unloaded(request: EvalRequest) -> tuple[Received, Callable[..., Rece
                         device=placement.device, device_fallback=placement.fallback,
                         loaded=False)
 
-    def check(apart: bool = False) -> Received:
+    def check(apart: str | None = None) -> Received:
         t1 = time.perf_counter()
-        (check_policy_apart if apart else check_policy)(
-            artifact, env.observation_space, env.action_space, request.deterministic)
+        if apart is None:
+            check_policy(artifact, env.observation_space, env.action_space, request.deterministic)
+        else:
+            check_policy_apart(artifact, env.observation_space, env.action_space,
+                               request.deterministic, start_method=apart)
         return replace(received, seconds=received.seconds + time.perf_counter() - t1,
                        loaded=True)
 
@@ -191,12 +194,20 @@ def receive_unloaded(request: EvalRequest) -> tuple[Received, Callable[..., Rece
 SELF_CONTAINED_FORMATS = frozenset({"torchscript"})
 
 
-def received_before_flow(request: EvalRequest) -> tuple[Received, bool]:
+def received_before_flow(
+    request: EvalRequest, on_miss: Callable[[Received], tuple[str, ...]] | None = None
+) -> tuple[Received, bool]:
     """Stage 1 as ``evaluate`` runs it before the flow: the ``Received``, and cache-hit or not.
 
     On a full hit the policy is not loaded where its format allows (``SELF_CONTAINED_FORMATS``);
-    otherwise it is, in a forked child (``policy.check_policy_apart``): the driver holds no torch
-    for it while the workers run (stage 7's replays import it later, where they run).
+    otherwise it is, in a child process (``policy.check_policy_apart``): the driver holds no
+    torch for it while the workers run (stage 7's replays import it later, where they run).
+
+    ``on_miss(received)``: called on a miss, before the check; it returns the modules the
+    workers need for this policy (and may start work of its own). When the miss runs on a local
+    cluster, the workers' fork server starts here with them (``cluster.start_fork_server``) and
+    the check runs in a child of it: the imports are made once, for the check and the workers,
+    on another core while this process goes on. A failed check stops the server at once.
     """
     received, check = receive_unloaded(request)
     fixed = request.target_ci_halfwidth is None and request.baseline is None
@@ -206,7 +217,18 @@ def received_before_flow(request: EvalRequest) -> tuple[Received, bool]:
            and not (found.resumed and request.audit))
     if hit and received.artifact.format in SELF_CONTAINED_FORMATS:
         return received, True
-    return check(apart=True), hit
+    if on_miss is None or hit:
+        return check(apart="fork"), hit
+    if request.dask_address:  # forked from this process while it has one thread
+        checked = check(apart="fork")
+        on_miss(checked)
+        return checked, hit
+    cluster.start_fork_server(on_miss(received))
+    try:
+        return check(apart="forkserver"), hit
+    except BaseException:
+        cluster.stop_idle_fork_server(now=True)
+        raise
 
 
 def harness_versions() -> dict[str, str]:
@@ -452,22 +474,6 @@ class _SkipReview(Exception):
     """Raised to skip the review step on purpose."""
 
 
-#: Episodes replayed for the action-distribution plot when nothing more is asked for.
-ACTION_SAMPLE = 16
-
-
-def replay_sandbox(request: EvalRequest, isolation: str) -> ReplaySandbox | None:
-    """Where replays step the env: a sandbox of the evaluation's level (None: in this process)."""
-    if isolation == "inprocess":
-        return None
-    from evalfleet.sandbox.limits import sandbox_limits
-
-    env = resolve_env(request.env, request.env_kwargs, request.max_steps)
-    shape = tuple(env.observation_space.shape) if env.observation_space.shape else None
-    return ReplaySandbox(isolation, request.episode_timeout_s, env.fingerprint.as_dict(),
-                         sandbox_limits(request), shape)
-
-
 def check_recording(request: EvalRequest, isolation: str) -> None:
     """Stage 1 for ``--record-video``: the encoder writes a video and the env renders a frame.
 
@@ -536,14 +542,33 @@ def recording_shortfall(request: EvalRequest, table: pa.Table, videos: int, traj
     return f"recording_incomplete: wrote {', '.join(short)} asked for ({reasons})"
 
 
+def review_skipped(request: EvalRequest, collected: Collected) -> str | None:
+    """Why stage 7 has no review (plots, replays, page) for this evaluation; None: it has one."""
+    if request.record_trajectories or request.record_video:
+        return None
+    # A full cache hit was reviewed when it was computed; re-plotting it costs ~1.5 s per request.
+    if collected.fresh.num_rows == 0:
+        return "cache hit: no new episodes to review"
+    if not request.review:
+        return "review off for this request (review=False)"
+    return None
+
+
+class ReplayFailed(Exception):
+    """The review's replays left no result (the text says why)."""
+
+
 def review(
-    request: EvalRequest, received: Received, report: EvalReport, table: pa.Table, folder: Path
+    request: EvalRequest, received: Received, report: EvalReport, table: pa.Table, folder: Path,
+    collected_replays: ReviewReplays | None = None,
 ) -> tuple[EvalReport, list[Path]]:
     """Failure clusters, replays (trajectories, videos, actions), plots and the report page.
 
     Replays step the env at the evaluation's isolation level (a sandbox of the same level for
-    ``process`` and ``bwrap``) with the policy on the episodes' device when this process has it.
-    Fewer videos or trajectories than asked is an alarm and a harness fault, never just a note.
+    ``process`` and ``bwrap``) with the policy on the episodes' device. ``collected_replays``:
+    those a worker ran ahead (``Collected.replays``); otherwise they run here, on the episodes'
+    device when this process has it. Fewer videos or trajectories than asked is an alarm and a
+    harness fault, never just a note.
     """
     clusters = cluster_failures(table)
     files: list[Path] = []
@@ -553,23 +578,13 @@ def review(
     videos: dict[int, Path] = {}
     trajectories = 0
     why: list[str] = []
-    k = max(request.record_trajectories, request.record_video, ACTION_SAMPLE)
-    chosen = choose_episodes(table, k, seed=request.seed)
+    replays = collected_replays or review_replays(
+        request, received.artifact, received.isolation, table, replay_device(received))
+    device = replays.device
     try:
-        episodes, expected, reasons = replay_inputs(table, chosen)
-        env = resolve_env(request.env, request.env_kwargs, request.max_steps)
-        art = received.artifact
-        device = replay_device(received)
-        policy = load_policy(art.format, art.payload, art.factory, art.source, env.action_space,
-                             device=device, deterministic=request.deterministic)
-        result = record_episodes(
-            request.env, request.env_kwargs, request.max_steps, policy, episodes,
-            video_dir=folder / "videos" if request.record_video else None,
-            trajectories=request.record_trajectories > 0, expected=expected, end_reasons=reasons,
-            video_for=chosen[: request.record_video],
-            trajectories_for=chosen[: request.record_trajectories],
-            sandbox=replay_sandbox(request, received.isolation),
-        )
+        if replays.error is not None:
+            raise ReplayFailed(replays.error)
+        result = replays.placed(folder)
         if result.trajectories is not None and result.trajectories.num_rows:
             files.append(write_table(result.trajectories, folder / "trajectories.parquet"))
             trajectories = len(set(result.trajectories.column("episode_index").to_pylist()))
@@ -582,9 +597,10 @@ def review(
         notes += more_notes
         why += list(result.video_skipped.values()) + list(result.skipped.values())
     except Exception as err:  # the shortfall below makes it an alarm when recordings were asked
-        logger.error("replaying episodes failed: %s", err)
-        notes.append(f"replays failed: {type(err).__name__}: {err}")
-        why.append(f"replays failed: {type(err).__name__}: {err}")
+        text = str(err) if isinstance(err, ReplayFailed) else f"{type(err).__name__}: {err}"
+        logger.error("replaying episodes failed: %s", text)
+        notes.append(f"replays failed: {text}")
+        why.append(f"replays failed: {text}")
     shortfall = recording_shortfall(request, table, len(videos), trajectories, why)
     if shortfall:
         logger.error(shortfall)
@@ -641,12 +657,11 @@ def feed_back(
     # the miss's; only the files (plots, replays, page) are skipped.
     report = report.model_copy(update={"failure_clusters": cluster_failures(collected.table)})
     try:
-        # A full cache hit was reviewed when it was computed; re-plotting it costs ~1.5 s per request.
-        if collected.fresh.num_rows == 0 and not (request.record_trajectories or request.record_video):
-            raise _SkipReview("cache hit: no new episodes to review")
-        if not request.review and not (request.record_trajectories or request.record_video):
-            raise _SkipReview("review off for this request (review=False)")
-        report, review_files = review(request, received, report, collected.table, folder)
+        skipped = review_skipped(request, collected)
+        if skipped is not None:
+            raise _SkipReview(skipped)
+        report, review_files = review(request, received, report, collected.table, folder,
+                                      collected.replays)
         artifacts += review_files
         outputs.update({k: str(v.resolve()) for k, v in review_files_by_name(review_files).items()})
     except _SkipReview as why:
@@ -680,6 +695,8 @@ def feed_back(
         if flushed:
             outputs["mlflow_flushed"] = flushed
     timings = dict(report.timings, feed_back=time.perf_counter() - t0)
+    if collected.replays is not None:  # run ahead on a worker, before the workers stopped
+        timings["replays_on_worker"] = collected.replays.seconds
     final = scrubbed(report.model_copy(update={"outputs": outputs, "timings": timings,
                                                "alarms": with_missing(report.alarms, missing)}))
     write_json(final.model_dump(mode="json"), report_path)

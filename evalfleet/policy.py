@@ -446,24 +446,29 @@ def check_policy_apart(
     action_space: spaces.Space[Any],
     deterministic: bool = True,
     timeout_s: float = CHECK_TIMEOUT_S,
+    start_method: str = "fork",
 ) -> None:
-    """``check_policy`` in a child forked from this process, which imports no torch for it.
+    """``check_policy`` in a child process, so this one imports no torch for it.
 
     A driver that dispatches the run stage has no use for torch then (~140 MiB resident): its
     workers load the policy. The child answers ``None`` or the error by pipe; a policy whose load
     kills the process (a segfault in a factory) is a ``PolicyError`` here, not a dead driver.
-    Where forking is not safe or not useful (torch imported already, other threads running, no
-    ``fork``), the check runs in this process.
+
+    ``start_method="fork"``: a child forked from this process; where that is not safe or not
+    useful (torch imported already, other threads running, no ``fork``), the check runs in this
+    process. ``"forkserver"``: a child of the running fork server (``cluster.start_fork_server``),
+    which has imported what the check needs, torch included, while this process went on.
     """
     import multiprocessing
     import sys
     import threading
 
-    if ("torch" in sys.modules or threading.active_count() > 1
+    if start_method == "fork" and (
+            "torch" in sys.modules or threading.active_count() > 1
             or "fork" not in multiprocessing.get_all_start_methods()):
         check_policy(artifact, observation_space, action_space, deterministic)
         return
-    ctx = multiprocessing.get_context("fork")
+    ctx: Any = multiprocessing.get_context(start_method)
     answer, send = ctx.Pipe(duplex=False)
     child = ctx.Process(target=_check_child, name="evalfleet-policy-check", daemon=True,
                         args=(send, artifact, observation_space, action_space, deterministic))
@@ -490,7 +495,7 @@ def check_policy_apart(
 
 
 def _check_child(send: Any, *args: Any) -> None:
-    """The forked child of ``check_policy_apart``: the check, and its answer on ``send``."""
+    """The child of ``check_policy_apart``: the check, and its answer on ``send``."""
     try:
         check_policy(*args)
         send.send(None)

@@ -12,7 +12,7 @@ from prefect.task_runners import ThreadPoolTaskRunner
 from prefect_dask import DaskTaskRunner
 
 from evalfleet.audit import RoundSchedule
-from evalfleet.cluster import done_with, fleet_cluster, installed
+from evalfleet.cluster import done_with, fleet_cluster, idle_fork_server_stopped, installed
 from evalfleet.models import EvalReport, EvalRequest
 from evalfleet.pipeline import (
     Collected,
@@ -32,11 +32,11 @@ from evalfleet.storage import read_episodes
 from flows.api_ledger import api_ledger, kept, run_recorded, settle
 from flows.progress import watch
 from flows.reaper import driver_tag, reap_quietly, untagged_tasks
-from flows.runtime import import_in_background, prefect_api, worker_modules
+from flows.runtime import Ahead, prefect_api, worker_preload
 from tasks.aggregate import aggregate
 from tasks.collect_rewards import collect_rewards
 from tasks.distribute_policy import distribute_policy
-from tasks.feed_back import feed_back
+from tasks.feed_back import feed_back, replays_ahead
 from tasks.receive_weights import checked_before, receive_weights
 from tasks.run_episodes import run_episodes, shard_tables
 from tasks.spawn_sandboxes import spawn_sandboxes
@@ -69,7 +69,10 @@ def stages(request: EvalRequest, address: str | None) -> EvalReport:
                 more = schedule.next_episodes(collected.table)
                 planned = spawn_sandboxes(request, received, address, more, collected) if more else None
         store_in_cache(request, received, collected)                             # before the lock goes
-    # The baseline runs with no lock held: its nested evaluation takes its own key's lock.
+    if collected is not None:  # stage 7's replays, on a worker: torch is imported there
+        collected = replays_ahead(request, received, collected, gpu(received))
+    # The baseline runs with no lock held: its nested evaluation takes its own key's lock (and
+    # stops evaluate()'s workers when it is done: nothing here runs on them after it).
     baseline = baseline_episodes(request, received, collected, address)
     done_with(address)  # evaluate()'s own workers stop while stages 6-7 run here
     report = aggregate(request, received, schedule, collected, baseline)         # 6 aggregate
@@ -108,28 +111,29 @@ def evaluate(request: EvalRequest) -> EvalReport:
     Stage 1 runs here, before the flow, so bad input fails before anything is spawned; the flow's
     stage 1 records its result. A request the cache answers whole starts no cluster at all.
     """
-    received, hit = received_before_flow(request)  # a TorchScript hit loads no policy
-    check_hash_baseline(request, received)  # a 'sha256:' baseline's episodes, found or an error
-    checked = [(request, received)]
-    if request.baseline and not request.baseline.startswith("sha256:"):  # its nested run's stage 1
-        other = baseline_request(request, request.episodes)
-        checked.append((other, receive(other)))
-    probe_in_background()  # the report's sandbox manifest (~1 s of child processes), meanwhile
-    torch = received.artifact.format != "callable"
-    cluster = nullcontext(None) if hit else fleet_cluster(
-        request.dask_address, request.workers, worker_modules(torch), single_use=True)
-    later = None if hit else import_in_background()  # stage 6-7 modules while the cluster starts
-    with checked_before(*checked), prefect_api(wait=False) as api, cluster as address, \
-            api_ledger() as ledger:  # what the Prefect API fails to record: in the report
-        api.wait()  # the cluster started while the server booted
-        if later is not None:
-            later.join()
-        reap_quietly()  # flow runs of killed drivers end Crashed
-        runner = DaskTaskRunner(address=address) if address else ThreadPoolTaskRunner()
-        with tags(driver_tag()):
-            report = run_recorded(lambda: eval_flow.with_options(task_runner=runner)(
-                request, address), "the flow run")
-        return settle(report, ledger)
+    with idle_fork_server_stopped():  # one stage 1 started for a cluster that did not follow
+        # A miss starts the workers' fork server and checks the policy in a child of it, and
+        # stages 6-7's imports start meanwhile; a TorchScript hit loads no policy.
+        ahead = Ahead()
+        received, hit = received_before_flow(request, on_miss=ahead)
+        check_hash_baseline(request, received)  # a 'sha256:' baseline's episodes, or an error
+        checked = [(request, received)]
+        if request.baseline and not request.baseline.startswith("sha256:"):  # its stage 1
+            other = baseline_request(request, request.episodes)
+            checked.append((other, receive(other)))
+        probe_in_background()  # the report's sandbox manifest (~1 s of child processes)
+        cluster = nullcontext(None) if hit else fleet_cluster(
+            request.dask_address, request.workers, worker_preload(received), single_use=True)
+        with checked_before(*checked), prefect_api(wait=False) as api, cluster as address, \
+                api_ledger() as ledger:  # what the Prefect API fails to record: in the report
+            api.wait()  # the cluster started while the server booted
+            ahead.join()
+            reap_quietly()  # flow runs of killed drivers end Crashed
+            runner = DaskTaskRunner(address=address) if address else ThreadPoolTaskRunner()
+            with tags(driver_tag()):
+                report = run_recorded(lambda: eval_flow.with_options(task_runner=runner)(
+                    request, address), "the flow run")
+            return settle(report, ledger)
 
 
 def evaluate_suite(suite: Suite, base: EvalRequest) -> SuiteReport:

@@ -8,12 +8,16 @@ import socket
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 from prefect.settings import PREFECT_API_URL, PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
 
 from evalfleet.errors import EvalfleetError
 from evalfleet.server import SERVER_MODE_ENV
 from flows import heartbeats
+
+if TYPE_CHECKING:
+    from evalfleet.pipeline import Received
 
 logger = logging.getLogger(__name__)
 
@@ -177,9 +181,36 @@ def worker_modules(torch: bool) -> tuple[str, ...]:
     return FLOW_WORKER_MODULES + (("torch",) if torch else ())
 
 
+def worker_preload(received: Received) -> tuple[str, ...]:
+    """``worker_modules`` for the policy stage 1 received: torch unless it is a plain callable."""
+    return worker_modules(received.artifact.format != "callable")
+
+
 #: What stages 6 and 7 import on first use (~2 s in all): statistics, MLflow's SQL store, plots.
 LATER_MODULES = ("scipy.stats", "mlflow.tracking", "mlflow.store.tracking.sqlalchemy_store",
                  "evalfleet.plots")
+
+
+class Ahead:
+    """What ``evaluate`` starts once stage 1 knows the request is a miss, before its check.
+
+    ``received_before_flow``'s ``on_miss``: called with the ``Received``, it starts stages 6-7's
+    imports on a thread (``join`` before the flow) and returns the preload of a local cluster's
+    fork server (``worker_preload``).
+    """
+
+    def __init__(self) -> None:
+        self.imports: threading.Thread | None = None
+
+    def __call__(self, received: Received) -> tuple[str, ...]:
+        """Start the imports; the workers' preload for ``received``'s policy."""
+        self.imports = import_in_background()
+        return worker_preload(received)
+
+    def join(self) -> None:
+        """Wait for the imports started, if any."""
+        if self.imports is not None:
+            self.imports.join()
 
 
 def import_in_background(modules: tuple[str, ...] = LATER_MODULES) -> threading.Thread:

@@ -1,13 +1,19 @@
-"""Stage 7: feed back."""
+"""Stage 7: feed back (and its replays, run ahead on a worker)."""
 
+from dataclasses import replace
+
+import dask
+import pyarrow as pa
 from prefect import task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 
 from evalfleet.models import EvalReport, EvalRequest
-from evalfleet.pipeline import Collected, Received
+from evalfleet.pipeline import Collected, Received, review_skipped
 from evalfleet.pipeline import feed_back as write_results
+from evalfleet.policy import PolicyArtifact
 from evalfleet.review import report_markdown
+from evalfleet.review_replays import ReviewReplays, review_replays
 from evalfleet.summary import summary_rows
 from flows.api_ledger import best_effort
 
@@ -24,3 +30,31 @@ def feed_back(
     with best_effort("the report artifact"):
         create_markdown_artifact(report_markdown(final, final.failure_clusters), key=f"{key}-report")
     return final
+
+
+@task(name="replay-episodes", cache_policy=NO_CACHE)
+def replay_episodes(request: EvalRequest, artifact: PolicyArtifact, isolation: str,
+                    table: pa.Table, device: str) -> ReviewReplays:
+    """The review's replays (``review_replays``), where the task runner puts them."""
+    return review_replays(request, artifact, isolation, table, device)
+
+
+def replays_ahead(request: EvalRequest, received: Received, collected: Collected,
+                  resources: dict[str, int]) -> Collected:
+    """``collected`` with stage 7's replays, run now as a task on a worker of the cluster.
+
+    Before ``done_with`` stops the workers: one has the policy loaded the way its episodes ran
+    (its libraries imported, on their device, ``resources`` as the run stage asked), so the
+    driver imports no torch for stage 7. Nothing to review: ``collected`` as it is. A task that
+    fails (its worker lost) is the replays' error in the report, never the evaluation's.
+    """
+    if review_skipped(request, collected) is not None:
+        return collected
+    with dask.annotate(resources=resources):
+        future = replay_episodes.submit(request, received.artifact, received.isolation,
+                                        collected.table, received.device)
+    try:
+        replays = future.result()
+    except Exception as err:  # noqa: BLE001 - the review reports it, with the shortfall
+        replays = ReviewReplays(received.device, error=f"{type(err).__name__}: {err}")
+    return replace(collected, replays=replays)

@@ -1,8 +1,10 @@
-"""Stage 1's policy check before the flow runs in a forked child: the driver never imports torch.
+"""Stage 1's policy check before the flow runs in a child process: the driver never imports torch.
 
-Each case runs in a fresh interpreter (as ``python flows/eval.py`` does): one with no other thread
-and no torch imported, where the check is forked. A policy that kills the process loading it is
-a ``PolicyError`` there, not a dead driver.
+Each case runs in a fresh interpreter (as ``python flows/eval.py`` does), once per way the child
+starts: forked from the driver (``fork``: no other thread and no torch imported there), and as a
+child of the local workers' fork server, started for the cluster that follows a miss
+(``forkserver``: what ``evaluate()`` does). A policy that kills the process loading it is a
+``PolicyError`` there, not a dead driver; a failed check leaves no fork server behind.
 """
 
 from __future__ import annotations
@@ -13,30 +15,40 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 
 STAGE_ONE = textwrap.dedent("""
     import json, sys
+    from evalfleet import cluster
     from evalfleet.errors import PolicyError
     from evalfleet.models import EvalRequest
     from evalfleet.pipeline import received_before_flow
 
-    fields = json.loads(sys.argv[1])
+    fields, via = json.loads(sys.argv[1]), sys.argv[2]
+    on_miss = (lambda received: ("torch",)) if via == "forkserver" else None
     try:
-        received, hit = received_before_flow(EvalRequest.build(**fields))
+        received, hit = received_before_flow(EvalRequest.build(**fields), on_miss)
         answer = {"loaded": received.loaded, "hit": hit}
     except PolicyError as err:
         answer = {"error": str(err)}
     answer["torch_here"] = "torch" in sys.modules
+    answer["fork_server"] = cluster.fork_server_up()
+    cluster.stop_idle_fork_server()
     print(json.dumps(answer))
 """)
 
 
-def _stage_one(tmp_path: Path, **fields: object) -> dict[str, object]:
+@pytest.fixture(params=["fork", "forkserver"])
+def via(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+def _stage_one(tmp_path: Path, via: str, **fields: object) -> dict[str, object]:
     fields.setdefault("output", str(tmp_path / "out"))
-    done = subprocess.run([sys.executable, "-c", STAGE_ONE, json.dumps(fields)], cwd=ROOT,
+    done = subprocess.run([sys.executable, "-c", STAGE_ONE, json.dumps(fields), via], cwd=ROOT,
                           capture_output=True, text=True, timeout=300,
                           env={"PATH": "/usr/bin:/bin", "PYTHONPATH": f"{tmp_path}:{ROOT}",
                                "HOME": str(tmp_path)})
@@ -44,20 +56,22 @@ def _stage_one(tmp_path: Path, **fields: object) -> dict[str, object]:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def test_a_miss_checks_the_policy_without_importing_torch_here(tmp_path, example_policy):
-    answer = _stage_one(tmp_path, policy=example_policy, episodes=4)
-    assert answer == {"loaded": True, "hit": False, "torch_here": False}
+def test_a_miss_checks_the_policy_without_importing_torch_here(tmp_path, example_policy, via):
+    answer = _stage_one(tmp_path, via, policy=example_policy, episodes=4)
+    # The fork server stays up for the cluster that follows the check it served.
+    assert answer == {"loaded": True, "hit": False, "torch_here": False,
+                      "fork_server": via == "forkserver"}
 
 
-def test_a_policy_that_does_not_fit_is_refused_with_the_same_error(tmp_path):
+def test_a_policy_that_does_not_fit_is_refused_with_the_same_error(tmp_path, via):
     net = torch.nn.Linear(4, 3)  # CartPole has 2 actions
     torch.jit.save(torch.jit.script(net), str(tmp_path / "three.pt"))
-    answer = _stage_one(tmp_path, policy=str(tmp_path / "three.pt"), episodes=4)
+    answer = _stage_one(tmp_path, via, policy=str(tmp_path / "three.pt"), episodes=4)
     assert "3" in str(answer["error"]) and "three.pt" in str(answer["error"])
-    assert answer["torch_here"] is False
+    assert answer["torch_here"] is False and answer["fork_server"] is False
 
 
-def test_a_factory_that_kills_its_process_is_a_policy_error(tmp_path):
+def test_a_factory_that_kills_its_process_is_a_policy_error(tmp_path, via):
     (tmp_path / "crashing_factory.py").write_text(textwrap.dedent("""
         import os
         import signal
@@ -67,7 +81,8 @@ def test_a_factory_that_kills_its_process_is_a_policy_error(tmp_path):
             os.kill(os.getpid(), signal.SIGSEGV)
     """))
     torch.save(torch.nn.Linear(4, 2).state_dict(), tmp_path / "sd.pt")
-    answer = _stage_one(tmp_path, policy=str(tmp_path / "sd.pt"),
+    answer = _stage_one(tmp_path, via, policy=str(tmp_path / "sd.pt"),
                         policy_factory="crashing_factory:build", episodes=4)
     assert "the process loading it for the stage-1 check died (exit code -11" in str(
         answer["error"])
+    assert answer["fork_server"] is False
