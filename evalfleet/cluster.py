@@ -168,6 +168,7 @@ WORKER_MODULES = ("distributed", "numpy", "pyarrow", "cloudpickle", "gymnasium",
 _local_clusters = 0  # local clusters open in this process: the last one out stops the fork server
 _owned: set[str] = set()  # scheduler addresses of the local clusters open in this process
 _single_use: dict[str, Any] = {}  # of those, clusters of one evaluation (``done_with``)
+_checks = 0  # stage-1 policy checks running in a child of the fork server (``fork_server_for_check``)
 
 
 @contextmanager
@@ -260,7 +261,7 @@ def _worker_fork_server(modules: tuple[str, ...]) -> Iterator[None]:
 
     Stopped when the last local cluster of this process closes, so the next cluster's server
     starts from the environment of its time (as spawned workers would) and nothing outlives an
-    ``Evaluator``'s shutdown. A fork server already running (``start_fork_server``, or another
+    ``Evaluator``'s shutdown. A fork server already running (``fork_server_for_check``, or another
     cluster's) is used as it is: its preload has started.
     """
     global _local_clusters
@@ -276,24 +277,33 @@ def _worker_fork_server(modules: tuple[str, ...]) -> Iterator[None]:
         stop_idle_fork_server()
 
 
-def start_fork_server(preload: tuple[str, ...]) -> None:
-    """Start the local workers' fork server now, with ``WORKER_MODULES`` and ``preload``.
+@contextmanager
+def fork_server_for_check(preload: tuple[str, ...]) -> Iterator[None]:
+    """The local workers' fork server, started now with ``WORKER_MODULES`` and ``preload``.
 
     For a local cluster about to start: its imports (torch's among them) run on another core
-    while this process goes on, and ``policy.check_policy_apart(start_method="forkserver")`` can
-    check the policy in a child of it, importing nothing more. The next ``fleet_cluster`` forks
-    its workers from it; ``stop_idle_fork_server`` stops it when no cluster follows.
+    while this process goes on, and within the block stage 1 checks the policy in a child of it
+    (``policy.check_policy_apart(start_method="forkserver")``), importing nothing more. The
+    server stays up after the block for the next ``fleet_cluster``, which forks its workers
+    from it; ``stop_idle_fork_server`` stops it when no cluster follows, never during a check.
     """
+    global _checks
     import multiprocessing.forkserver
 
     with _lock:
         if _local_clusters == 0 and not _fork_server_up():
             _set_preload(WORKER_MODULES + preload)
             multiprocessing.forkserver.ensure_running()
+        _checks += 1
+    try:
+        yield
+    finally:
+        with _lock:
+            _checks -= 1
 
 
 def stop_idle_fork_server(now: bool = False) -> None:
-    """Stop the fork server when no local cluster of this process uses it.
+    """Stop the fork server when no local cluster of this process uses it, nor a policy check.
 
     ``now``: killed rather than asked, so a server still importing its preload (stage 1 failed
     while it started) does not hold up the error by seconds.
@@ -302,7 +312,7 @@ def stop_idle_fork_server(now: bool = False) -> None:
 
     server: Any = multiprocessing.forkserver._forkserver  # private: its pid and ``_stop``
     with _lock:
-        if _local_clusters or not _fork_server_up():
+        if _local_clusters or _checks or not _fork_server_up():
             return
         if now:
             with suppress(ProcessLookupError):
@@ -312,7 +322,7 @@ def stop_idle_fork_server(now: bool = False) -> None:
 
 @contextmanager
 def idle_fork_server_stopped() -> Iterator[None]:
-    """After the block, a fork server ``start_fork_server`` started that no cluster uses is killed.
+    """After the block, a fork server stage 1 started that no cluster uses is killed.
 
     Stage 1 may start one for the cluster that follows; when something fails before that
     cluster starts (or none is needed), it must not outlive the evaluation, nor serve a later

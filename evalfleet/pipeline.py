@@ -201,11 +201,11 @@ def received_before_flow(
 
     On a full hit the policy is not loaded where its format allows (``SELF_CONTAINED_FORMATS``);
     otherwise it is, in a child process (``policy.check_policy_apart``): the driver holds no
-    torch for it while the workers run (stage 7's replays import it later, where they run).
+    torch for it (``evaluate()`` runs stage 7's replays on a worker too).
 
     ``on_miss(received)``: called on a miss, before the check; it returns the modules the
     workers need for this policy (and may start work of its own). When the miss runs on a local
-    cluster, the workers' fork server starts here with them (``cluster.start_fork_server``) and
+    cluster, the workers' fork server starts here with them (``cluster.fork_server_for_check``) and
     the check runs in a child of it: the imports are made once, for the check and the workers,
     on another core while this process goes on. A failed check stops the server at once.
     """
@@ -223,12 +223,13 @@ def received_before_flow(
         checked = check(apart="fork")
         on_miss(checked)
         return checked, hit
-    cluster.start_fork_server(on_miss(received))
     try:
-        return check(apart="forkserver"), hit
+        with cluster.fork_server_for_check(on_miss(received)):
+            checked = check(apart="forkserver")
     except BaseException:
         cluster.stop_idle_fork_server(now=True)
         raise
+    return checked, hit
 
 
 def harness_versions() -> dict[str, str]:

@@ -456,7 +456,7 @@ def check_policy_apart(
 
     ``start_method="fork"``: a child forked from this process; where that is not safe or not
     useful (torch imported already, other threads running, no ``fork``), the check runs in this
-    process. ``"forkserver"``: a child of the running fork server (``cluster.start_fork_server``),
+    process. ``"forkserver"``: a child of the running fork server (``cluster.fork_server_for_check``),
     which has imported what the check needs, torch included, while this process went on.
     """
     import multiprocessing

@@ -86,3 +86,25 @@ def test_a_factory_that_kills_its_process_is_a_policy_error(tmp_path, via):
     assert "the process loading it for the stage-1 check died (exit code -11" in str(
         answer["error"])
     assert answer["fork_server"] is False
+
+
+def test_a_fork_server_is_never_stopped_under_a_check_it_serves(tmp_path):
+    """Two evaluations in one process: one failing stage 1 must not kill the server that the
+    other's policy check runs in (its check would die, with a wrong error)."""
+    script = textwrap.dedent("""
+        import json
+        from evalfleet import cluster
+
+        seen = []
+        with cluster.fork_server_for_check(()):
+            cluster.stop_idle_fork_server(now=True)  # the other evaluation's stage 1 failed
+            seen.append(cluster.fork_server_up())
+        seen.append(cluster.fork_server_up())  # up for the cluster that follows the check
+        cluster.stop_idle_fork_server(now=True)  # none followed
+        seen.append(cluster.fork_server_up())
+        print(json.dumps(seen))
+    """)
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == [True, True, False]
