@@ -552,9 +552,13 @@ def test_each_planted_change_is_a_miss(change, base, tmp_path, monkeypatch, requ
         fields["deterministic"] = False
     elif change == "device":
         # The key is fixed at stage 1, before any GPU is needed; stage 1 checks the (local)
-        # cluster has one, so this machine is made to look like a GPU machine.
-        fields["device"] = "cuda"
-        monkeypatch.setattr(evalfleet.cluster, "gpu_count", lambda: 1)
+        # cluster has one, so a GPU-less machine is made to look like a GPU machine. On a GPU
+        # machine the base ('auto') is CUDA already: the planted change is the CPU there.
+        if torch.cuda.is_available():
+            fields["device"] = "cpu"
+        else:
+            fields["device"] = "cuda"
+            monkeypatch.setattr(evalfleet.cluster, "gpu_count", lambda: 1)
     elif change == "auto_on_a_gpu_machine":
         fields["device"] = "auto"
         flipped = not torch.cuda.is_available()

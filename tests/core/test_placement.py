@@ -77,6 +77,7 @@ def test_cuda_on_a_cluster_without_gpu_workers_fails_before_any_task(cpu_cluster
 
 
 @pytest.mark.slow
+@needs_no_gpu  # where torch sees a CUDA device, the label is true
 def test_a_worker_whose_gpu_label_is_false_is_named(fake_gpu_cluster):
     """GPU=1 on a worker where torch sees no CUDA: stage 1 says which, instead of a run-stage error."""
     with pytest.raises(RequestError) as err:
