@@ -70,7 +70,7 @@ def stages(request: EvalRequest, address: str | None) -> EvalReport:
                 planned = spawn_sandboxes(request, received, address, more, collected) if more else None
         store_in_cache(request, received, collected)                             # before the lock goes
     if collected is not None:  # stage 7's replays, on a worker: torch is imported there
-        collected = replays_ahead(request, received, collected, gpu(received))
+        collected = replays_ahead(request, received, collected, address, gpu(received))
     # The baseline runs with no lock held: its nested evaluation takes its own key's lock (and
     # stops evaluate()'s workers when it is done: nothing here runs on them after it).
     baseline = baseline_episodes(request, received, collected, address)

@@ -40,15 +40,17 @@ def replay_episodes(request: EvalRequest, artifact: PolicyArtifact, isolation: s
 
 
 def replays_ahead(request: EvalRequest, received: Received, collected: Collected,
-                  resources: dict[str, int]) -> Collected:
+                  address: str | None, resources: dict[str, int]) -> Collected:
     """``collected`` with stage 7's replays, run now as a task on a worker of the cluster.
 
     Before ``done_with`` stops the workers: one has the policy loaded the way its episodes ran
     (its libraries imported, on their device, ``resources`` as the run stage asked), so the
-    driver imports no torch for stage 7. Nothing to review: ``collected`` as it is. A task that
-    fails (its worker lost) is the replays' error in the report, never the evaluation's.
+    driver imports no torch for stage 7. Nothing to review, or no cluster (a cache hit with
+    recordings asked: stage 7 replays them here, on a device this process has): ``collected``
+    as it is. A task that fails (its worker lost) is the replays' error in the report, never
+    the evaluation's.
     """
-    if review_skipped(request, collected) is not None:
+    if address is None or review_skipped(request, collected) is not None:
         return collected
     with dask.annotate(resources=resources):
         future = replay_episodes.submit(request, received.artifact, received.isolation,
