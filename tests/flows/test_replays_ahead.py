@@ -13,6 +13,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pyarrow.parquet as pq
 
@@ -29,13 +30,17 @@ DRIVER = textwrap.dedent("""
 """)
 
 
-def _evaluate(tmp_path: Path, **fields: object) -> dict[str, object]:
-    fields.update(output=str(tmp_path / "out"), cache="off", workers=2)
+def _run(fields: dict[str, object]) -> dict[str, Any]:
     done = subprocess.run([sys.executable, "-c", DRIVER, json.dumps(fields)], cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    answer: dict[str, object] = json.loads(done.stdout.strip().splitlines()[-1])
+    answer: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
     return answer
+
+
+def _evaluate(tmp_path: Path, **fields: object) -> dict[str, Any]:
+    fields.update(output=str(tmp_path / "out"), cache="off", workers=2)
+    return _run(fields)
 
 
 def test_a_default_run_replays_on_a_worker_and_its_driver_imports_no_torch(
@@ -57,3 +62,18 @@ def test_a_default_run_replays_on_a_worker_and_its_driver_imports_no_torch(
         assert steps.column("episode_index").to_pylist().count(index) == lengths[index]
     assert not report["alarms"], report["alarms"]
     assert "review_error" not in outputs
+
+
+def test_a_cache_hit_with_recordings_asked_replays_them_without_a_cluster(prefect_server,
+                                                                         tmp_path, example_policy):
+    fields = dict(policy=example_policy, episodes=8, output=str(tmp_path / "out"), workers=2,
+                  cache_dir=str(tmp_path / "cache"))
+    first = _run(fields)
+    assert first["report"]["cache"]["status"] == "miss"
+    again = _run(dict(fields, record_trajectories=2))  # answered by the cache: no cluster
+    report = again["report"]
+    assert report["cache"]["status"] == "hit"
+    assert "replays_on_worker" not in report["timings"]  # replayed by stage 7 itself
+    steps = pq.read_table(report["outputs"]["trajectories"])
+    assert len(set(steps.column("episode_index").to_pylist())) == 2
+    assert not report["alarms"], report["alarms"]
