@@ -586,6 +586,8 @@ def review(
         if replays.error is not None:
             raise ReplayFailed(replays.error)
         result = replays.placed(folder)
+        logger.info("replayed %d episodes on %s in %.2f s%s", len(result.episodes), device,
+                    replays.seconds, " on a worker" if collected_replays is not None else "")
         if result.trajectories is not None and result.trajectories.num_rows:
             files.append(write_table(result.trajectories, folder / "trajectories.parquet"))
             trajectories = len(set(result.trajectories.column("episode_index").to_pylist()))
@@ -696,8 +698,6 @@ def feed_back(
         if flushed:
             outputs["mlflow_flushed"] = flushed
     timings = dict(report.timings, feed_back=time.perf_counter() - t0)
-    if collected.replays is not None:  # run ahead on a worker, before the workers stopped
-        timings["replays_on_worker"] = collected.replays.seconds
     final = scrubbed(report.model_copy(update={"outputs": outputs, "timings": timings,
                                                "alarms": with_missing(report.alarms, missing)}))
     write_json(final.model_dump(mode="json"), report_path)

@@ -40,7 +40,7 @@ class ReviewReplays:
     error: str | None = None
     """``"Type: text"`` of the failure that left no result."""
     seconds: float = 0.0
-    """How long the replays took where they ran."""
+    """How long the replays took where they ran (logged by the review)."""
 
     def placed(self, folder: Path) -> ReplayResult:
         """The result with its videos written to ``folder / "videos"`` and named there."""

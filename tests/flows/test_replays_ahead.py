@@ -49,7 +49,6 @@ def test_a_default_run_replays_on_a_worker_and_its_driver_imports_no_torch(
     assert answer["torch_in_driver"] is False
     report = answer["report"]
     assert isinstance(report, dict)
-    assert report["timings"]["replays_on_worker"] > 0
     outputs = report["outputs"]
     # What only replays produce: the action distribution and the trajectories asked for.
     assert Path(outputs["folder"], "plots", "actions.png").stat().st_size > 0
@@ -73,7 +72,6 @@ def test_a_cache_hit_with_recordings_asked_replays_them_without_a_cluster(prefec
     again = _run(dict(fields, record_trajectories=2))  # answered by the cache: no cluster
     report = again["report"]
     assert report["cache"]["status"] == "hit"
-    assert "replays_on_worker" not in report["timings"]  # replayed by stage 7 itself
     steps = pq.read_table(report["outputs"]["trajectories"])
     assert len(set(steps.column("episode_index").to_pylist())) == 2
     assert not report["alarms"], report["alarms"]
