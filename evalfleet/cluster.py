@@ -576,7 +576,8 @@ def scheduler_lost(err: BaseException) -> bool:
 
 def policy_on_worker(handle: PolicyHandle, source: str, action_space: Any) -> LoadedPolicy:
     """Fetch, verify by sha256 and load the policy once per worker process."""
-    device = resolve_device(handle.device)
+    # A callable runs where it is called: no device, and no torch to import for one.
+    device = "cpu" if handle.format == "callable" else resolve_device(handle.device)
     cache_key = (handle.sha256, device, handle.deterministic)
     with _lock:
         cached = _loaded.get(cache_key)
