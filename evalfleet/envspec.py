@@ -23,10 +23,12 @@ import importlib
 import inspect
 import json
 import logging
+import os
 import re
 import reprlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import gymnasium as gym
@@ -153,6 +155,90 @@ def _spec_value(value: Any, modules: set[str]) -> Any:
     return {"__type__": _qualified(kind), "repr": _ADDRESS.sub("", repr(value))}
 
 
+#: A directory a kwarg names is keyed by its files' bytes up to these bounds; past them by each
+#: file's relative name, size and modification time (reading it all would cost more than a run).
+DIR_FILES_LIMIT, DIR_BYTES_LIMIT = 2_000, 64 << 20
+
+
+def _strings(value: Any) -> Iterator[str]:
+    """Every string in a kwarg value: itself, a list's items, a dict's values, at any depth."""
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, list | tuple):
+        for item in value:
+            yield from _strings(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _strings(item)
+
+
+def _file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _dir_digest(root: Path) -> str:
+    """sha256 over a directory's files (relative names and bytes; past the bounds, name+size+mtime)."""
+    files = sorted(p for p in root.rglob("*") if p.is_file() and "__pycache__" not in p.parts)
+    by_content = (len(files) <= DIR_FILES_LIMIT
+                  and sum(p.stat().st_size for p in files) <= DIR_BYTES_LIMIT)
+    h = hashlib.sha256(b"content\0" if by_content else b"stat\0")
+    for path in files:
+        h.update(str(path.relative_to(root)).encode() + b"\0")
+        if by_content:
+            h.update(_file_sha256(path).encode())
+        else:
+            st = path.stat()
+            h.update(f"{st.st_size}:{st.st_mtime_ns}".encode())
+        h.update(b"\0")
+    return ("" if by_content else "stat:") + h.hexdigest()
+
+
+def named_files(*values: Any) -> dict[str, str]:
+    """``{string: sha256}`` of each file or directory a kwarg string names, as this process sees it.
+
+    An env that reads a scenario, a level or a table from a path in its kwargs behaves as that
+    file says: editing the file must change the key, as editing the env's code does. A string
+    naming a regular file is keyed by its bytes; one naming a directory (written with a path
+    separator, not the root) by its files'. Other strings name nothing here and add nothing.
+    """
+    out: dict[str, str] = {}
+    for text in (t for v in values for t in _strings(v)):
+        if text in out or not text or len(text) > 4096 or "\0" in text:
+            continue
+        path = Path(text).expanduser()
+        try:
+            if path.is_file():
+                out[text] = _file_sha256(path)
+            elif (path.is_dir() and os.sep in text.rstrip(os.sep)
+                  and path.resolve() != Path(path.resolve().anchor)):
+                out[text] = _dir_digest(path)
+        except OSError:  # unreadable here: the env cannot read it either, and fails on its own
+            continue
+    return out
+
+
+def spec_files(spec: Any, kwargs: Mapping[str, Any]) -> dict[str, str]:
+    """``named_files`` of the requested kwargs, the registered spec's and its wrappers'."""
+    return named_files(dict(kwargs), dict(spec.kwargs), [w.kwargs for w in spec.additional_wrappers])
+
+
+def env_files(env_id: str, kwargs: Mapping[str, Any]) -> dict[str, str]:
+    """The files ``env_id`` made with ``kwargs`` reads, by sha256, without making it (``{}`` if unknown).
+
+    A long-lived worker compares them with what it resolved before: an edited scenario file is
+    another env there too.
+    """
+    try:
+        spec = gym.spec(env_id.split(":", 1)[1] if ":" in env_id else env_id)
+    except gym.error.Error:
+        return {}
+    return spec_files(spec, kwargs)
+
+
 def _entry_name(entry_point: Any) -> str:
     """``'module:attr'``, as registered or of a registered callable."""
     return entry_point if isinstance(entry_point, str) else _qualified(entry_point)
@@ -201,6 +287,9 @@ class EnvFingerprint:
     code: dict[str, str] = field(default_factory=dict)
     """Code version of every other package involved: the id's module, wrappers, spec kwargs, and
     every package their code and the entry point's imports (read from source, not imported)."""
+    files: dict[str, str] = field(default_factory=dict)
+    """sha256 of every file or directory a string of the kwargs or spec kwargs names
+    (``named_files``): an edited scenario file is another env."""
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready form, used in the spec hash, the cache key and the manifest."""
@@ -215,6 +304,8 @@ class EnvFingerprint:
             "spec_kwargs": self.spec_kwargs,
             "wrappers": self.wrappers,
             "code": self.code,
+            # Only where a kwarg names a file: every other env keeps the key it had.
+            **({"files": self.files} if self.files else {}),
         }
 
     @property
@@ -329,6 +420,7 @@ def resolve_env(env_id: str, kwargs: dict[str, Any], max_steps: int | None) -> R
             spec_kwargs=spec_kwargs,
             wrappers=wrappers,
             code=_code_versions(modules | {_module_of(ep)}, _module_of(ep).split(".", 1)[0]),
+            files=spec_files(spec, kwargs),
         )
         return ResolvedEnv(fingerprint, env.observation_space, env.action_space)
     finally:

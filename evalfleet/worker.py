@@ -19,7 +19,7 @@ import pyarrow as pa
 from distributed import get_worker
 
 from evalfleet.cluster import policy_on_worker, worker_name
-from evalfleet.envspec import env_thunk, resolve_env
+from evalfleet.envspec import env_files, env_thunk, import_env_modules, resolve_env
 from evalfleet.errors import StaleWorkerCode
 from evalfleet.models import EvalRequest, PolicyHandle, Shard
 from evalfleet.progress import shard_publisher
@@ -41,7 +41,7 @@ def _publish(topic: str, message: dict[str, Any]) -> None:
         pass
 
 
-_resolved: dict[tuple[str, str, int | None], Any] = {}
+_resolved: dict[tuple[str, str, int | None, str], Any] = {}
 
 #: glibc ``mallopt`` parameters (malloc.h).
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
@@ -85,8 +85,15 @@ def execute_shard(shard: Shard, handle: PolicyHandle, request: EvalRequest, isol
 
 
 def _resolve(request: EvalRequest) -> Any:
-    """The request's env, resolved once per worker process (its modules imported, one made)."""
-    key = (request.env, repr(sorted(request.env_kwargs.items())), request.max_steps)
+    """The request's env, resolved once per worker process (its modules imported, one made).
+
+    Again when a file its kwargs name has changed since (its fingerprint, so the rows' env spec
+    hash, holds the file's bytes).
+    """
+    import_env_modules(request.env)  # imported once; the spec must be registered to be read
+    files = env_files(request.env, request.env_kwargs)
+    key = (request.env, repr(sorted(request.env_kwargs.items())), request.max_steps,
+           repr(sorted(files.items())))
     resolved = _resolved.get(key)
     if resolved is None:
         resolved = _resolved[key] = resolve_env(request.env, request.env_kwargs, request.max_steps)

@@ -6,6 +6,7 @@ must not change results (output folder, workers, concurrency, isolation...) must
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import os
 import re
@@ -346,6 +347,88 @@ def registering_module(tmp_path, monkeypatch):
     gymnasium.registry.pop(env_id, None)
 
 
+SCENARIO_MODULE = """
+    import json
+    import os
+
+    import gymnasium
+    from gymnasium.envs.classic_control.cartpole import CartPoleEnv
+
+
+    class ScenarioCartPole(CartPoleEnv):
+        \"\"\"CartPole whose gravity a scenario file (or a folder's level.json) sets.\"\"\"
+
+        def __init__(self, scenario, render_mode=None):
+            super().__init__(render_mode=render_mode)
+            path = scenario if os.path.isfile(scenario) else os.path.join(scenario, "level.json")
+            with open(path) as f:
+                self.gravity = json.load(f)["gravity"]
+
+
+    gymnasium.register(id="{env_id}", entry_point="{name}:ScenarioCartPole",
+                       max_episode_steps=50, kwargs={{"scenario": {default!r}}})
+"""
+
+
+@pytest.fixture
+def scenario_env(tmp_path, monkeypatch):
+    """A registered env reading its gravity from the file or folder its 'scenario' kwarg names.
+
+    Yields the id (``module:EnvId-v0``), the registered default scenario file and a folder
+    scenario; the env's code never changes, only the files it reads.
+    """
+    name, env_id = _unique("keyscenario"), f"KeyScenario{uuid.uuid4().hex[:6]}-v0"
+    default, folder = tmp_path / "scenarios" / "default.json", tmp_path / "scenarios" / "hard"
+    _write(tmp_path / "scenarios", {"default.json": '{"gravity": 9.8}',
+                                    "hard/level.json": '{"gravity": 9.8}'})
+    _write(tmp_path / "src", {f"{name}.py": SCENARIO_MODULE.format(
+        env_id=env_id, name=name, default=str(default))})
+    monkeypatch.syspath_prepend(str(tmp_path / "src"))
+    yield f"{name}:{env_id}", default, folder
+    _drop_modules(name)
+    gymnasium.registry.pop(env_id, None)
+
+
+def test_a_scenario_file_named_in_the_kwargs_is_keyed_by_its_bytes(scenario_env, base, tmp_path):
+    """Editing the file an env reads is a miss; the same bytes under another run are a hit."""
+    env, default, _ = scenario_env
+    mine = tmp_path / "mine.json"
+    mine.write_text('{"gravity": 9.8}')
+    fields = {**base, "env": env, "env_kwargs": {"scenario": str(mine)}}
+    before = _received(**fields)
+    assert before.cache_ingredients["env"]["files"][str(mine)] == hashlib.sha256(
+        mine.read_bytes()).hexdigest()
+    assert _received(**fields).cache_key == before.cache_key  # nothing changed: a hit
+    mine.write_text('{"gravity": 20.0}')
+    after = _received(**fields)
+    assert after.cache_key != before.cache_key
+    assert after.cache_ingredients["env"]["kwargs"] == before.cache_ingredients["env"]["kwargs"]
+
+
+def test_a_long_lived_worker_resolves_the_env_again_after_its_file_changed(scenario_env, base,
+                                                                           tmp_path):
+    """Rows carry the env spec hash of the file the episodes read, not of the one first seen."""
+    from evalfleet.worker import _resolve
+
+    env, _, _ = scenario_env
+    mine = tmp_path / "worker.json"
+    mine.write_text('{"gravity": 9.8}')
+    request = EvalRequest.build(**base, env=env, env_kwargs={"scenario": str(mine)})
+    first = _resolve(request)
+    assert _resolve(request) is first  # unchanged: resolved once
+    mine.write_text('{"gravity": 20.0}')
+    again = _resolve(request)
+    assert again.fingerprint.spec_hash != first.fingerprint.spec_hash
+    assert again.fingerprint.spec_hash == receive(request).env_spec_hash
+
+
+def test_an_env_without_file_kwargs_keeps_its_key_shape(base):
+    """Envs whose kwargs name no file carry no 'files' ingredient: their stored entries still hit."""
+    assert "files" not in _received(**base).cache_ingredients["env"]
+    assert "files" not in _received(**base, env_kwargs={"sutton_barto_reward": True}
+                                    ).cache_ingredients["env"]
+
+
 def test_the_registering_modules_kwargs_are_in_the_key(registering_module, base):
     """The id's module sets ``kwargs`` that ``gym.make`` passes on: flipping one is a miss."""
     name, env_id, source = registering_module
@@ -462,6 +545,7 @@ PLANTED: dict[str, list[str]] = {
                 "factory_import_inside_function", "callable_helper_module"],
     "env id": ["env_id", "env_kwargs", "env_max_episode_steps"],
     "registered spec": ["env_spec_kwargs", "env_spec_wrappers", "env_spec_wrapper_kwargs"],
+    "a file or folder": ["env_kwarg_file", "env_kwarg_folder", "env_spec_kwarg_file"],
     "code version of the package providing the env": ["env_source", "env_registering_module",
                                                       "env_wrapper_source"],
     "base seed": ["seed", "max_steps", "deterministic"],
@@ -539,6 +623,17 @@ def test_each_planted_change_is_a_miss(change, base, tmp_path, monkeypatch, requ
                                 (WrapperSpec(clip.name, f"{wrappers}:ClipReward", clip.kwargs),))
             key = _key(**fields)
             (tmp_path / f"{wrappers}.py").write_text((tmp_path / f"{wrappers}.py").read_text() + "# edit\n")
+    elif change in ("env_kwarg_file", "env_kwarg_folder", "env_spec_kwarg_file"):
+        fields["env"], default, folder = request.getfixturevalue("scenario_env")
+        edited = {"env_kwarg_file": tmp_path / "mine.json", "env_kwarg_folder": folder / "level.json",
+                  "env_spec_kwarg_file": default}[change]
+        if change == "env_kwarg_file":
+            edited.write_text('{"gravity": 9.8}')
+            fields["env_kwargs"] = {"scenario": str(edited)}
+        elif change == "env_kwarg_folder":
+            fields["env_kwargs"] = {"scenario": str(folder) + "/"}
+        key = _key(**fields)
+        edited.write_text('{"gravity": 3.7}')
     elif change == "env_registering_module":
         name, env_id, source = request.getfixturevalue("registering_module")
         fields["env"] = f"{name}:{env_id}"
