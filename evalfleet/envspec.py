@@ -36,7 +36,13 @@ import numpy as np
 from gymnasium import spaces
 
 from evalfleet.errors import EnvSpecError
-from evalfleet.provenance import code_version, imported_code
+from evalfleet.provenance import (
+    code_version,
+    file_sha256,
+    imported_code,
+    tree_digest,
+    tree_files,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -155,11 +161,6 @@ def _spec_value(value: Any, modules: set[str]) -> Any:
     return {"__type__": _qualified(kind), "repr": _ADDRESS.sub("", repr(value))}
 
 
-#: A directory a kwarg names is keyed by its files' bytes up to these bounds; past them by each
-#: file's relative name, size and modification time (reading it all would cost more than a run).
-DIR_FILES_LIMIT, DIR_BYTES_LIMIT = 2_000, 64 << 20
-
-
 def _strings(value: Any) -> Iterator[str]:
     """Every string in a kwarg value: itself, a list's items, a dict's values, at any depth."""
     if isinstance(value, str):
@@ -170,31 +171,6 @@ def _strings(value: Any) -> Iterator[str]:
     elif isinstance(value, dict):
         for item in value.values():
             yield from _strings(item)
-
-
-def _file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def _dir_digest(root: Path) -> str:
-    """sha256 over a directory's files (relative names and bytes; past the bounds, name+size+mtime)."""
-    files = sorted(p for p in root.rglob("*") if p.is_file() and "__pycache__" not in p.parts)
-    by_content = (len(files) <= DIR_FILES_LIMIT
-                  and sum(p.stat().st_size for p in files) <= DIR_BYTES_LIMIT)
-    h = hashlib.sha256(b"content\0" if by_content else b"stat\0")
-    for path in files:
-        h.update(str(path.relative_to(root)).encode() + b"\0")
-        if by_content:
-            h.update(_file_sha256(path).encode())
-        else:
-            st = path.stat()
-            h.update(f"{st.st_size}:{st.st_mtime_ns}".encode())
-        h.update(b"\0")
-    return ("" if by_content else "stat:") + h.hexdigest()
 
 
 def named_files(*values: Any) -> dict[str, str]:
@@ -212,10 +188,10 @@ def named_files(*values: Any) -> dict[str, str]:
         path = Path(text).expanduser()
         try:
             if path.is_file():
-                out[text] = _file_sha256(path)
+                out[text] = file_sha256(path)
             elif (path.is_dir() and os.sep in text.rstrip(os.sep)
                   and path.resolve() != Path(path.resolve().anchor)):
-                out[text] = _dir_digest(path)
+                out[text] = tree_digest(tree_files(path))
         except OSError:  # unreadable here: the env cannot read it either, and fails on its own
             continue
     return out

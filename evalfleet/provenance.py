@@ -70,17 +70,62 @@ def _recorded_tops(dist: importlib.metadata.Distribution) -> set[str]:
             for row in csv.reader(record.splitlines()) if row}
 
 
+#: A package's data files (anything but ``.py``) are keyed by their bytes up to these bounds;
+#: past them by each one's relative name, size and modification time (reading gigabytes of
+#: assets at every request would cost more than the evaluation).
+DATA_FILES_LIMIT, DATA_BYTES_LIMIT = 2_000, 64 << 20
+
+
+def file_sha256(path: Path) -> str:
+    """sha256 (hex) of a file's bytes, read in 1 MiB blocks."""
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def tree_files(root: Path) -> list[tuple[str, Path]]:
+    """Every regular file under ``root`` by relative name, sorted; compiled caches left out."""
+    return sorted((str(p.relative_to(root)), p) for p in root.rglob("*")
+                  if p.is_file() and "__pycache__" not in p.parts
+                  and p.suffix not in (".pyc", ".pyo"))
+
+
+def tree_digest(files: list[tuple[str, Path]]) -> str:
+    """sha256 (hex) over named files, each by its name and bytes.
+
+    ``.py`` files always by their bytes; the others by theirs within ``DATA_FILES_LIMIT`` and
+    ``DATA_BYTES_LIMIT``, else by size and modification time.
+    """
+    data = [path for _, path in files if path.suffix != ".py"]
+    by_content = (len(data) <= DATA_FILES_LIMIT
+                  and sum(p.stat().st_size for p in data) <= DATA_BYTES_LIMIT)
+    h = hashlib.sha256()
+    for name, path in files:
+        h.update(name.encode() + b"\0")
+        if by_content or path.suffix == ".py":
+            h.update(file_sha256(path).encode())
+        else:
+            st = path.stat()
+            h.update(f"stat:{st.st_size}:{st.st_mtime_ns}".encode())
+        h.update(b"\0")
+    return h.hexdigest()
+
+
 def _source_files(top: str) -> list[tuple[str, Path]]:
-    """Every ``.py`` file of top-level module or package ``top`` as imported here, by relative name."""
+    """Every file of top-level module or package ``top`` as imported here, by relative name.
+
+    A package's whole tree, data files included (a level map or a table beside the code shapes
+    returns as the code does); a single module's own ``.py`` file.
+    """
     spec = importlib.util.find_spec(top)
     if spec is None:
         return []
     if spec.submodule_search_locations:  # a package (regular or namespace): all of its tree
         files: list[tuple[str, Path]] = []
         for location in spec.submodule_search_locations:
-            root = Path(location)
-            files += [(str(p.relative_to(root)), p) for p in root.rglob("*.py")
-                      if "__pycache__" not in p.parts]
+            files += tree_files(Path(location))
         return sorted(files)
     if spec.origin and spec.origin.endswith(".py"):
         return [(Path(spec.origin).name, Path(spec.origin))]
@@ -88,19 +133,14 @@ def _source_files(top: str) -> list[tuple[str, Path]]:
 
 
 def source_digest(top: str) -> str | None:
-    """sha256 (hex, first 16) over the relative names and bytes of ``top``'s ``.py`` files.
+    """sha256 (hex, first 16) over the relative names and bytes of ``top``'s files (``tree_digest``).
 
     None when ``top`` has no Python source here (a compiled extension, a frozen module).
     """
     files = _source_files(top)
-    if not files:
+    if not any(path.suffix == ".py" for _, path in files):
         return None
-    h = hashlib.sha256()
-    for name, path in files:
-        h.update(name.encode() + b"\0")
-        h.update(path.read_bytes())
-        h.update(b"\0")
-    return h.hexdigest()[:16]
+    return tree_digest(files)[:16]
 
 
 def _installed_from_directory(dist: importlib.metadata.Distribution) -> bool:

@@ -298,6 +298,28 @@ def test_editing_a_helper_of_an_uninstalled_env_package_changes_the_key(base, tm
         _drop_modules(pkg)
 
 
+def test_editing_a_data_file_of_an_uninstalled_env_package_changes_the_key(base, tmp_path,
+                                                                          monkeypatch):
+    """A level map or table shipped beside the env's code shapes returns as the code does."""
+    pkg = _unique("keydatapkg")
+    env_id = f"KeyData{uuid.uuid4().hex[:6]}-v0"
+    files = {f"{pkg}/{name}": text.format(pkg=pkg, env_id=env_id)
+             for name, text in ENV_PACKAGE.items()}
+    files[f"{pkg}/levels/corridor.txt"] = "width 5\n"
+    _write(tmp_path / "src", files)
+    (tmp_path / "src" / pkg / "__pycache__").mkdir()  # compiled caches never count
+    monkeypatch.syspath_prepend(str(tmp_path / "src"))
+    try:
+        fields = {**base, "env": f"{pkg}:{env_id}"}
+        before = _received(**fields)
+        (tmp_path / "src" / pkg / "__pycache__" / "env.cpython-311.pyc").write_bytes(b"\0")
+        assert _received(**fields).cache_key == before.cache_key
+        (tmp_path / "src" / pkg / "levels" / "corridor.txt").write_text("width 9\n")
+        assert _received(**fields).cache_key != before.cache_key
+    finally:
+        _drop_modules(pkg)
+
+
 def test_an_editable_install_is_keyed_by_source_a_wheel_by_version():
     # This repository is installed with `pip install -e .`: its envs/ are keyed by their files.
     name, version = code_version("envs.inventory")
