@@ -96,7 +96,6 @@ class EpisodeRecord:
     retry_reason: str | None = None
 
 
-
 #: ``EPISODE_SCHEMA`` column of each ``EpisodeRecord`` field that has one.
 _COLUMN_OF = {f.name: "return" if f.name == "episode_return" else f.name
               for f in fields(EpisodeRecord)}
