@@ -16,6 +16,7 @@ from types import FrameType
 from typing import Any, NoReturn
 
 from evalfleet.console import configure_console, quiet_environment
+from evalfleet.environ import restored_environment
 from evalfleet.errors import EvalfleetError, RequestError, Stopped
 from evalfleet.models import OUTPUT_MISSING, EvalReport, EvalRequest
 from evalfleet.server import SERVER_MODE_ENV
@@ -397,20 +398,6 @@ def run_suite(evaluate_suite: SuiteEvaluator | None, args: argparse.Namespace) -
     if missing:
         return output_missing(missing)
     return EXIT_OK
-
-
-@contextmanager
-def restored_environment(keys: Sequence[str]) -> Iterator[None]:
-    """Put ``keys`` of ``os.environ`` back as they were when the block ends."""
-    saved = {k: os.environ.get(k) for k in keys}
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 def run_eval(evaluate: Callable[[EvalRequest], EvalReport], args: argparse.Namespace,

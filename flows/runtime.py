@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from prefect.settings import PREFECT_API_URL, PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
 
+from evalfleet.environ import exported
 from evalfleet.errors import EvalfleetError
 from evalfleet.server import SERVER_MODE_ENV
 from flows import heartbeats
@@ -85,7 +86,7 @@ def prefect_api(wait: bool = True) -> Iterator[PrefectApi]:
     starting = threading.Thread(target=start, name="evalfleet-prefect-server", daemon=True)
     api = PrefectApi(api_url, starting)
     try:
-        with _exported(api_url):
+        with exported({"PREFECT_API_URL": api_url}):
             starting.start()
             # This server lives only as long as the evaluation: flow heartbeats (zombie detection
             # for long-lived servers) would only add thread work per flow run.
@@ -116,26 +117,13 @@ def shared_local_api(wait: bool = True) -> Iterator[PrefectApi]:
         api._starting = threading.Thread(target=boot, name="evalfleet-prefect-server", daemon=True)
         api._starting.start()
     try:
-        with _exported(state.url), temporary_settings(updates={PREFECT_API_URL: state.url}):
+        with exported({"PREFECT_API_URL": state.url}), \
+                temporary_settings(updates={PREFECT_API_URL: state.url}):
             if wait:
                 api.wait()
             yield api
     finally:
         _flushed(api)  # bounded, rather than at interpreter exit
-
-
-@contextmanager
-def _exported(url: str) -> Iterator[None]:
-    """``PREFECT_API_URL`` in this process's environment (what spawned workers inherit)."""
-    saved = os.environ.get("PREFECT_API_URL")
-    os.environ["PREFECT_API_URL"] = url
-    try:
-        yield
-    finally:
-        if saved is None:
-            os.environ.pop("PREFECT_API_URL", None)
-        else:
-            os.environ["PREFECT_API_URL"] = saved
 
 
 def _flushed(api: PrefectApi) -> None:
