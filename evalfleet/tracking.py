@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,66 @@ logger = logging.getLogger(__name__)
 def default_tracking_uri(output: Path) -> str:
     """A SQLite store under the results folder (MLflow's file store is deprecated)."""
     return f"sqlite:///{Path(output).resolve() / 'mlflow.db'}"
+
+
+def mlflow_client(tracking_uri: str) -> Any:
+    """An ``MlflowClient`` on ``tracking_uri``; a new SQLite store starts as a copy of an empty one.
+
+    MLflow builds a new SQLite store by running its schema migrations, ~1 s of CPU, at the
+    first stage 7 of every new results folder. Here they run once per MLflow version, into a
+    template in ``evalfleet_home()``; a new store is a copy of it. The template holds no
+    experiment: MLflow adds its ``Default`` one on open, where it would have (the store's folder
+    and the working directory of the moment). If anything fails, MLflow builds the store itself.
+    """
+    from mlflow.tracking import MlflowClient
+
+    if tracking_uri.startswith("sqlite:///"):
+        db = Path(tracking_uri.removeprefix("sqlite:///"))
+        if not db.exists():
+            try:
+                _copy_new(_store_template(), db)
+            except Exception as err:  # noqa: BLE001 - MLflow makes the store as it always did
+                logger.debug("no MLflow store template for %s: %s", db, err)
+    return MlflowClient(tracking_uri=tracking_uri)
+
+
+def _store_template() -> Path:
+    """An empty SQLite store of this MLflow version's schema, made on first use."""
+    import sqlite3
+    from contextlib import closing
+
+    import mlflow
+    from mlflow.tracking import MlflowClient
+
+    from evalfleet.server import evalfleet_home
+
+    path = evalfleet_home() / "mlflow" / f"empty-store-{mlflow.__version__}.db"
+    if path.exists():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    made = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}")
+    made.unlink(missing_ok=True)
+    MlflowClient(tracking_uri=f"sqlite:///{made}").search_experiments()  # migrated, with Default
+    with closing(sqlite3.connect(made)) as db:
+        db.execute("DELETE FROM experiments")  # MLflow adds its Default where the copy is opened
+        db.commit()
+    os.replace(made, path)
+    return path
+
+
+def _copy_new(template: Path, db: Path) -> None:
+    """``template`` copied to ``db``, unless a store appeared there meanwhile (never replaced)."""
+    import shutil
+
+    db.parent.mkdir(parents=True, exist_ok=True)
+    part = db.with_name(f".{db.name}.{os.getpid()}.{threading.get_ident()}")
+    shutil.copyfile(template, part)
+    try:
+        os.link(part, db)
+    except FileExistsError:
+        pass
+    finally:
+        part.unlink(missing_ok=True)
 
 
 def flatten_metrics(report: dict[str, Any]) -> dict[str, float]:
@@ -174,19 +235,8 @@ def log_evaluation(
 ) -> str:
     """Log one evaluation as an MLflow run; returns the run id."""
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
-    import mlflow
-    from mlflow.tracking import MlflowClient
-
-    client = MlflowClient(tracking_uri=tracking_uri)
-    exp = client.get_experiment_by_name(experiment)
-    if exp is None:
-        location = None
-        if tracking_uri.startswith("sqlite:///"):
-            db = Path(tracking_uri.removeprefix("sqlite:///"))
-            location = (db.parent / "mlartifacts").resolve().as_uri()
-        exp_id = client.create_experiment(experiment, artifact_location=location)
-    else:
-        exp_id = exp.experiment_id
+    client = mlflow_client(tracking_uri)
+    exp_id = _experiment_id(client, tracking_uri, experiment)
     tags = {
         "evalfleet.policy_sha256": report["policy_sha256"],
         "evalfleet.env_id": report["env_id"],
@@ -223,7 +273,6 @@ def log_evaluation(
                        report.get("training_run_id"), err)
     _log_files(client, run, artifacts)
     client.set_terminated(run_id, "FAILED" if report["harness_fault"] else "FINISHED")
-    del mlflow
     return run_id
 
 
@@ -289,9 +338,8 @@ def log_suite(
     """
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     from mlflow.entities import Metric, Param, RunTag
-    from mlflow.tracking import MlflowClient
 
-    client = MlflowClient(tracking_uri=tracking_uri)
+    client = mlflow_client(tracking_uri)
     exp_id = _experiment_id(client, tracking_uri, experiment)
     tags = {
         "evalfleet.suite": report["suite"],
