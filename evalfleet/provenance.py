@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import ast
 import csv
-import functools
 import hashlib
 import importlib.metadata
 import importlib.util
 import json
 import logging
+import os
 import sys
 import threading
 from collections import deque
@@ -37,10 +37,69 @@ SOURCE_PREFIX = "source-sha256:"
 MAX_IMPORTED_MODULES = 500
 
 
-@functools.lru_cache(maxsize=1)
 def _distributions() -> dict[str, list[str]]:
-    # Scanning every installed distribution takes ~1 s; once per process is enough.
-    return dict(importlib.metadata.packages_distributions())
+    """``importlib.metadata.packages_distributions()``, read from a file while ``sys.path`` stands.
+
+    The scan reads every installed distribution's metadata: 0.5-1 s, paid by stage 1 and by
+    each fresh worker's first shard whenever a policy's or env's module is no distribution.
+    Its answer is kept in ``evalfleet_home()`` under a key of every ``sys.path`` entry and its
+    modification time, the invalidation Python's own import system relies on: installing or
+    removing a distribution adds or removes an entry in its folder, which changes the key.
+    """
+    key = _path_state()
+    with _distributions_lock:
+        if _distributions_seen.get("key") == key:
+            return _distributions_seen["value"]  # type: ignore[return-value]
+        stored = _stored_distributions(key)
+        value = stored if stored is not None else dict(importlib.metadata.packages_distributions())
+        if stored is None:
+            _store_distributions(key, value)
+        _distributions_seen.update(key=key, value=value)
+        return value
+
+
+_distributions_lock = threading.Lock()
+_distributions_seen: dict[str, object] = {}
+
+
+def _path_state() -> str:
+    """sha256 of ``sys.path``: each entry with its modification time (None where it is missing)."""
+    state = []
+    for entry in sys.path:
+        try:
+            state.append((entry, Path(entry or ".").stat().st_mtime_ns))
+        except OSError:
+            state.append((entry, None))
+    return hashlib.sha256(json.dumps([sys.version, state]).encode()).hexdigest()
+
+
+def _distributions_file(key: str) -> Path:
+    from evalfleet.server import evalfleet_home
+
+    return evalfleet_home() / "provenance" / f"distributions-{key[:32]}.json"
+
+
+def _stored_distributions(key: str) -> dict[str, list[str]] | None:
+    try:
+        stored = json.loads(_distributions_file(key).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(stored, dict) or stored.get("key") != key:
+        return None
+    value = stored.get("distributions")
+    return value if isinstance(value, dict) else None
+
+
+def _store_distributions(key: str, value: dict[str, list[str]]) -> None:
+    path = _distributions_file(key)
+    part = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        part.write_text(json.dumps({"key": key, "distributions": value}))
+        os.replace(part, path)
+    except OSError as err:  # an unwritable home: scanned again by the next process
+        logger.debug("could not keep the distributions scan in %s: %s", path, err)
+        part.unlink(missing_ok=True)
 
 
 def distribution_named_like(top: str) -> list[str]:
