@@ -64,7 +64,7 @@ _distributions_seen: dict[str, object] = {}
 
 def _path_state() -> str:
     """sha256 of ``sys.path``: each entry with its modification time (None where it is missing)."""
-    state = []
+    state: list[tuple[str, int | None]] = []
     for entry in sys.path:
         try:
             state.append((entry, Path(entry or ".").stat().st_mtime_ns))
