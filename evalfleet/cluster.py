@@ -359,9 +359,19 @@ def _start_fork_server(modules: tuple[str, ...]) -> None:
     import distributed.utils
 
     distributed.utils._forkserver_preload_set = True  # Dask's own list imports pandas here
-    multiprocessing.forkserver.set_forkserver_preload(list(modules))
-    with exported(worker_environment()):
+    multiprocessing.forkserver.set_forkserver_preload(["evalfleet.fork_main", *modules])
+    with exported(worker_environment() | _main_script()):
         multiprocessing.forkserver.ensure_running()
+
+
+def _main_script() -> dict[str, str]:
+    """The driver's main script, as a fork server's child would run it again (``fork_main``)."""
+    import multiprocessing.spawn
+
+    from evalfleet.fork_main import MAIN_ENV
+
+    path = multiprocessing.spawn.get_preparation_data("main").get("init_main_from_path")
+    return {MAIN_ENV: path} if path else {}
 
 
 def worker_environment() -> dict[str, str]:

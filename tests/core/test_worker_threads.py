@@ -10,6 +10,9 @@ against each other (a CartPole MLP step took ~5 ms instead of ~0.1 ms).
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import dask
 
@@ -44,3 +47,41 @@ def test_the_configured_thread_count_reaches_the_workers(monkeypatch):
             got = client_for(address).run(_threads)
     assert [g["torch"] for g in got.values()] == [2], got
     assert [g["hash_seed"] for g in got.values()] == ["6640"]  # one hash seed, as Dask's workers
+
+
+SCRIPT = """
+import os
+with open(os.environ["MARKS"], "a") as marks:  # a main script's top level, with a side effect
+    marks.write(f"{os.getpid()}\\n")
+if __name__ == "__main__":
+    print(os.getpid(), flush=True)
+
+
+def probe():
+    return os.getpid()
+
+
+if __name__ == "__main__":
+    from evalfleet.cluster import client_for, fleet_cluster, fork_server_for_check
+
+    with fork_server_for_check(()):  # stage 1's start of the server, then a cluster's
+        pass
+    with fleet_cluster(None, 2, (), single_use=True) as address:
+        print(len(client_for(address).run(probe)))
+"""
+
+
+def test_workers_do_not_run_the_drivers_main_script_again(tmp_path):
+    script, marks = tmp_path / "train.py", tmp_path / "marks"
+    script.write_text(SCRIPT)
+    env = dict(os.environ, MARKS=str(marks), PYTHONPATH=str(Path(__file__).resolve().parents[2]))
+    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == "2"  # two workers ran the probe
+    assert marks.read_text().split() == [str(done_pid(done))]  # the driver's own run, no other
+
+
+def done_pid(done: subprocess.CompletedProcess[str]) -> int:
+    """The driver's pid, the first line its script wrote."""
+    return int(done.stdout.split()[0])
