@@ -2,8 +2,9 @@
 
 A policy or env module that no distribution is named like (this repo's ``envs``, a user's
 ``my_policies``) made stage 1 and every fresh worker's first shard scan every installed
-distribution's metadata (0.5-1 s each). The answer is kept under a key of ``sys.path`` and its
-folders' modification times: installing a distribution changes it.
+distribution's metadata (0.5-1 s each). The answer is kept under a key of the distributions
+found and their metadata folders' modification times: installing one changes it, a Dask worker's
+new scratch folder on ``sys.path`` does not.
 """
 
 from __future__ import annotations
@@ -74,3 +75,40 @@ def test_a_damaged_file_is_scanned_again(tmp_path: Path, monkeypatch: pytest.Mon
     kept.write_text("{not json")
     monkeypatch.setattr(provenance, "_distributions_seen", {})
     assert provenance._distributions() == want
+
+
+def test_a_new_empty_folder_on_the_path_keeps_the_key(tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    before = provenance._installed_state()
+    scratch = tmp_path / "dask-scratch-space" / "worker-abc123"  # what each Dask worker adds
+    scratch.mkdir(parents=True)
+    monkeypatch.syspath_prepend(str(scratch))
+    importlib.invalidate_caches()
+    assert provenance._installed_state() == before
+
+
+def _scans_on_a_worker() -> int:
+    calls = []
+    real = importlib.metadata.packages_distributions
+
+    def counted():  # type: ignore[no-untyped-def]
+        calls.append(1)
+        return real()
+
+    importlib.metadata.packages_distributions = counted  # type: ignore[assignment]
+    try:
+        provenance.code_version("envs")
+    finally:
+        importlib.metadata.packages_distributions = real
+    return len(calls)
+
+
+def test_fresh_workers_read_the_scan_a_driver_made(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from evalfleet.cluster import client_for, fleet_cluster
+
+    monkeypatch.setenv("EVALFLEET_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(provenance, "_distributions_seen", {})
+    provenance.code_version("envs")  # the driver's stage 1
+    with fleet_cluster(None, 2, (), single_use=True) as address:  # workers exported the home
+        scans = client_for(address).run(_scans_on_a_worker)
+    assert sorted(scans.values()) == [0, 0], scans
