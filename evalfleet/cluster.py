@@ -196,7 +196,8 @@ def fleet_cluster(address: str | None, workers: int, preload: tuple[str, ...] = 
     config = {"distributed.worker.daemon": False,
               "distributed.worker.multiprocessing-method": "forkserver",
               f"distributed.nanny.environ.{DRIVER_PID_ENV}": str(os.getpid())}
-    with dask.config.set(config), _worker_fork_server(WORKER_MODULES + preload), LocalCluster(
+    with dask.config.set(config), _worker_fork_server(WORKER_MODULES + preload), \
+            _nanny_exports_nothing(), LocalCluster(
         n_workers=workers,
         threads_per_worker=1,
         processes=True,
@@ -375,11 +376,37 @@ def _main_script() -> dict[str, str]:
 
 
 def worker_environment() -> dict[str, str]:
-    """What a Dask nanny exports before starting a worker (``Nanny.pre_spawn_env``)."""
-    env = {k: str(v) for k, v in dask.config.get("distributed.nanny.pre-spawn-environ").items()}
-    if env.get("PYTHONHASHSEED") in (None, "0"):  # as the nanny: one hash seed for all workers
+    """What a Dask nanny exports before starting a worker (``Nanny.pre_spawn_env``).
+
+    Dask's rule: ``distributed.nanny.pre-spawn-environ``, except where this process's own
+    environment sets the variable; one hash seed for all workers.
+    """
+    config = dask.config.get("distributed.nanny.pre-spawn-environ")
+    env = {k: os.environ.get(k, str(v)) for k, v in config.items() if v is not None}
+    if env.get("PYTHONHASHSEED") in (None, "0"):
         env["PYTHONHASHSEED"] = "6640"
     return env
+
+
+@contextmanager
+def _nanny_exports_nothing() -> Iterator[None]:
+    """The local cluster's nannies leave this process's environment as it is.
+
+    A nanny exports its pre-spawn environment into the process it runs in, for good, before each
+    worker start ("even if this means poisoning the process running the Nanny"): a local
+    cluster's run in the driver, which may be a training process whose later children would then
+    run single-threaded (``OMP_NUM_THREADS=1``...) with a fixed hash seed. The workers are forked
+    from the fork server, started with that environment already (``_start_fork_server``), so the
+    nannies are given nothing to export but the hash seed Dask insists on setting (left as it was,
+    or ``random``: what an unset one means).
+    """
+    seed = os.environ.get("PYTHONHASHSEED")
+    worker = {f"distributed.nanny.environ.{k}": v for k, v in worker_environment().items()}
+    with dask.config.set({"distributed.nanny.pre-spawn-environ": {"PYTHONHASHSEED": seed or "random"},
+                          **worker}):  # set in each worker itself, as its fork server had them
+        yield
+    if seed is None and os.environ.get("PYTHONHASHSEED") == "random":
+        os.environ.pop("PYTHONHASHSEED")  # the nannies' own, when the cluster closes
 
 
 def client_for(address: str) -> Client:

@@ -25,17 +25,28 @@ def _threads() -> dict[str, object]:
     return {"torch": torch.get_num_threads(), "hash_seed": os.environ.get("PYTHONHASHSEED")}
 
 
-def test_workers_forked_after_a_stage_one_check_run_torch_on_the_configured_threads(monkeypatch):
-    # What a user's shell may say; Dask's setting wins on its workers, as it does when it spawns.
-    monkeypatch.setenv("OMP_NUM_THREADS", "3")
-    monkeypatch.setenv("MKL_NUM_THREADS", "3")
-    with dask.config.set({"distributed.nanny.pre-spawn-environ.OMP_NUM_THREADS": 1}):
-        with fork_server_for_check(("torch",)):  # stage 1 starts the server, as evaluate() does
-            pass
-        with fleet_cluster(None, 2, ("torch",), single_use=True) as address:
-            got = client_for(address).run(_threads)
+def test_workers_forked_after_a_stage_one_check_run_torch_on_one_thread(monkeypatch):
+    for key in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "PYTHONHASHSEED"):
+        monkeypatch.delenv(key, raising=False)
+    with fork_server_for_check(("torch",)):  # stage 1 starts the server, as evaluate() does
+        pass
+    with fleet_cluster(None, 2, ("torch",), single_use=True) as address:
+        got = client_for(address).run(_threads)
+        # The nannies run in this process (a training process, for an Evaluator): they exported
+        # nothing into it, so its later children are not made single-threaded.
+        assert "OMP_NUM_THREADS" not in os.environ and "MKL_NUM_THREADS" not in os.environ
     assert [g["torch"] for g in got.values()] == [1, 1], got
-    assert os.environ["OMP_NUM_THREADS"] == "3"  # the driver's own environment is as it was
+    assert [g["hash_seed"] for g in got.values()] == ["6640", "6640"]  # one seed, as Dask's
+    assert "PYTHONHASHSEED" not in os.environ
+
+
+def test_this_process_setting_wins_over_the_config_as_on_dask_workers(monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")  # the user's own, in the driver's environment
+    monkeypatch.setenv("MKL_NUM_THREADS", "2")  # (torch takes the smaller of the two)
+    with fleet_cluster(None, 1, ("torch",), single_use=True) as address:
+        got = client_for(address).run(_threads)
+    assert [g["torch"] for g in got.values()] == [min(2, os.cpu_count() or 1)], got
+    assert os.environ["OMP_NUM_THREADS"] == "2"
 
 
 def test_the_configured_thread_count_reaches_the_workers(monkeypatch):
@@ -46,7 +57,6 @@ def test_the_configured_thread_count_reaches_the_workers(monkeypatch):
         with fleet_cluster(None, 1, ("torch",), single_use=True) as address:
             got = client_for(address).run(_threads)
     assert [g["torch"] for g in got.values()] == [2], got
-    assert [g["hash_seed"] for g in got.values()] == ["6640"]  # one hash seed, as Dask's workers
 
 
 SCRIPT = """
