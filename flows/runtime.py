@@ -175,7 +175,7 @@ def worker_preload(received: Received) -> tuple[str, ...]:
 
 
 #: What stages 6 and 7 import on first use (~2 s in all): statistics, MLflow's SQL store, plots.
-LATER_MODULES = ("scipy.stats", "mlflow.tracking", "mlflow.store.tracking.sqlalchemy_store",
+LATER_MODULES = ("scipy.special", "mlflow.tracking", "mlflow.store.tracking.sqlalchemy_store",
                  "evalfleet.plots")
 
 
