@@ -18,6 +18,9 @@ import dask
 
 from evalfleet.cluster import client_for, fleet_cluster, fork_server_for_check, worker_environment
 
+#: What Dask's nanny exports into the process it runs in (a plain ``LocalCluster``'s: this one).
+THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
+
 
 def _threads() -> dict[str, object]:
     import torch
@@ -26,7 +29,7 @@ def _threads() -> dict[str, object]:
 
 
 def test_workers_forked_after_a_stage_one_check_run_torch_on_one_thread(monkeypatch):
-    for key in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "PYTHONHASHSEED"):
+    for key in (*THREAD_VARIABLES, "PYTHONHASHSEED"):  # as in a fresh process
         monkeypatch.delenv(key, raising=False)
     with fork_server_for_check(("torch",)):  # stage 1 starts the server, as evaluate() does
         pass
@@ -41,6 +44,7 @@ def test_workers_forked_after_a_stage_one_check_run_torch_on_one_thread(monkeypa
 
 
 def test_this_process_setting_wins_over_the_config_as_on_dask_workers(monkeypatch):
+    monkeypatch.delenv("OPENBLAS_NUM_THREADS", raising=False)
     monkeypatch.setenv("OMP_NUM_THREADS", "2")  # the user's own, in the driver's environment
     monkeypatch.setenv("MKL_NUM_THREADS", "2")  # (torch takes the smaller of the two)
     with fleet_cluster(None, 1, ("torch",), single_use=True) as address:
@@ -50,7 +54,8 @@ def test_this_process_setting_wins_over_the_config_as_on_dask_workers(monkeypatc
 
 
 def test_the_configured_thread_count_reaches_the_workers(monkeypatch):
-    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    for key in THREAD_VARIABLES:  # a LocalCluster started elsewhere in this process sets them
+        monkeypatch.delenv(key, raising=False)
     with dask.config.set({"distributed.nanny.pre-spawn-environ.OMP_NUM_THREADS": 2,
                           "distributed.nanny.pre-spawn-environ.MKL_NUM_THREADS": 2}):
         assert worker_environment()["OMP_NUM_THREADS"] == "2"
