@@ -45,20 +45,21 @@ def _distributions() -> dict[str, list[str]]:
     Its answer is kept in ``evalfleet_home()`` under a key of the distributions found and the
     modification times of their metadata folders (``_installed_state``).
     """
+    global _distributions_seen
     key = _installed_state()
     with _distributions_lock:
-        if _distributions_seen.get("key") == key:
-            return _distributions_seen["value"]  # type: ignore[return-value]
-        stored = _stored_distributions(key)
-        value = stored if stored is not None else dict(importlib.metadata.packages_distributions())
-        if stored is None:
+        if _distributions_seen is not None and _distributions_seen[0] == key:
+            return _distributions_seen[1]
+        value = _stored_distributions(key)
+        if value is None:
+            value = dict(importlib.metadata.packages_distributions())
             _store_distributions(key, value)
-        _distributions_seen.update(key=key, value=value)
+        _distributions_seen = (key, value)
         return value
 
 
 _distributions_lock = threading.Lock()
-_distributions_seen: dict[str, object] = {}
+_distributions_seen: tuple[str, dict[str, list[str]]] | None = None  # this process's last answer
 
 
 def _installed_state() -> str:
@@ -96,15 +97,14 @@ def _stored_distributions(key: str) -> dict[str, list[str]] | None:
 
 
 def _store_distributions(key: str, value: dict[str, list[str]]) -> None:
+    from evalfleet.storage import atomic_write
+
     path = _distributions_file(key)
-    part = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}")
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        part.write_text(json.dumps({"key": key, "distributions": value}))
-        os.replace(part, path)
+        atomic_write(path, lambda tmp: Path(tmp).write_text(
+            json.dumps({"key": key, "distributions": value})))
     except OSError as err:  # an unwritable home: scanned again by the next process
         logger.debug("could not keep the distributions scan in %s: %s", path, err)
-        part.unlink(missing_ok=True)
 
 
 def distribution_named_like(top: str) -> list[str]:

@@ -19,7 +19,8 @@ def run_dir(output: Path, request_id: str) -> Path:
     return Path(output) / "runs" / request_id
 
 
-def _atomic(path: Path, write: Any) -> Path:
+def atomic_write(path: Path, write: Any) -> Path:
+    """``write(tmp)`` into a new file beside ``path``, then put it in ``path``'s place at once."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     os.close(fd)
@@ -35,12 +36,12 @@ def _atomic(path: Path, write: Any) -> Path:
 def write_episodes(table: pa.Table, path: Path) -> Path:
     """Write the episode table (``EPISODE_SCHEMA``) to ``path`` as Parquet."""
     table = table.cast(EPISODE_SCHEMA)
-    return _atomic(Path(path), lambda tmp: pq.write_table(table, tmp, compression="zstd"))
+    return atomic_write(Path(path), lambda tmp: pq.write_table(table, tmp, compression="zstd"))
 
 
 def write_table(table: pa.Table, path: Path) -> Path:
     """Write any Arrow table to ``path`` as Parquet, atomically."""
-    return _atomic(Path(path), lambda tmp: pq.write_table(table, tmp, compression="zstd"))
+    return atomic_write(Path(path), lambda tmp: pq.write_table(table, tmp, compression="zstd"))
 
 
 def read_episodes(path: Path) -> pa.Table:
@@ -51,4 +52,4 @@ def read_episodes(path: Path) -> pa.Table:
 def write_json(data: dict[str, Any], path: Path) -> Path:
     """Write ``data`` as indented JSON."""
     text = json.dumps(data, indent=2, sort_keys=True, default=str)
-    return _atomic(Path(path), lambda tmp: Path(tmp).write_text(text + "\n"))
+    return atomic_write(Path(path), lambda tmp: Path(tmp).write_text(text + "\n"))

@@ -48,19 +48,16 @@ def _store_template() -> Path:
     from mlflow.tracking import MlflowClient
 
     from evalfleet.server import evalfleet_home
+    from evalfleet.storage import atomic_write
+
+    def build(made: str) -> None:
+        MlflowClient(tracking_uri=f"sqlite:///{made}").search_experiments()  # migrated + Default
+        with closing(sqlite3.connect(made)) as db:
+            db.execute("DELETE FROM experiments")  # MLflow adds its Default where a copy opens
+            db.commit()
 
     path = evalfleet_home() / "mlflow" / f"empty-store-{mlflow.__version__}.db"
-    if path.exists():
-        return path
-    path.parent.mkdir(parents=True, exist_ok=True)
-    made = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}")
-    made.unlink(missing_ok=True)
-    MlflowClient(tracking_uri=f"sqlite:///{made}").search_experiments()  # migrated, with Default
-    with closing(sqlite3.connect(made)) as db:
-        db.execute("DELETE FROM experiments")  # MLflow adds its Default where the copy is opened
-        db.commit()
-    os.replace(made, path)
-    return path
+    return path if path.exists() else atomic_write(path, build)
 
 
 def _copy_new(template: Path, db: Path) -> None:

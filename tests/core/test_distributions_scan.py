@@ -69,11 +69,11 @@ def test_a_new_distribution_on_the_path_is_seen(tmp_path: Path, monkeypatch: pyt
 
 def test_a_damaged_file_is_scanned_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("EVALFLEET_HOME", str(tmp_path / "home"))
-    monkeypatch.setattr(provenance, "_distributions_seen", {})
+    monkeypatch.setattr(provenance, "_distributions_seen", None)
     want = provenance._distributions()
     [kept] = (tmp_path / "home" / "provenance").glob("distributions-*.json")
     kept.write_text("{not json")
-    monkeypatch.setattr(provenance, "_distributions_seen", {})
+    monkeypatch.setattr(provenance, "_distributions_seen", None)
     assert provenance._distributions() == want
 
 
@@ -107,7 +107,7 @@ def test_fresh_workers_read_the_scan_a_driver_made(tmp_path: Path, monkeypatch: 
     from evalfleet.cluster import client_for, fleet_cluster
 
     monkeypatch.setenv("EVALFLEET_HOME", str(tmp_path / "home"))
-    monkeypatch.setattr(provenance, "_distributions_seen", {})
+    monkeypatch.setattr(provenance, "_distributions_seen", None)
     provenance.code_version("envs")  # the driver's stage 1
     with fleet_cluster(None, 2, (), single_use=True) as address:  # workers exported the home
         scans = client_for(address).run(_scans_on_a_worker)
