@@ -143,6 +143,26 @@ def receive(request: EvalRequest) -> Received:
     return check()
 
 
+def _callable_device(request: EvalRequest, artifact: PolicyArtifact) -> str:
+    """The device to place inference on: a callable policy's is the CPU, never a GPU.
+
+    evalfleet moves a torch policy's weights and batches to a CUDA device; a callable is plain
+    Python it calls with numpy batches, so it cannot be placed there. ``--device cuda`` for one
+    is refused (the report would say ``cuda`` for inference that ran wherever the callable chose);
+    ``auto`` means the CPU, with no fallback to state.
+    """
+    if artifact.format != "callable" or request.device == "cpu":
+        return request.device
+    if request.device == "auto":
+        return "cpu"
+    raise RequestError(
+        f"--device {request.device!r} asks for policy inference on a CUDA GPU, but policy "
+        f"{request.policy!r} is a callable: evalfleet calls it with numpy batches on the worker's "
+        "CPU and cannot place it on a GPU. Pass --device cpu (or auto), or give the policy as a "
+        "TorchScript file or a state_dict with --policy-factory module:function to run it on CUDA."
+    )
+
+
 def receive_unloaded(request: EvalRequest) -> tuple[Received, Callable[..., Received]]:
     """Stage 1 but the policy's load: the ``Received`` (its cache key is final), and the check.
 
@@ -156,7 +176,7 @@ def receive_unloaded(request: EvalRequest) -> tuple[Received, Callable[..., Rece
     isolation = resolve_isolation(request.isolation, env.fingerprint.entry_point)
     artifact = read_policy(request.policy, request.policy_factory, env.action_space,
                            deterministic=request.deterministic)
-    placement = cluster.place_inference(request.device, request.dask_address)
+    placement = cluster.place_inference(_callable_device(request, artifact), request.dask_address)
     if request.record_video:
         check_recording(request, isolation)
     if request.callback_url:

@@ -40,7 +40,7 @@ def fake_gpu_cluster():
 
 
 def _request(**fields):
-    return EvalRequest.build(policy=POLICY, episodes=4, concurrency=2, **fields)
+    return EvalRequest.build(**{"policy": POLICY, "episodes": 4, "concurrency": 2, **fields})
 
 
 @needs_no_gpu
@@ -110,3 +110,29 @@ def test_cli_exits_2_at_once_for_cuda_without_a_gpu(cpu_cluster, tmp_path):
     assert local.returncode == 2 and "this machine" in local.stderr, local.stderr[-2000:]
     assert "Scheduler at" not in local.stderr  # no local cluster was started
     assert time.monotonic() - t0 < 100
+
+
+CALLABLE = "tests.sandbox.faulty_envs:balance"  # a CartPole callable
+
+
+@pytest.mark.parametrize("device", ["cuda", "cuda:0"])
+def test_a_callable_policy_is_never_placed_on_cuda(device, fake_gpu_cluster):
+    """A callable runs on the worker's CPU: '--device cuda' for one is refused, whatever the
+    cluster has (it was reported as inference on 'cuda', and shards were sent to GPU workers)."""
+    for address in (None, fake_gpu_cluster.scheduler_address):
+        with pytest.raises(RequestError) as err:
+            receive(_request(policy=CALLABLE, device=device, dask_address=address))
+        text = str(err.value)
+        assert f"--device {device!r} asks for policy inference on a CUDA GPU" in text
+        assert f"policy {CALLABLE!r} is a callable" in text and "--device cpu" in text
+    assert not fake_gpu_cluster.scheduler.tasks
+
+
+def test_auto_means_the_cpu_for_a_callable_policy(monkeypatch):
+    """'auto' on a GPU machine: a callable's inference is on the CPU, with no fallback to state."""
+    monkeypatch.setattr(fleet, "gpu_count", lambda: 1)  # a GPU machine, as stage 1 sees it
+    received = receive(_request(policy=CALLABLE, device="auto"))
+    assert (received.device, received.device_fallback) == ("cpu", None)
+    assert received.cache_ingredients["inference"]["device"] == "cpu"
+    torch_policy = receive(_request(device="auto"))  # the placement itself still sees the GPU
+    assert torch_policy.device == "cuda"
