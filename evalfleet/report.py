@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import platform
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -48,24 +49,36 @@ def versions() -> dict[str, str]:
 
 
 def torch_version() -> str:
-    """The installed torch's version, without importing it (~1 s) unless it is imported already.
+    """The installed torch's ``torch.__version__``, without importing it (~1 s) when it is not.
 
-    Both are the same string for an installed wheel (``torch.__version__`` is generated from it);
-    a torch importable without package metadata (a source tree on the path) is imported.
+    Read from the ``torch/version.py`` that ``torch.__version__`` comes from, not from the
+    package metadata: PyPI's CUDA wheels say ``2.11.0`` there and ``2.11.0+cu130`` in
+    ``torch.__version__``, so the cache key would depend on whether this process had imported
+    torch (the in-loop ``Evaluator`` has, the CLI has not), and each would miss the other's
+    episodes. A torch without that file is imported.
     """
+    import importlib.util
+    import re
     import sys
-    from importlib import metadata
 
     if "torch" in sys.modules:
         return str(sys.modules["torch"].__version__)
-    try:
-        return metadata.version("torch")
-    except metadata.PackageNotFoundError:
+    spec = importlib.util.find_spec("torch")  # finds the package; imports nothing
+    if spec is None:
+        return "absent"
+    for folder in spec.submodule_search_locations or ():
         try:
-            import torch
-        except ImportError:
-            return "absent"
-        return str(torch.__version__)
+            text = (Path(folder) / "version.py").read_text()
+        except OSError:
+            continue
+        found = re.search(r"^__version__\s*(?::[^=]*)?=\s*['\"]([^'\"]+)['\"]", text, re.MULTILINE)
+        if found:
+            return found.group(1)
+    try:
+        import torch
+    except ImportError:
+        return "absent"
+    return str(torch.__version__)
 
 
 def aggregate(

@@ -216,7 +216,7 @@ def test_the_packages_a_factory_imports_are_in_the_key(tmp_path, request):
     fields, net = _sibling_factory(tmp_path, request)
     code = _received(**fields, output=tmp_path / "out").cache_ingredients["policy"]["code"]
     assert code[net.stem].startswith(SOURCE_PREFIX)  # not installed: keyed by its source
-    assert code["torch"] == torch.__version__  # a wheel: by its version
+    assert code["torch"] == importlib.metadata.version("torch")  # a wheel: by its version
     assert list(code) == sorted(code)
 
 
@@ -767,6 +767,31 @@ def test_torch_version_without_importing_torch_is_torch_version():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          cwd=ROOT, check=True).stdout.split()
     assert out == ["False", torch.__version__]
+
+
+def test_a_cuda_wheel_is_keyed_alike_imported_or_not(tmp_path):
+    """PyPI's CUDA wheels of torch say '2.11.0' in their metadata and '2.11.0+cu130' in
+    ``torch.__version__``: the key's torch version must not depend on which one a process read
+    (seen on a GPU machine: the CLI, torch not yet imported, and a process that had imported it
+    keyed the same request apart)."""
+    import subprocess
+
+    fake = tmp_path / "site"
+    (fake / "torch").mkdir(parents=True)
+    (fake / "torch" / "version.py").write_text(
+        "from typing import Optional\n__version__ = '9.1.0+cu999'\ncuda: Optional[str] = '99.9'\n")
+    (fake / "torch" / "__init__.py").write_text("from torch.version import __version__\n")
+    (fake / "torch-9.1.0.dist-info").mkdir()
+    (fake / "torch-9.1.0.dist-info" / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: torch\nVersion: 9.1.0\n")
+    code = ("import sys; from evalfleet.report import torch_version; before = torch_version(); "
+            "imported = 'torch' in sys.modules; import torch; "
+            "print(before, imported, torch_version(), torch.__file__)")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(fake), str(ROOT)]))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=ROOT, env=env, check=True).stdout.split()
+    assert out[3].startswith(str(fake))  # the planted torch is the one found
+    assert out[:3] == ["9.1.0+cu999", "False", "9.1.0+cu999"]
 
 
 def test_no_gpu_driver_means_torch_sees_no_cuda():
