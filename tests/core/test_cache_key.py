@@ -787,7 +787,8 @@ def test_a_cuda_wheel_is_keyed_alike_imported_or_not(tmp_path):
     code = ("import sys; from evalfleet.report import torch_version; before = torch_version(); "
             "imported = 'torch' in sys.modules; import torch; "
             "print(before, imported, torch_version(), torch.__file__)")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(fake), str(ROOT)]))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(fake), str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          cwd=ROOT, env=env, check=True).stdout.split()
     assert out[3].startswith(str(fake))  # the planted torch is the one found
