@@ -13,8 +13,10 @@ This module starts the server as a subprocess and never imports Prefect.
 from __future__ import annotations
 
 import fcntl
+import gzip
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -34,6 +36,8 @@ START_TIMEOUT_S = 180.0
 #: ``local`` (default): with no PREFECT_API_URL, evaluations use the shared local server, started
 #: on first use. ``ephemeral``: each evaluation starts a server of its own, stopped after it.
 SERVER_MODE_ENV = "EVALFLEET_SERVER"
+#: Where evalfleet keeps its local state (default ``~/.evalfleet``).
+EVALFLEET_HOME_ENV = "EVALFLEET_HOME"
 #: The port a new server tries first (Prefect's own default), then any free one.
 PREFERRED_PORT = 4200
 
@@ -61,7 +65,7 @@ class ServerState:
 
 def evalfleet_home() -> Path:
     """Per-user directory of evalfleet's local state: ``$EVALFLEET_HOME`` or ``~/.evalfleet``."""
-    return Path(os.environ.get("EVALFLEET_HOME") or Path.home() / ".evalfleet")
+    return Path(os.environ.get(EVALFLEET_HOME_ENV) or Path.home() / ".evalfleet")
 
 
 def state_path() -> Path:
@@ -142,10 +146,99 @@ def _port() -> int:
     raise ServerError("no free TCP port on 127.0.0.1 for the local Prefect server")
 
 
-def _spawn() -> ServerState:
+#: Settings that point Prefect's server at a database of the user's own (then none is seeded).
+DATABASE_URL_ENVS = ("PREFECT_SERVER_DATABASE_CONNECTION_URL", "PREFECT_API_DATABASE_CONNECTION_URL")
+
+
+def database_template() -> Path | None:
+    """The packaged empty database of the installed Prefect version, or None if there is none.
+
+    ``evalfleet/data/prefect-<version>.db.gz``: a new server's SQLite database as that Prefect
+    version leaves it after its first start (every schema migration run, its block types
+    registered), made by ``python -m evalfleet.server template``. Prefect's version is read from
+    its package metadata: this module never imports Prefect.
+    """
+    from importlib import metadata
+    from importlib.resources import files
+
+    try:
+        version = metadata.version("prefect")
+    except metadata.PackageNotFoundError:
+        return None
+    path = Path(str(files("evalfleet") / "data" / f"prefect-{version}.db.gz"))
+    return path if path.is_file() else None
+
+
+def seed_database(prefect_home: Path) -> bool:
+    """Give a new server home its database from ``database_template()``; True if it did.
+
+    A new Prefect server runs every schema migration of its history and registers its block
+    types before it answers: ~5.5 of the ~10 s of a first start here. From the template it runs
+    none (Prefect still checks, and registers any block type the template lacks). An existing
+    database is never touched, nor one configured elsewhere; without a template, or if anything
+    fails, Prefect builds the database as it always does.
+    """
+    from evalfleet.storage import create_new
+
+    database = prefect_home / "prefect.db"
+    template = database_template()
+    if template is None or database.exists() or any(os.environ.get(k) for k in DATABASE_URL_ENVS):
+        return False
+
+    def unpack(tmp: str) -> None:
+        with gzip.open(template, "rb") as packed, open(tmp, "wb") as out:
+            shutil.copyfileobj(packed, out)
+
+    try:
+        return create_new(database, unpack)
+    except (OSError, EOFError) as err:  # a damaged template: Prefect migrates a new database
+        print(f"evalfleet: Prefect database template {template} not used: {err}", file=sys.stderr)
+        return False
+
+
+def build_database_template(folder: Path) -> Path:
+    """Start a server in a scratch home, stop it, and pack its database as the template."""
+    import sqlite3
+    import tempfile
+    from contextlib import closing
+    from importlib import metadata
+
+    from evalfleet.storage import atomic_write
+
+    saved = os.environ.get(EVALFLEET_HOME_ENV)
+    with tempfile.TemporaryDirectory(prefix="evalfleet-template-") as scratch:
+        os.environ[EVALFLEET_HOME_ENV] = scratch
+        try:
+            with _locked():
+                state = _spawn(seed=False)  # Prefect makes this database itself
+            wait_healthy(state)
+            stop_server()
+        finally:
+            if saved is None:
+                os.environ.pop(EVALFLEET_HOME_ENV, None)
+            else:
+                os.environ[EVALFLEET_HOME_ENV] = saved
+        database = Path(scratch) / "prefect" / "prefect.db"
+        with closing(sqlite3.connect(database)) as db:
+            db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+            db.execute("PRAGMA journal_mode=DELETE")
+            db.execute("VACUUM")
+        out = folder / f"prefect-{metadata.version('prefect')}.db.gz"
+
+        def pack(tmp: str) -> None:
+            with open(database, "rb") as raw, open(tmp, "wb") as out_file, \
+                    gzip.GzipFile(fileobj=out_file, mode="wb", compresslevel=9, mtime=0) as packed:
+                shutil.copyfileobj(raw, packed)
+
+        return atomic_write(out, pack)
+
+
+def _spawn(seed: bool = True) -> ServerState:
     home = evalfleet_home()
     prefect_home = home / "prefect"
     prefect_home.mkdir(parents=True, exist_ok=True)
+    if seed:
+        seed_database(prefect_home)
     port = _port()
     env = {k: v for k, v in os.environ.items()
            if k not in ("PREFECT_API_URL", "PREFECT_LOGGING_SETTINGS_PATH")}
@@ -261,3 +354,9 @@ def describe() -> str:
     answers = "healthy" if healthy(state.url) else "NOT answering"
     return (f"url      {state.url}\npid      {state.pid}\nuptime   {up // 3600}h{up % 3600 // 60:02d}m"
             f"{up % 60:02d}s\nhealth   {answers}\nhome     {state.prefect_home}")
+
+
+if __name__ == "__main__":  # python -m evalfleet.server template: (re)make the packaged template
+    if sys.argv[1:] != ["template"]:
+        sys.exit("usage: python -m evalfleet.server template")
+    print(build_database_template(Path(__file__).resolve().parent / "data"))

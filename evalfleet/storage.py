@@ -33,6 +33,25 @@ def atomic_write(path: Path, write: Any) -> Path:
     return path
 
 
+def create_new(path: Path, write: Any) -> bool:
+    """``write(tmp)`` into a file beside ``path``, linked in as ``path`` only if there is none yet.
+
+    A file already there (or one another process put there meanwhile) is never replaced; readers
+    never see a part. True when this call created ``path``.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        write(tmp)
+        os.link(tmp, path)
+        return True
+    except FileExistsError:
+        return False
+    finally:
+        Path(tmp).unlink(missing_ok=True)
+
+
 def write_episodes(table: pa.Table, path: Path) -> Path:
     """Write the episode table (``EPISODE_SCHEMA``) to ``path`` as Parquet."""
     table = table.cast(EPISODE_SCHEMA)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -27,13 +26,18 @@ def mlflow_client(tracking_uri: str) -> Any:
     experiment: MLflow adds its ``Default`` one on open, where it would have (the store's folder
     and the working directory of the moment). If anything fails, MLflow builds the store itself.
     """
+    import functools
+    import shutil
+
     from mlflow.tracking import MlflowClient
+
+    from evalfleet.storage import create_new
 
     if tracking_uri.startswith("sqlite:///"):
         db = Path(tracking_uri.removeprefix("sqlite:///"))
         if not db.exists():
             try:
-                _copy_new(_store_template(), db)
+                create_new(db, functools.partial(shutil.copyfile, _store_template()))
             except Exception as err:  # noqa: BLE001 - MLflow makes the store as it always did
                 logger.debug("no MLflow store template for %s: %s", db, err)
     return MlflowClient(tracking_uri=tracking_uri)
@@ -58,21 +62,6 @@ def _store_template() -> Path:
 
     path = evalfleet_home() / "mlflow" / f"empty-store-{mlflow.__version__}.db"
     return path if path.exists() else atomic_write(path, build)
-
-
-def _copy_new(template: Path, db: Path) -> None:
-    """``template`` copied to ``db``, unless a store appeared there meanwhile (never replaced)."""
-    import shutil
-
-    db.parent.mkdir(parents=True, exist_ok=True)
-    part = db.with_name(f".{db.name}.{os.getpid()}.{threading.get_ident()}")
-    shutil.copyfile(template, part)
-    try:
-        os.link(part, db)
-    except FileExistsError:
-        pass
-    finally:
-        part.unlink(missing_ok=True)
 
 
 def flatten_metrics(report: dict[str, Any]) -> dict[str, float]:
