@@ -100,6 +100,24 @@ def prefect_api(wait: bool = True) -> Iterator[PrefectApi]:
         server.stop()
 
 
+def start_shared_server() -> None:
+    """Start the shared local server now, if this evaluation will use it and none runs.
+
+    Called once the request is valid (stage 1 has resolved the env, read the policy and placed
+    inference) and before the policy's check: a first start (~5 s) then boots beside the check,
+    the workers' start and the imports instead of after them. ``shared_local_api`` finds it
+    booting and waits. Any failure is left to that later claim, which reports it.
+    """
+    if PREFECT_API_URL.value() or os.environ.get(SERVER_MODE_ENV, "local") == "ephemeral":
+        return
+    from evalfleet.server import claim_server
+
+    try:
+        claim_server()
+    except Exception as err:  # noqa: BLE001 - shared_local_api claims again and says what failed
+        logger.debug("early start of the local Prefect server failed: %s", err)
+
+
 @contextmanager
 def shared_local_api(wait: bool = True) -> Iterator[PrefectApi]:
     """The shared local server's API for this block: found after a health check, or started."""
@@ -191,7 +209,8 @@ class Ahead:
         self.imports: threading.Thread | None = None
 
     def __call__(self, received: Received) -> tuple[str, ...]:
-        """Start the imports; the workers' preload for ``received``'s policy."""
+        """Start the imports and the shared server; the workers' preload for ``received``'s policy."""
+        start_shared_server()
         self.imports = import_in_background()
         return worker_preload(received)
 
