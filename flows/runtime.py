@@ -15,7 +15,7 @@ from prefect.settings import PREFECT_API_URL, PREFECT_FLOWS_HEARTBEAT_FREQUENCY,
 from evalfleet.environ import exported
 from evalfleet.errors import EvalfleetError
 from evalfleet.server import SERVER_MODE_ENV
-from flows import heartbeats
+from flows import client_tls, heartbeats
 
 if TYPE_CHECKING:
     from evalfleet.pipeline import Received
@@ -175,6 +175,7 @@ def flush_to_api(timeout: float = FLUSH_TIMEOUT_S) -> None:
 
 
 heartbeats.install()  # before any flow of this process runs
+client_tls.install()  # before any Prefect client of this process is made
 
 
 #: What the flows' local workers import beside the core's ``WORKER_MODULES``: Prefect's task
