@@ -29,7 +29,7 @@ import pyarrow as pa
 
 from evalfleet import stats
 from evalfleet.models import EndReason, EvalRequest
-from evalfleet.scoring import outcomes, scored_returns
+from evalfleet.scoring import outcomes, row_kinds, scored_returns
 
 AUDIT_FRACTION = 0.02
 AUDIT_MIN = 2
@@ -41,8 +41,7 @@ CLIP_INTERIOR_MIN = 0.05
 
 
 def _completed(table: pa.Table) -> np.ndarray[Any, np.dtype[np.bool_]]:
-    reasons = table.column("end_reason").to_pylist()
-    return np.array([not EndReason(r).is_failure for r in reasons], dtype=bool)
+    return np.asarray(row_kinds(table.column("end_reason")) == "completed", dtype=bool)
 
 
 def completed_returns(table: pa.Table) -> np.ndarray[Any, np.dtype[np.float64]]:

@@ -69,15 +69,20 @@ def bootstrap_distribution(
         return np.stack([means, x[middle].mean(axis=axis)])
 
     statistic = mean_and_iqm if with_iqm else mean
-    sample = np.arange(n, dtype=np.int32 if n < 2**31 else np.int64)
+    # scipy draws int64 indices into the sample (here 0..n-1) and takes them. Below 2**31 an
+    # int32 draw is the same numbers (numpy's bounded draw takes 32-bit words whatever the dtype,
+    # for any range below 2**32) at half the memory traffic, and the take is the identity.
+    small = n < 2**31
+    sample = np.arange(n, dtype=np.int32 if small else np.int64)
     batch = max(1, MAX_INDICES_PER_CHUNK // n)
     parts: list[FloatArray] = []
     with ThreadPoolExecutor(max_workers=2, thread_name_prefix="evalfleet-bootstrap") as pool:
         running: deque[Future[FloatArray]] = deque()
         for k in range(0, n_boot, batch):
             # As scipy.stats.bootstrap: one draw of (batch, n) indices per batch, in order.
-            drawn = rng.integers(0, n, (min(batch, n_boot - k), n), dtype=np.int64)
-            idx: IndexArray = np.take(sample, drawn)
+            shape = (min(batch, n_boot - k), n)
+            idx: IndexArray = (rng.integers(0, n, shape, dtype=np.int32) if small
+                               else np.take(sample, rng.integers(0, n, shape, dtype=np.int64)))
             running.append(pool.submit(statistic, idx))
             if len(running) == 2:  # at most two batches computed, one drawn: memory stays bounded
                 parts.append(running.popleft().result())

@@ -22,10 +22,11 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from evalfleet.models import EndReason
 
-__all__ = ["Outcomes", "outcomes", "scored_returns"]
+__all__ = ["Outcomes", "outcomes", "row_kinds", "scored_returns"]
 
 BoolArray = npt.NDArray[np.bool_]
 
@@ -69,9 +70,23 @@ class Outcomes:
         return int(self.scored.sum()) / self.planned if self.planned else 1.0
 
 
+def row_kinds(reasons: pa.ChunkedArray | pa.Array) -> npt.NDArray[np.object_]:
+    """Per row, ``"completed"``, ``"policy"`` or ``"harness"``: its end reason's kind.
+
+    Each distinct reason is classified once and the rows look theirs up (a table holds a
+    handful of reasons over up to millions of rows). A null or unknown reason is ``"harness"``.
+    """
+    distinct = pc.unique(reasons)
+    kinds = np.array([_kind(r) for r in distinct.to_pylist()] + ["harness"], dtype=object)
+    where = pc.index_in(reasons, value_set=distinct, skip_nulls=False)
+    picked: npt.NDArray[np.object_] = kinds[np.asarray(
+        pc.fill_null(where, len(distinct)).to_numpy(zero_copy_only=False), dtype=np.intp)]
+    return picked
+
+
 def outcomes(table: pa.Table) -> Outcomes:
     """Classify every row of an episode table (columns ``end_reason`` and ``return``)."""
-    kinds = np.array([_kind(r) for r in table.column("end_reason").to_pylist()], dtype=object)
+    kinds = row_kinds(table.column("end_reason"))
     returns = np.asarray(table.column("return").to_numpy(zero_copy_only=False), dtype=np.float64)
     completed = kinds == "completed"
     policy = kinds == "policy"

@@ -51,3 +51,15 @@ def test_the_draws_and_statistics_are_scipys(n: int, with_iqm: bool, monkeypatch
     else:
         np.testing.assert_array_equal(means, want)
         assert iqms is means
+
+
+@pytest.mark.parametrize("n", [2, 3, 65_537, 2**31 - 1])
+def test_an_int32_draw_is_scipys_int64_draw_for_any_sample_size_below_2_31(n: int) -> None:
+    # bootstrap_distribution draws int32 indices where scipy draws int64 ones and takes them from
+    # the sample (0..n-1 here): the same numbers, from the same stream, only while numpy keeps
+    # drawing 32-bit words for ranges below 2**32. A numpy that changes that fails here first.
+    wide, narrow = np.random.default_rng(11), np.random.default_rng(11)
+    for shape in [(3, 1_000), (1, 7)]:
+        np.testing.assert_array_equal(wide.integers(0, n, shape, dtype=np.int64),
+                                      narrow.integers(0, n, shape, dtype=np.int32))
+    assert wide.integers(0, 2**62) == narrow.integers(0, 2**62)  # the streams stay in step

@@ -181,6 +181,24 @@ def test_outcomes_treat_an_unknown_end_reason_as_a_harness_failure():
     assert kinds.scored.tolist() == [True, False] and kinds.harness.tolist() == [False, True]
 
 
+def test_row_kinds_classify_each_row_as_its_reason_does_across_chunks_and_nulls():
+    # Classified once per distinct reason and looked up per row: every reason, in every chunk,
+    # in any order, must come out as it does alone; a null or unknown reason is the harness's.
+    from evalfleet.audit import reward_integrity
+    from evalfleet.models import EndReason
+    from evalfleet.scoring import _kind, row_kinds
+
+    names = [r.value for r in EndReason] + ["cosmic_ray", None]
+    rng = np.random.default_rng(3)
+    rows = [names[i] for i in rng.integers(0, len(names), 500)]
+    chunked = pa.chunked_array([pa.array(rows[:123], pa.string()), pa.array(rows[123:], pa.string())])
+    assert row_kinds(chunked).tolist() == [_kind(r) if r else "harness" for r in rows]
+    assert row_kinds(pa.chunked_array([], pa.string())).tolist() == []
+    # The reward audit reads completed rows the same way (it raised on an unknown reason before).
+    table = records_to_table([_row(0, 1.0), _row(1, 1.0, "cosmic_ray")])
+    assert reward_integrity(table) == []
+
+
 def test_a_success_flag_reported_on_some_endings_only_raises_an_alarm():
     # An env that sets info["success"] only when it succeeds: the silent (truncated) episodes
     # must not vanish from the success rate without a word.
