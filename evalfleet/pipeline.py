@@ -247,7 +247,7 @@ def received_before_flow(
         with cluster.fork_server_for_check(on_miss(received)):
             checked = check(apart="forkserver")
     except BaseException:
-        cluster.stop_idle_fork_server(now=True)
+        cluster.stop_idle_fork_server()
         raise
     return checked, hit
 
