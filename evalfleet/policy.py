@@ -213,6 +213,7 @@ class LoadedPolicy:
         out = self.raw(obs)
         space = self.action_space
         if self.is_torch and isinstance(space, spaces.Discrete):
+            check_logits(out)
             if self.deterministic or rngs is None:
                 return np.asarray(out.argmax(axis=1), dtype=np.int64) + int(space.start)
             z = out - out.max(axis=1, keepdims=True)
@@ -222,6 +223,27 @@ class LoadedPolicy:
             idx = (p.cumsum(axis=1) < u[:, None]).sum(axis=1)
             return np.asarray(np.minimum(idx, int(space.n) - 1), dtype=np.int64) + int(space.start)
         return np.asarray(out)
+
+
+def check_logits(out: npt.NDArray[Any]) -> None:
+    """Raise ``ValueError`` unless every row of ``out`` is logits an action can be chosen from.
+
+    A NaN anywhere, a ``+inf`` or no finite maximum (every logit ``-inf``) is no distribution:
+    numpy's argmax of such a row is an index the policy never chose (0, for a NaN in it), and the
+    softmax is NaN. ``-inf`` beside a finite maximum is a masked action and fine. The runner
+    then narrows the batch down to the rows that raise and ends those episodes as the policy's
+    error, with their return so far, instead of stepping them with an action nobody chose.
+    """
+    if out.ndim != 2 or not out.size:
+        return  # a shape the argmax itself refuses, or an empty batch
+    with np.errstate(invalid="ignore"):
+        bad = np.isnan(out).any(axis=1) | ~np.isfinite(out.max(axis=1))
+    if bad.any():
+        row = out[int(np.flatnonzero(bad)[0])]
+        raise ValueError(
+            f"policy returned logits with no finite maximum or a NaN for {int(bad.sum())} of "
+            f"{len(out)} rows (e.g. {np.array2string(row[:8], precision=4)}): no action can be "
+            "chosen from them")
 
 
 def _torch_fn(module: Any, device: str) -> Callable[[npt.NDArray[np.float32]], npt.NDArray[Any]]:

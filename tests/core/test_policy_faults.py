@@ -16,6 +16,7 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 import pytest
+import torch
 
 from evalfleet.cli import build_parser, request_from_args
 from evalfleet.envspec import env_thunk, resolve_env
@@ -246,3 +247,68 @@ def test_on_a_dask_worker_the_request_bound_applies_and_progress_still_flows(
     assert 24 in done, f"no final progress event of the shard (got {done})"
     # The first finished episode publishes at once, from the shard thread: mid-shard progress.
     assert any(d < 24 for d in done), f"no progress event from inside the shard (got {done})"
+
+
+class _AngleLogits(torch.nn.Module):
+    """``fp.angle`` as TorchScript logits; with ``poison``, rows past ``fp.ANGLE_FAR`` get it."""
+
+    def __init__(self, poison: float | None, masked: bool = False, everywhere: bool = False
+                 ) -> None:
+        super().__init__()
+        self.poison = poison
+        self.masked = masked
+        self.threshold = float("-inf") if everywhere else fp.ANGLE_FAR
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = torch.stack([torch.zeros_like(x[:, 2]), x[:, 2]], dim=1)
+        if self.masked:  # action 0 masked out everywhere: a legitimate -inf logit
+            logits = torch.stack([torch.full_like(x[:, 2], float("-inf")), x[:, 2]], dim=1)
+        if self.poison is not None:
+            far = (x[:, 0] > self.threshold).unsqueeze(1).expand_as(logits)
+            logits = torch.where(far, torch.full_like(logits, self.poison), logits)
+        return logits
+
+
+def _torchscript(module: torch.nn.Module, deterministic: bool = True) -> LoadedPolicy:
+    import io
+
+    buf = io.BytesIO()
+    torch.jit.save(torch.jit.script(module), buf)
+    space = resolve_env(ENV, {}, None).action_space
+    return load_policy("torchscript", buf.getvalue(), None, "angle.pt", space,
+                       deterministic=deterministic)
+
+
+@pytest.mark.parametrize("backend", ("native", "instances"))
+@pytest.mark.parametrize("poison", [float("nan"), float("inf"), float("-inf")])
+def test_logits_no_action_can_be_chosen_from_end_the_episode_as_the_policys_error(
+        backend: str, poison: float) -> None:
+    # Before, argmax(NaN row) was action 0 and argmax(+inf, +inf) too: episodes went on with an
+    # action the policy never chose, and the report carried their returns with no alarm.
+    episodes, slots = 24, 6
+    reference = _rows(_run(backend, _torchscript(_AngleLogits(None)), range(episodes), slots))
+    rows = _rows(_run(backend, _torchscript(_AngleLogits(poison)), range(episodes), slots))
+    triggered = {i: _first_far("angle", i, fp.ANGLE_FAR) for i in range(episodes)}
+    far = {i for i, t in triggered.items() if t is not None}
+    assert 0 < len(far) < episodes // 2
+    for i in range(episodes):
+        if i not in far:
+            assert rows[i] == reference[i], f"episode {i} never sees bad logits but changed"
+            continue
+        row, steps = rows[i], triggered[i]
+        assert row["end_reason"] == "policy_error", (i, row)
+        assert "no finite maximum or a NaN" in row["error"], row["error"]
+        assert (row["length"], row["return"]) == (steps, float(steps))
+
+
+def test_sampled_actions_refuse_bad_logits_and_a_masked_action_is_no_fault() -> None:
+    episodes, slots = 24, 6
+    # NaN logits on every row: a softmax of them is NaN, and the cumulative sum drew action 0.
+    sampled = _rows(_run("instances", _torchscript(_AngleLogits(float("nan"), everywhere=True),
+                                                   False), range(episodes), slots))
+    assert [(r["end_reason"], r["length"]) for r in sampled.values()] == [
+        ("policy_error", 0)] * episodes
+    masked = _rows(_run("instances", _torchscript(_AngleLogits(None, masked=True), False),
+                        range(episodes), slots))
+    # -inf beside a finite logit masks that action: every step takes action 1, nobody fails.
+    assert {r["end_reason"] for r in masked.values()} <= {"terminated", "truncated"}
