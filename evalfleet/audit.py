@@ -29,6 +29,7 @@ import pyarrow as pa
 
 from evalfleet import stats
 from evalfleet.models import EndReason, EvalRequest
+from evalfleet.report import FAILURE_ALARM_RATE
 from evalfleet.scoring import outcomes, row_kinds, scored_returns
 
 AUDIT_FRACTION = 0.02
@@ -307,6 +308,7 @@ def compare_with_baseline(table: pa.Table, baseline: pa.Table, seed: int, source
     common = sorted(i for i in paired if new[i]["seed"] == base[i]["seed"])
     accounting = {
         "dropped_harness_failures": len(harness),
+        "dropped_harness_baseline": len(indices & base_lost),  # of those, the baseline's failures
         "dropped_unmatched": len(indices) - len(harness) - len(common),
         "policy_failures": {
             "new": sum(EndReason(new[i]["end_reason"]).is_policy_attributable for i in common),
@@ -329,6 +331,30 @@ def compare_with_baseline(table: pa.Table, baseline: pa.Table, seed: int, source
     if few is not None:
         out["note"] = few
     return out
+
+
+def harness_pairs_alarm(comparison: dict[str, Any] | None, name: str = "baseline") -> str | None:
+    """``{name}_pairs_harness`` when harness failures dropped more than ``FAILURE_ALARM_RATE`` of the pairs.
+
+    A pair whose episode the env, the sandbox or the infrastructure ended on either side is left
+    out; the seeds it fails on are not random ones (an env that times out on its hardest seeds),
+    so the difference over the rest may be biased. The evaluated run's own failures raise its
+    ``harness_failures`` alarm too; the other side's (a baseline or best checkpoint evaluated
+    earlier) showed nowhere but here.
+    """
+    if not comparison:
+        return None
+    k = int(comparison.get("dropped_harness_failures") or 0)
+    planned = k + int(comparison.get("dropped_unmatched") or 0) + int(comparison.get("n") or 0)
+    if not planned or k / planned <= FAILURE_ALARM_RATE:
+        return None
+    theirs = int(comparison.get("dropped_harness_baseline") or 0)
+    return (f"{name}_pairs_harness: {k} of {planned} pairs ({k / planned:.1%}; > "
+            f"{FAILURE_ALARM_RATE:.0%}) were left out of the paired comparison with "
+            f"{comparison.get('baseline')} because the harness failed on one side ({theirs} on "
+            f"its run, {k - theirs} on this one: env errors, timeouts, crashes); the verdict "
+            f"stands on the other {int(comparison.get('n') or 0)} pairs and may be biased: fix "
+            "the failures and evaluate both on the same seeds again")
 
 
 def unmatched_pairs_alarm(comparison: dict[str, Any] | None) -> str | None:

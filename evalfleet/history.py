@@ -50,7 +50,7 @@ import numpy as np
 import pyarrow as pa
 
 from evalfleet import stats
-from evalfleet.audit import compare_with_baseline
+from evalfleet.audit import compare_with_baseline, harness_pairs_alarm
 from evalfleet.cache import EpisodeCache
 from evalfleet.errors import EvalfleetError
 from evalfleet.records import EPISODE_SCHEMA
@@ -549,9 +549,10 @@ def alarm_lines(history: dict[str, Any] | None) -> list[str]:
     """The history's alarms as report alarm lines (``name: message``).
 
     Besides the drift alarms: ``history_unavailable`` when the history could not be read,
-    ``history_not_compared`` when there is no verdict against the best checkpoint, and
-    ``history_pairs_unmatched`` when pairs were dropped for want of a row of the best checkpoint.
-    A gate reading the report must not take any of them for a pass.
+    ``history_not_compared`` when there is no verdict against the best checkpoint,
+    ``history_pairs_unmatched`` when pairs were dropped for want of a row of the best checkpoint,
+    and ``history_pairs_harness`` when harness failures on either side dropped too many. A gate
+    reading the report must not take any of them for a pass.
     """
     if not history:
         return []
@@ -571,6 +572,9 @@ def alarm_lines(history: dict[str, Any] | None) -> list[str]:
         lines.append(f"history_pairs_unmatched: {c['dropped_unmatched']} episodes had no row of "
                      f"the best checkpoint ({c.get('baseline')}) on the same index and seed and were "
                      f"left out of the verdict ({c.get('n')} pairs left): it may be biased")
+    dropped = harness_pairs_alarm(c, name="history")
+    if dropped:
+        lines.append(dropped)
     return lines + [f"{a['alarm']}: {a['message']}" for a in history.get("alarms") or []]
 
 

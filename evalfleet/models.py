@@ -21,6 +21,9 @@ from evalfleet.errors import RequestError
 ISOLATION_LEVELS = ("inprocess", "process", "bwrap", "auto")
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 CACHE_MODES = ("use", "off", "refresh")
+#: Fewest hex digits a 'sha256:' baseline may name a cached policy by (a short one may match several).
+MIN_HASH_PREFIX = 12
+_HASH_PREFIX = re.compile(rf"[0-9a-fA-F]{{{MIN_HASH_PREFIX},64}}")
 _INFO_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_.\-/]{0,127}")
 _RUN_ID = re.compile(r"[A-Za-z0-9._\-:/@+]{1,256}")
 
@@ -251,6 +254,17 @@ class EvalRequest(_Frozen):
             raise RequestError(
                 f"'retry_backoff_s' must be between 0 and 60 seconds (got {self.retry_backoff_s!r})."
             )
+        return self
+
+    @model_validator(mode="after")
+    def _check_hash_baseline(self) -> EvalRequest:
+        ref = self.baseline
+        if ref is not None and ref.startswith("sha256:") and not _HASH_PREFIX.fullmatch(
+                ref[len("sha256:"):]):
+            raise RequestError(
+                f"a 'sha256:' baseline names a cached policy by at least {MIN_HASH_PREFIX} hex "
+                f"digits of its sha256 (got {ref!r}); copy it from a report's policy_sha256 or "
+                "from 'evalfleet cache ls'.")
         return self
 
     @classmethod

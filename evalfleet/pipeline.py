@@ -459,12 +459,13 @@ def summarize(
             f"non_deterministic_env: {len(audit['mismatches'])} of {audit['checked']} re-run "
             f"episodes differ (seeds {seeds}); results are not reproducible"
         )
-    from evalfleet.audit import determinism_audit_alarm, unmatched_pairs_alarm
+    from evalfleet.audit import determinism_audit_alarm, harness_pairs_alarm, unmatched_pairs_alarm
 
     comparison = None
     if baseline is not None:
         comparison = compare_with_baseline(collected.table, baseline[0], request.seed, baseline[1])
-    alarms += [a for a in (determinism_audit_alarm(audit), unmatched_pairs_alarm(comparison)) if a]
+    alarms += [a for a in (determinism_audit_alarm(audit), unmatched_pairs_alarm(comparison),
+                           harness_pairs_alarm(comparison)) if a]
     returns = report.returns
     if schedule.interval is not None:
         # Adaptive: the 95% interval is the last look's Bonferroni-adjusted one (audit.py).
@@ -860,17 +861,21 @@ def cached_baseline(request: EvalRequest, received: Received, episodes: int) -> 
     leave out exactly the episodes where the baseline broke.
     """
     ref = str(request.baseline)
-    prefix = ref.removeprefix("sha256:").lower()
+    prefix = ref[len("sha256:"):].lower()
     cache = episode_cache(request)
+    mine = {k: v for k, v in received.cache_ingredients.items() if k != "policy"}
+    matches: dict[str, str] = {}  # policy sha256 -> its entry's key, under this protocol
     for entry in cache.entries():
-        ing = cache.ingredients(str(entry["key"]))
-        if not str(entry.get("policy_sha256") or "").startswith(prefix) or ing is None:
-            continue
-        same = {k: v for k, v in ing.items() if k != "policy"}
-        mine = {k: v for k, v in received.cache_ingredients.items() if k != "policy"}
-        if same != mine:
-            continue
-        key = str(entry["key"])
+        sha = str(entry.get("policy_sha256") or "")
+        ing = cache.ingredients(str(entry["key"])) if sha.startswith(prefix) else None
+        if ing is not None and {k: v for k, v in ing.items() if k != "policy"} == mine:
+            matches.setdefault(sha, str(entry["key"]))
+    if len(matches) > 1:
+        raise RequestError(
+            f"baseline {ref!r} matches {len(matches)} cached policies under this evaluation's "
+            f"protocol ({', '.join(sha[:16] for sha in sorted(matches))}): give more of the "
+            "sha256, enough to name one.")
+    for key in matches.values():
         found = cache.lookup(key, range(episodes))
         if not found.missing:
             return found.stored, ref

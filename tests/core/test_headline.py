@@ -225,7 +225,7 @@ def _stage6(table: pa.Table, baseline: pa.Table, audit_rows: pa.Table) -> EvalRe
     from evalfleet.pipeline import Collected, summarize
 
     request = EvalRequest(env=ENV, policy="x", episodes=table.num_rows, seed=0, cache="off",
-                          baseline="sha256:ee")
+                          baseline="sha256:" + "ee" * 6)
     received = SimpleNamespace(env_spec={"env_id": ENV}, env_spec_hash="spec", isolation="inprocess",
                                artifact=SimpleNamespace(summary=lambda: {"sha256": "ab" * 32}),
                                cache_key="k", seconds=0.0, device="cpu", device_fallback=None)
@@ -233,7 +233,7 @@ def _stage6(table: pa.Table, baseline: pa.Table, audit_rows: pa.Table) -> EvalRe
                           seconds=0.0, plan_cached=0, plan_seconds=0.0, cache_status="off",
                           cache_corrupt=False)
     return summarize(request, received, RoundSchedule(request), collected,  # type: ignore[arg-type]
-                     (baseline, "sha256:ee"))
+                     (baseline, "sha256:" + "ee" * 6))
 
 
 def test_dropped_pairs_show_on_every_surface_by_name():
@@ -248,7 +248,7 @@ def test_dropped_pairs_show_on_every_surface_by_name():
     names = [a.split(":", 1)[0] for a in report.alarms]
     assert "baseline_pairs_unmatched" in names and "determinism_audit_incomplete" in names
     assert next(a for a in report.alarms if a.startswith("baseline_pairs_unmatched")).startswith(
-        "baseline_pairs_unmatched: 5 episodes had no row of the baseline (sha256:ee)")
+        "baseline_pairs_unmatched: 5 episodes had no row of the baseline (sha256:eeeeeeeeeeee)")
     metrics = flatten_metrics(report.model_dump(mode="json"))
     assert metrics["eval/baseline_pairs_dropped_unmatched"] == 5.0
     assert metrics["eval/baseline_pairs_dropped_harness"] == 1.0
@@ -259,3 +259,29 @@ def test_dropped_pairs_show_on_every_surface_by_name():
     assert ("pairs dropped: 1 (harness failure on a side), 5 unmatched (no baseline row on the same "
             "index and seed)") in text
     assert "0 re-run compared, 0 mismatches, 2 not comparable (infrastructure failure)" in text
+
+
+def test_a_comparison_missing_the_baselines_failed_seeds_raises_an_alarm():
+    # The baseline's env timed out on a third of the seeds, the hardest ones: those pairs are left
+    # out and the new policy looks worse over the easy rest. Before, only the count said so.
+    from evalfleet.history import alarm_lines
+
+    hard = set(range(0, 100, 3))
+    new = records_to_table([_row(i, 0.0 if i in hard else 0.9) for i in range(100)])
+    base = records_to_table([_row(i, 0.0, "timeout") if i in hard else _row(i, 1.0)
+                             for i in range(100)])
+    report = _stage6(new, base, records_to_table([]))
+    c = report.comparison
+    assert c is not None and (c["n"], c["dropped_harness_failures"]) == (66, 34)
+    assert c["dropped_harness_baseline"] == 34 and c["verdict"] == "worse"
+    alarm = next(a for a in report.alarms if a.startswith("baseline_pairs_harness"))
+    assert alarm.startswith("baseline_pairs_harness: 34 of 100 pairs (34.0%; > 5%) were left out "
+                            "of the paired comparison with sha256:eeeeeeeeeeee because the "
+                            "harness failed on one side (34 on its run, 0 on this one")
+    assert "stands on the other 66 pairs" in alarm
+    # The same against the training run's best checkpoint.
+    assert any(line.startswith("history_pairs_harness: 34 of 100 pairs")
+               for line in alarm_lines({"comparison": c}))
+    # A few failed pairs (5%) leave the comparison as it is.
+    few = records_to_table([_row(i, 0.0, "timeout") if i < 5 else _row(i, 1.0) for i in range(100)])
+    assert not [a for a in _stage6(new, few, records_to_table([])).alarms if "pairs_harness" in a]

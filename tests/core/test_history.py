@@ -433,13 +433,13 @@ def test_a_sha256_baseline_is_the_whole_table_or_a_clear_error(store, tmp_path):
     table = _broken_on(range(20), name="ee" * 32)
     key = hashlib.sha256(b"sha-baseline").hexdigest()
     EpisodeCache(tmp_path / "cache").store(key, table, ing)
-    request = EvalRequest(env=courier.ENV_ID, policy="x", baseline="sha256:eeee",
+    request = EvalRequest(env=courier.ENV_ID, policy="x", baseline="sha256:" + "ee" * 8,
                           cache_dir=tmp_path / "cache", output=tmp_path, episodes=200)
     received = SimpleNamespace(cache_ingredients=dict(ing, policy={"sha256": "ff" * 32}))
     with pytest.raises(RequestError) as err:
         cached_baseline(request, received, 200)  # type: ignore[arg-type]
     assert str(err.value).startswith(
-        "baseline 'sha256:eeee': the cache holds 180 of the 200 episodes to pair on; 20 are "
+        f"baseline 'sha256:{'ee' * 8}': the cache holds 180 of the 200 episodes to pair on; 20 are "
         "missing (indices 0, 1, 2, 3, 4, ...): episodes the baseline's policy runtime")
     assert "pass the baseline policy file instead" in str(err.value)
     # The evaluation logged under the same key holds them all: its episodes.parquet is used.
@@ -450,5 +450,34 @@ def test_a_sha256_baseline_is_the_whole_table_or_a_clear_error(store, tmp_path):
     log_evaluation(f"sqlite:///{tmp_path / 'mlflow.db'}", "evalfleet", report.model_dump(mode="json"),
                    {}, [parquet], run_name="baseline")
     whole, source = cached_baseline(request, received, 200)  # type: ignore[arg-type]
-    assert source == "sha256:eeee" and whole.num_rows == 200
+    assert source == "sha256:" + "ee" * 8 and whole.num_rows == 200
     assert whole.column("end_reason").to_pylist().count("policy_error") == 20
+
+
+def test_a_sha256_baseline_names_one_cached_policy_or_is_refused(store, tmp_path):
+    # Two cached checkpoints share a prefix: the first in key order was paired before, silently,
+    # and a bare 'sha256:' (or a few digits) named the evaluated policy itself.
+    from types import SimpleNamespace
+
+    from evalfleet.errors import RequestError
+    from evalfleet.pipeline import cached_baseline, same_policy
+
+    ing = {"env": {"x": 1}, "protocol": {"seed": 0}}
+    cache = EpisodeCache(tmp_path / "cache")
+    for sha in ("ab" * 8 + "1" * 48, "ab" * 8 + "2" * 48):
+        cache.store(hashlib.sha256(sha.encode()).hexdigest(),
+                    _broken_on(range(0), name=sha), dict(ing, policy={"sha256": sha}))
+    received = SimpleNamespace(cache_ingredients=dict(ing, policy={"sha256": "ff" * 32}),
+                               artifact=SimpleNamespace(sha256="ff" * 32))
+    request = EvalRequest(env=courier.ENV_ID, policy="x", baseline="sha256:" + "ab" * 8,
+                          cache_dir=tmp_path / "cache", output=tmp_path, episodes=200)
+    with pytest.raises(RequestError, match=r"matches 2 cached policies under this evaluation's "
+                       r"protocol \(abababababababab, abababababababab\): give more"):
+        cached_baseline(request, received, 200)  # type: ignore[arg-type]
+    one = request.model_copy(update={"baseline": "sha256:" + "ab" * 8 + "2" * 4})
+    whole, _ = cached_baseline(one, received, 200)  # type: ignore[arg-type]
+    assert set(whole.column("policy_sha256").to_pylist()) == {"ab" * 8 + "2" * 48}
+    for short in ("sha256:", "sha256:ff", "sha256:" + "f" * 11, "sha256:" + "g" * 12):
+        with pytest.raises(RequestError, match="at least 12 hex digits"):
+            EvalRequest.build(env=courier.ENV_ID, policy="x", baseline=short)
+    assert not same_policy(one, received)  # type: ignore[arg-type]

@@ -126,7 +126,7 @@ def test_options_a_suite_cannot_honour_are_refused(tmp_path) -> None:
     with pytest.raises(SuiteError, match="adaptive mode"):
         task_requests(suite, adaptive)
     hashed = EvalRequest.build(policy="envs.suite_policies:heuristic", output=tmp_path,
-                               baseline="sha256:abc")
+                               baseline="sha256:" + "abc" * 4)
     with pytest.raises(SuiteError, match="baseline must be a policy file"):
         task_requests(suite, hashed)
 
