@@ -466,8 +466,10 @@ def output_missing(missing: list[str]) -> int:
 def gate(report: EvalReport) -> int:
     """``--gate``: ``EXIT_REGRESSION`` on a significant regression against the best checkpoint.
 
-    Passes (``EXIT_OK``) only on a verdict of ``GATE_PASSES``; a gate that could not compare
-    (history unreadable, ``no_paired_episodes``) exits ``EXIT_GATE_UNDECIDED``: it fails closed.
+    Passes (``EXIT_OK``) only on a verdict of ``GATE_PASSES`` whose comparison dropped no pairs
+    past an alarm (``history_pairs_unmatched``, ``history_pairs_harness``); a gate that could not
+    compare (history unreadable, ``no_paired_episodes``, ``protocol_changed``, such an alarm)
+    exits ``EXIT_GATE_UNDECIDED``: it fails closed.
     """
     history = report.history or {}
     if report.training_run_id is None or report.step is None:
@@ -475,11 +477,17 @@ def gate(report: EvalReport) -> int:
               "to compare with", file=sys.stderr)
         return EXIT_BAD_REQUEST
     verdict = history.get("verdict")
-    if verdict in GATE_PASSES:
+    # Pairs the comparison left out (no row of the best checkpoint, or the harness failed on a
+    # side) may be exactly where the two differ: a pass resting on the rest is no pass.
+    biased = [a.split(":", 1)[0] for a in report.alarms
+              if a.startswith(("history_pairs_unmatched:", "history_pairs_harness:"))]
+    if verdict in GATE_PASSES and not biased:
         return EXIT_OK
     if verdict != "regression":
         why = (f"the training run's history could not be read ({history['error']})"
                if history.get("error") else
+               f"verdict {verdict!r} with {' and '.join(biased)} (the paired comparison left "
+               "out pairs where the two may differ)" if biased else
                f"verdict {verdict!r}: {history.get('note') or 'no comparison was made'}")
         print(f"evalfleet: gate: step {report.step} could not be compared with the best earlier "
               f"checkpoint of training run {report.training_run_id!r}, so it does not pass: {why}. "

@@ -72,13 +72,15 @@ __all__ = [
     "curve_row",
     "drift_alarms",
     "episodes_of",
+    "evaluations",
     "feed_back_history",
     "logged_episodes",
     "protocol_id",
     "report_protocol",
 ]
 
-VERDICTS = ("first", "new_best", "not_distinguishable", "regression", "no_paired_episodes")
+VERDICTS = ("first", "new_best", "not_distinguishable", "regression", "no_paired_episodes",
+            "protocol_changed")
 #: Total variation distance between consecutive checkpoints' action shares that raises the alarm.
 ACTION_TV_THRESHOLD = 0.25
 #: The action entropy collapses when it falls below this fraction of the previous checkpoint's...
@@ -157,12 +159,24 @@ def _search_filter(training_run_id: str) -> str:
     return f"tags.`{TAG_RUN}` = '{training_run_id}'"
 
 
-def checkpoints(tracking_uri: str, training_run_id: str, *, protocol: str | None = None
-                ) -> list[Checkpoint]:
+def checkpoints(tracking_uri: str, training_run_id: str, *, protocol: str | None = None,
+                runs: list[Checkpoint] | None = None) -> list[Checkpoint]:
     """The run's evaluated checkpoints, one per step (the latest evaluation of a step), by step.
 
     ``protocol`` keeps only evaluations on the same seeds and env spec (``protocol_id``).
+    ``runs``: ``evaluations(tracking_uri, training_run_id)`` read already.
     """
+    by_step: dict[int, Checkpoint] = {}
+    for cp in evaluations(tracking_uri, training_run_id) if runs is None else runs:
+        if protocol is not None and cp.protocol != protocol:
+            continue
+        if cp.step not in by_step or cp.start_time >= by_step[cp.step].start_time:
+            by_step[cp.step] = cp
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def evaluations(tracking_uri: str, training_run_id: str) -> list[Checkpoint]:
+    """Every evaluation of the run's checkpoints logged in MLflow, under any protocol."""
     from mlflow.entities import ViewType
     from mlflow.tracking import MlflowClient
 
@@ -176,16 +190,14 @@ def checkpoints(tracking_uri: str, training_run_id: str, *, protocol: str | None
     except Exception as err:  # MLflow raises its own exception types
         raise HistoryError(f"cannot read evaluations of {training_run_id!r} from {tracking_uri}: "
                            f"{type(err).__name__}: {err}") from err
-    by_step: dict[int, Checkpoint] = {}
+    out: list[Checkpoint] = []
     for run in runs:
         tags = run.data.tags
         try:
             step = int(tags[TAG_STEP])
         except (KeyError, ValueError):
             continue
-        if protocol is not None and tags.get(TAG_PROTOCOL) != protocol:
-            continue
-        cp = Checkpoint(
+        out.append(Checkpoint(
             mlflow_run_id=run.info.run_id, step=step, request_id=tags.get(TAG_REQUEST, ""),
             policy_sha256=tags.get(TAG_SHA, ""), cache_key=tags.get(TAG_KEY),
             protocol=tags.get(TAG_PROTOCOL), metrics=dict(run.data.metrics),
@@ -193,10 +205,8 @@ def checkpoints(tracking_uri: str, training_run_id: str, *, protocol: str | None
             harness_fault=tags.get(TAG_HARNESS) == "true", start_time=int(run.info.start_time or 0),
             alarms=tuple(sorted(k.removeprefix("evalfleet.alarm.") for k in tags
                                 if k.startswith("evalfleet.alarm."))),
-        )
-        if step not in by_step or cp.start_time >= by_step[step].start_time:
-            by_step[step] = cp
-    return [by_step[s] for s in sorted(by_step)]
+        ))
+    return out
 
 
 def best_checkpoint(earlier: list[Checkpoint]) -> Checkpoint | None:
@@ -468,18 +478,29 @@ def _failure_rate(table: pa.Table) -> float:
 def assess(
     table: pa.Table, *, step: int, seed: int, earlier: list[Checkpoint],
     episodes: Callable[[Checkpoint], pa.Table | None], outcome_metric: str | None = None,
-    policy_sha256: str = "",
+    policy_sha256: str = "", other_protocols: list[Checkpoint] | None = None,
 ) -> dict[str, Any]:
     """The ``history`` section of a report: verdict, best checkpoint, alarms.
 
     ``earlier`` are the run's checkpoints with the same protocol (``checkpoints``); those at
     ``step`` or later are ignored. ``episodes(cp)`` gives a checkpoint's episodes on this
-    evaluation's indices (``episodes_of``) or None when they are gone.
+    evaluation's indices (``episodes_of``) or None when they are gone. ``other_protocols``: the
+    run's evaluations under another protocol. With none of the same protocol before ``step``
+    but some of another, the verdict is ``protocol_changed``, not ``first``: this checkpoint
+    cannot be compared with them, so it is neither tagged best nor passed by a gate.
     """
     earlier = [c for c in earlier if c.step < step]
     out: dict[str, Any] = {"step": step, "checkpoints_before": len(earlier),
                            "outcome_metric": outcome_metric or "success",
                            "current": current_figures(table, outcome_metric)}
+    before = sorted({c.step for c in other_protocols or [] if c.step < step})
+    if not earlier and before:
+        steps = ", ".join(str(s) for s in before[:5]) + (", ..." if len(before) > 5 else "")
+        return dict(out, verdict="protocol_changed", best_step=None, best_policy_sha256=None,
+                    compared_with=None, comparison=None, alarms=[], other_protocol_steps=before,
+                    note=(f"{len(before)} earlier checkpoints of this training run (steps "
+                          f"{steps}) were evaluated under another protocol (env code or spec, "
+                          "seed, step cap or determinism): this one is not compared with them"))
     if not earlier:
         return dict(out, verdict="first", best_step=step, best_policy_sha256=policy_sha256,
                     compared_with=None, comparison=None, alarms=[],
@@ -561,6 +582,11 @@ def alarm_lines(history: dict[str, Any] | None) -> list[str]:
         lines.append(f"history_unavailable: the training run's history could not be read "
                      f"({history['error']}); no verdict against the best checkpoint and no drift "
                      "alarms: check the MLflow store (--mlflow-uri) and re-run")
+    elif history.get("verdict") == "protocol_changed":
+        lines.append(f"history_protocol_changed: {history.get('note')}; the verdict of a new "
+                     "protocol's first checkpoint says nothing of a regression: re-evaluate the "
+                     "best earlier checkpoint under this protocol (--baseline its policy) to "
+                     "compare, or keep the protocol fixed across a training run")
     elif history.get("verdict") == "no_paired_episodes":
         best = (history.get("compared_with") or {}).get("step")
         where = f" (step {best})" if best is not None else ""
@@ -629,13 +655,14 @@ def feed_back_history(report: dict[str, Any], table: pa.Table, tracking_uri: str
     if not run_id or step is None:
         return None
     proto = report_protocol(report)
-    earlier = [c for c in checkpoints(tracking_uri, run_id, protocol=proto)
-               if c.request_id != report.get("request_id")]
+    runs = [c for c in evaluations(tracking_uri, run_id) if c.request_id != report.get("request_id")]
+    earlier = checkpoints(tracking_uri, run_id, protocol=proto, runs=runs)
     indices = range(int(max(table.column("episode_index").to_pylist(), default=-1)) + 1)
     seed = int(((report.get("manifest") or {}).get("protocol") or {}).get("seed", 0))
     out = assess(table, step=int(step), seed=seed, earlier=earlier,
                  episodes=lambda cp: episodes_of(cp, cache, tracking_uri, indices),
-                 outcome_metric=outcome_metric, policy_sha256=str(report.get("policy_sha256")))
+                 outcome_metric=outcome_metric, policy_sha256=str(report.get("policy_sha256")),
+                 other_protocols=[c for c in runs if c.protocol != proto])
     out["training_run_id"] = run_id
     out["protocol"] = proto
     out["curve"] = [curve_row(c) for c in earlier if c.step < int(step)]

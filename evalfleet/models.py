@@ -370,7 +370,7 @@ class EvalReport(_Frozen):
 
     @property
     def verdict(self) -> str | None:
-        """'first', 'new_best', 'not_distinguishable', 'regression' or 'no_paired_episodes'."""
+        """The history's verdict (``evalfleet.history.VERDICTS``), None without a history."""
         return None if not self.history else self.history.get("verdict")
 
     @property

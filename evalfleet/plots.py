@@ -397,7 +397,7 @@ def plot_figures(
 HISTORY_FILE = "history.png"
 _VERDICT_MARKERS = {"first": ("o", _BLUE), "new_best": ("*", "#2ca02c"),
                     "not_distinguishable": ("o", _GREY), "regression": ("v", _RED),
-                    "no_paired_episodes": ("x", _GREY)}
+                    "no_paired_episodes": ("x", _GREY), "protocol_changed": ("s", _ORANGE)}
 
 
 def _nums(rows: Sequence[Mapping[str, Any]], key: str) -> FloatArray:

@@ -37,7 +37,9 @@ def _history(h: dict[str, object]) -> str:
             text += f" ({h['note']})"
     elif h.get("note"):
         text += f" ({h['note']})"
-    return text + f"; best checkpoint: step {h.get('best_step')}"
+    best = h.get("best_step")
+    return text + (f"; best checkpoint: step {best}" if best is not None else
+                   "; no best checkpoint under this protocol")
 
 
 def summary_rows(report: EvalReport) -> list[dict[str, str]]:

@@ -128,7 +128,7 @@ def flatten_metrics(report: dict[str, Any]) -> dict[str, float]:
 
 #: Verdicts as numbers, so a metric chart shows them over steps.
 VERDICT_CODES = {"regression": -1.0, "not_distinguishable": 0.0, "no_paired_episodes": 0.0,
-                 "new_best": 1.0, "first": 1.0}
+                 "protocol_changed": 0.0, "new_best": 1.0, "first": 1.0}
 
 
 def history_metrics(history: dict[str, Any] | None) -> dict[str, float]:

@@ -44,6 +44,7 @@ from evalfleet.runner import EpisodeContext, run_shard
 from evalfleet.sandbox.base import InProcessSlots
 from evalfleet.seeds import SeedLedger
 from evalfleet.storage import write_episodes
+from evalfleet.summary import summary_text
 from evalfleet.tracking import log_evaluation
 
 EPISODES = 40
@@ -178,10 +179,25 @@ def test_regression_is_judged_against_the_best_checkpoint_and_gates(store, capsy
     assert gate(best) == EXIT_OK
 
 
-def test_other_seeds_are_another_protocol_and_never_paired(store):
+def test_other_seeds_are_another_protocol_never_paired_nor_passed_as_first(store):
+    # Nothing earlier on the same seeds: before, the verdict was 'first', tagged best and passed
+    # by --gate, though the checkpoint (a worse policy) was never compared with steps 10 and 15.
     evaluate_checkpoint(store, "careful", 10, seed=0, run="seeds")
+    evaluate_checkpoint(store, "careless", 15, seed=0, run="seeds")
     other = evaluate_checkpoint(store, "careless", 20, seed=1, run="seeds")
-    assert other.verdict == "first"  # nothing earlier on the same seeds
+    h = other.history
+    assert h is not None and other.verdict == "protocol_changed"
+    assert (h["best_step"], h["comparison"], h["other_protocol_steps"]) == (None, None, [10, 15])
+    assert h["note"].startswith("2 earlier checkpoints of this training run (steps 10, 15) were "
+                                "evaluated under another protocol")
+    assert any(a.startswith("history_protocol_changed: 2 earlier checkpoints") for a in other.alarms)
+    assert gate(other) == EXIT_GATE_UNDECIDED
+    runs = {c.step: c for c in checkpoints(f"sqlite:///{store / 'mlflow.db'}", "seeds")}
+    assert (runs[20].verdict, runs[20].best) == ("protocol_changed", False)
+    # The next checkpoint on the new seeds is compared with that one: a series of its own.
+    after = evaluate_checkpoint(store, "careful", 30, seed=1, run="seeds")
+    assert after.verdict == "new_best" and after.history["compared_with"]["step"] == 20
+    assert "no best checkpoint under this protocol" in summary_text(other)
 
 
 def test_earlier_episodes_come_from_mlflow_when_the_cache_lost_them(store):
@@ -421,6 +437,20 @@ def test_an_unreadable_history_is_an_alarm_and_the_gate_fails_closed(store, tmp_
         "verdict": "no_paired_episodes", "note": "3 paired episodes: a verdict needs at least 10",
         "compared_with": {"step": 4}, "alarms": []}})
     assert gate(few) == EXIT_GATE_UNDECIDED
+
+
+def test_a_pass_resting_on_pairs_the_comparison_left_out_is_no_pass(store, capsys):
+    report = evaluate_checkpoint(store, "careful", 5, run="left-out")
+    history = {"verdict": "not_distinguishable", "best_step": 4, "alarms": [],
+               "comparison": {"baseline": "step 4", "n": 60, "dropped_unmatched": 0,
+                              "dropped_harness_failures": 40, "dropped_harness_baseline": 40}}
+    lines = alarm_lines(history)
+    assert [a.split(":")[0] for a in lines] == ["history_pairs_harness"]
+    passed = report.model_copy(update={"history": history, "alarms": []})
+    assert gate(passed) == EXIT_OK  # without the alarm (as before): a pass
+    left_out = report.model_copy(update={"history": history, "alarms": lines})
+    assert gate(left_out) == EXIT_GATE_UNDECIDED
+    assert "verdict 'not_distinguishable' with history_pairs_harness" in capsys.readouterr().err
 
 
 def test_a_sha256_baseline_is_the_whole_table_or_a_clear_error(store, tmp_path):
