@@ -25,6 +25,7 @@ import logging
 import os
 import sys
 import threading
+import time
 from collections import deque
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -398,6 +399,49 @@ def imported_code(modules: Iterable[str], limit: int = MAX_IMPORTED_MODULES) -> 
 #: long-lived worker, the code it imported then, whatever its files hold now.
 _seen: dict[str, str] = {}
 _seen_lock = threading.Lock()
+#: ``{top-level module: wall-clock time}`` no earlier than this process's first import of it
+#: (``watch_imports``): a file of it modified later is code this process does not run.
+_imported_at: dict[str, float] = {}
+_watching_since: float | None = None
+
+
+class _ImportClock:
+    """A ``sys.meta_path`` finder that finds nothing: it notes when a top-level name is first sought."""
+
+    def find_spec(self, name: str, path: object = None, target: object = None) -> None:
+        top = name.partition(".")[0]
+        if top not in _imported_at:
+            _imported_at[top] = time.time()
+
+
+def watch_imports() -> None:
+    """From now on, note when this process first imports each top-level module (``stale_code``).
+
+    Modules imported already get the time of this call, the latest their import can have been.
+    Idempotent; a dictionary look-up per import, nothing more.
+    """
+    global _watching_since
+    with _seen_lock:
+        if _watching_since is not None:
+            return
+        _watching_since = time.time()
+        for name in list(sys.modules):
+            _imported_at.setdefault(name.partition(".")[0], _watching_since)
+        sys.meta_path.insert(0, _ImportClock())
+
+
+def _edited_since_import(top: str) -> bool:
+    """True when a file of ``top`` was modified after this process imported it (if it knows when)."""
+    at = _imported_at.get(top)
+    if at is None:
+        return False
+    for _, path in _source_files(top):
+        try:
+            if path.stat().st_mtime > at:
+                return True
+        except OSError:  # removed since: the code imported is not what the files say either
+            return True
+    return False
 
 
 def stale_code(expected: Mapping[str, str]) -> dict[str, tuple[str, str]]:
@@ -406,7 +450,10 @@ def stale_code(expected: Mapping[str, str]) -> dict[str, tuple[str, str]]:
     ``expected`` is what a cache key names (the driver's reading of the files). A module this
     process has imported is judged by its code version at the first check after its import; a
     long-lived Dask worker keeps running the code it imported even when its files are edited
-    since, or it may have another install than the driver's. Modules not imported here yet (they
+    since, or it may have another install than the driver's. A module identified by its source
+    is stale too when one of its files was modified after this process imported it
+    (``watch_imports``, started by ``evalfleet.worker``): a worker that imported it for an earlier
+    evaluation and is first asked about it after an edit. Modules not imported here yet (they
     will be imported from the files as they are now) and ``"unknown"`` versions are not judged.
     """
     out: dict[str, tuple[str, str]] = {}
@@ -424,4 +471,8 @@ def stale_code(expected: Mapping[str, str]) -> dict[str, tuple[str, str]]:
                 have = _seen.setdefault(top, have)
         if have != want:
             out[top] = (have, want)
+        elif SOURCE_PREFIX in want and _edited_since_import(top):
+            # Imported before its files changed, first checked after: the version read then is
+            # the edited files', not the code running here.
+            out[top] = ("the code imported before its files were last modified", want)
     return out

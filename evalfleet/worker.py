@@ -23,13 +23,15 @@ from evalfleet.envspec import env_files, env_thunk, import_env_modules, resolve_
 from evalfleet.errors import StaleWorkerCode
 from evalfleet.models import EvalRequest, PolicyHandle, Shard
 from evalfleet.progress import shard_publisher
-from evalfleet.provenance import stale_code
+from evalfleet.provenance import stale_code, watch_imports
 from evalfleet.records import records_to_table
 from evalfleet.redaction import scrubbed_exception
 from evalfleet.runner import EpisodeContext, run_shard
 from evalfleet.sandbox import open_slots
 from evalfleet.sandbox.limits import sandbox_limits
 from evalfleet.sandbox.process import fork_server, preload_modules
+
+watch_imports()  # a worker's stale-code check needs when it imported what it runs
 
 logger = logging.getLogger(__name__)
 
