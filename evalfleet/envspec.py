@@ -231,9 +231,10 @@ def _code_versions(modules: set[str], known: str) -> dict[str, str]:
     """``{top-level package: code version}`` of ``modules`` and of what their code imports, but ``known``.
 
     ``known`` is keyed already (the entry point's package). Imports are followed as
-    ``evalfleet.provenance.imported_code`` does: an env's dynamics in a sibling module count.
+    ``evalfleet.provenance.imported_code`` does: an env's dynamics in a sibling module count, and
+    so do the packages an installed env package's code imports (a simulator's bindings).
     """
-    versions = imported_code(modules)
+    versions = imported_code(modules, versioned_imports=True)
     versions.pop(known, None)
     return versions
 

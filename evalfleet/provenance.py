@@ -344,20 +344,108 @@ def _imports(name: str, path: Path, is_package: bool) -> tuple[str, ...]:
     return _IMPORTS[key]
 
 
-def imported_code(modules: Iterable[str], limit: int = MAX_IMPORTED_MODULES) -> dict[str, str]:
+def _walk_imports(start: str, within: str | None, limit: int) -> tuple[int, list[str]]:
+    """Modules ``start``'s code reaches: (modules read, other top-level modules reached).
+
+    Follows the imports read from the source of ``start``, its parent packages and every module
+    they reach inside top-level package ``within`` (None: ``start``'s own); reads at most
+    ``limit`` modules. The standard library is left out.
+    """
+    within = within or start.split(".", 1)[0]
+    queued: set[str] = set()
+    queue: deque[str] = deque()
+    outside: dict[str, None] = {}
+
+    def reach(name: str) -> None:
+        top = name.split(".", 1)[0]
+        if not top or top in sys.stdlib_module_names or top == "__main__":
+            return
+        if top != within:
+            outside[top] = None
+            return
+        parts = name.split(".")
+        for depth in range(1, len(parts) + 1):  # importing a.b.c runs a and a.b first
+            module = ".".join(parts[:depth])
+            if module not in queued:
+                queued.add(module)
+                queue.append(module)
+
+    reach(start)
+    read = 0
+    while queue and read < limit:
+        name = queue.popleft()
+        found = _module_file(name)
+        if found is None:
+            continue
+        read += 1
+        for imported in _imports(name, *found):
+            reach(imported)
+    return read, list(outside)
+
+
+def _imports_file(key: str) -> Path:
+    from evalfleet.server import evalfleet_home
+
+    return evalfleet_home() / "provenance" / f"imports-{key[:32]}.json"
+
+
+def foreign_imports(module: str, version: str) -> list[str]:
+    """Top-level modules outside ``module``'s package that its code reaches inside the package.
+
+    For a package identified by its ``version`` (an installed wheel): what it imports from
+    other distributions, a simulator's bindings (``mujoco``, ``Box2D``) above all, shapes its
+    returns as its own code does, and a new version of one changes them under the same package
+    version. Its source is fixed by its version, so the answer (tens of files parsed, ~0.05-0.2
+    s) is kept in ``evalfleet_home()`` under the module, the version and the interpreter.
+    """
+    top = module.split(".", 1)[0]
+    key = hashlib.sha256(json.dumps([module, version, sys.version]).encode()).hexdigest()
+    path = _imports_file(key)
+    try:
+        stored = json.loads(path.read_text())
+        if isinstance(stored, dict) and stored.get("key") == key:
+            return [str(m) for m in stored["imports"]]
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    read, outside = _walk_imports(module, top, MAX_IMPORTED_MODULES)
+    if read >= MAX_IMPORTED_MODULES:
+        logger.warning("Read the imports of %d modules of %s from %s and stopped: the packages "
+                       "the rest imports are not in the code versions", read, top, module)
+    from evalfleet.storage import atomic_write
+
+    try:
+        atomic_write(path, lambda tmp: Path(tmp).write_text(
+            json.dumps({"key": key, "module": module, "version": version, "imports": outside})))
+    except OSError as err:  # an unwritable home: walked again by the next process
+        logger.debug("could not keep the imports of %s in %s: %s", module, path, err)
+    return outside
+
+
+#: Frameworks whose own imports are not walked (their versions are keyed; an env or a policy
+#: reaching torch would otherwise parse hundreds of torch's modules for nothing that shapes returns).
+NOT_WALKED = frozenset({"torch", "jax", "jaxlib", "tensorflow", "numpy", "scipy", "pandas"})
+
+
+def imported_code(modules: Iterable[str], limit: int = MAX_IMPORTED_MODULES, *,
+                  versioned_imports: bool = False) -> dict[str, str]:
     """``{top-level module: code version}`` of ``modules`` and of every package their code imports.
 
     Imports are read from the source (no module is imported, nor asked what it imported: the
     answer is the same whatever this process imported before) and followed through every package
-    identified by its source; the standard library is left out, and a package identified by its
-    version is not read further. Imports the source does not spell (``importlib.import_module`` of
-    a computed name) are not seen. Sorted by module name.
+    identified by its source; a package identified by its version is not read further, except
+    with ``versioned_imports`` (an env's code): then it adds the versions of the other packages
+    its code reaches from the module reached in it (``foreign_imports``: a MuJoCo env of
+    gymnasium reaches ``mujoco``), not further, and not for ``NOT_WALKED`` frameworks. The
+    standard library is left out. Imports the
+    source does not spell (``importlib.import_module`` of a computed name) are not seen. Sorted
+    by module name.
     """
     versions: dict[str, str] = {}
     queued: set[str] = set()
     queue: deque[str] = deque()
+    walked: set[str] = set()  # modules of version-identified packages whose imports were added
 
-    def reach(name: str) -> None:
+    def reach(name: str, follow_versioned: bool = True) -> None:
         top = name.split(".", 1)[0]
         if not top or top in sys.stdlib_module_names or top == "__main__":
             return
@@ -367,6 +455,11 @@ def imported_code(modules: Iterable[str], limit: int = MAX_IMPORTED_MODULES) -> 
             except ValueError:  # a spec-less module (``__main__``-like): nothing identifies it
                 versions[top] = "unknown"
         if SOURCE_PREFIX not in versions[top]:
+            if (versioned_imports and follow_versioned and versions[top] != "unknown"
+                    and top not in NOT_WALKED and name not in walked):
+                walked.add(name)
+                for other in foreign_imports(name, f"{top}=={versions[top]}"):
+                    reach(other, follow_versioned=False)
             return
         parts = name.split(".")
         for depth in range(1, len(parts) + 1):  # importing a.b.c runs a and a.b first

@@ -846,3 +846,65 @@ def test_code_the_envs_module_imports_from_another_module_is_in_the_key(base, tm
         _drop_modules(mod)
         _drop_modules(phys)
         gymnasium.registry.pop(env_id, None)
+
+
+def _wheel(site: Path, name: str, version: str, files: dict[str, str]) -> None:
+    """``name`` as a wheel installs it into ``site``: its files, a dist-info naming an archive."""
+    import json
+    import shutil
+
+    for old in site.glob(f"{name}-*.dist-info"):
+        shutil.rmtree(old)
+    shutil.rmtree(site / name, ignore_errors=True)
+    (site / name).mkdir(parents=True)
+    for file, text in files.items():
+        (site / name / file).write_text(textwrap.dedent(text))
+    info = site / f"{name}-{version}.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+    (info / "top_level.txt").write_text(f"{name}\n")
+    (info / "direct_url.json").write_text(json.dumps(
+        {"url": f"file:///wheels/{name}-{version}-py3-none-any.whl", "archive_info": {}}))
+    (info / "RECORD").write_text("".join(f"{name}/{f},,\n" for f in files))
+
+
+def test_a_simulator_an_installed_env_package_imports_is_keyed_by_its_version(tmp_path):
+    """An env from an installed wheel whose dynamics come from another wheel (gymnasium's MuJoCo
+    envs and ``mujoco``): upgrading that one changed every return under the same key before."""
+    import subprocess
+
+    site = tmp_path / "site"
+    _wheel(site, "simenv", "1.0", {"__init__.py": """
+        import gymnasium as gym
+        import numpy as np
+        from physlib import GRAVITY
+
+        class Fall(gym.Env):
+            observation_space = gym.spaces.Box(-1e9, 1e9, (1,), np.float32)
+            action_space = gym.spaces.Discrete(2)
+
+            def reset(self, *, seed=None, options=None):
+                super().reset(seed=seed)
+                self.h = 100.0
+                return np.array([self.h], np.float32), {}
+
+            def step(self, action):
+                self.h -= GRAVITY * 0.1
+                return np.array([self.h], np.float32), 1.0, self.h <= 0, False, {}
+
+        gym.register("simenv/Fall-v0", entry_point="simenv:Fall", max_episode_steps=1000)
+    """})
+    probe = ("import json; from evalfleet.envspec import resolve_env; "
+             "fp = resolve_env('simenv:simenv/Fall-v0', {}, None).fingerprint; "
+             "print(json.dumps([fp.package, fp.package_version, fp.code, fp.spec_hash]))")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(site), str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    seen = []
+    for version, gravity in (("1.0", 9.8), ("2.0", 24.0)):
+        _wheel(site, "physlib", version, {"__init__.py": f"GRAVITY = {gravity}\n"})
+        out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                             timeout=120, cwd=tmp_path, env=env, check=True).stdout
+        seen.append(__import__("json").loads(out.strip().splitlines()[-1]))
+    assert [s[:2] for s in seen] == [["simenv", "1.0"], ["simenv", "1.0"]]  # a wheel: by version
+    assert [s[2].get("physlib") for s in seen] == ["1.0", "2.0"]
+    assert seen[0][3] != seen[1][3]
