@@ -101,6 +101,11 @@ def _invalid_actions(space: spaces.Space[Any], actions: npt.NDArray[Any]) -> npt
     return np.array([not space.contains(x) for x in actions], dtype=bool)
 
 
+def _flag(value: float) -> bool | None:
+    """An info success flag (a float from ``scalar_info``): NaN is no answer, not a success."""
+    return None if value != value else bool(value)
+
+
 def _to_env_action(space: spaces.Space[Any], action: Any) -> Any:
     if isinstance(space, spaces.Discrete):
         return int(action)
@@ -420,7 +425,7 @@ class ShardRun:
         retried, retry_reason = self.attempts.get(self.ep_index[slot], (0, None))
         ctx, scrub = self.ctx, self._scrub
         nmin, nmax = self.nmin[slot], self.nmax[slot]
-        success = next((bool(info[k]) for k in SUCCESS_KEYS if k in info), None)
+        success = next((_flag(info[k]) for k in SUCCESS_KEYS if k in info), None)
         self._emit(EpisodeRecord(
             request_id=ctx.request_id,
             policy_sha256=ctx.policy_sha256,

@@ -308,7 +308,8 @@ def task_row(task: SuiteTask, report: EvalReport, scores: np.ndarray[Any, np.dty
         "episodes": report.episodes, "scored": report.scored, "mean_return": report.mean,
         "ci": list(report.ci), "normalisation": n.model_dump() if n else None,
         "score_mean": float(scores.mean()) if scores.size else None,
-        "score_ci": [(c - n.low) / (n.high - n.low) for c in report.ci] if n else list(report.ci),
+        # sorted: a normalisation whose high is below its low (lower returns are better) flips it
+        "score_ci": sorted((c - n.low) / (n.high - n.low) for c in report.ci) if n else list(report.ci),
         "cache": report.cache.get("status"), "harness_fault": report.harness_fault,
         "request_id": report.request_id, "report": report.outputs.get("report", ""),
         "mlflow_run_id": report.outputs.get("mlflow_run_id", ""),

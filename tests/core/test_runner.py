@@ -99,6 +99,37 @@ def test_truncation_and_success_are_recorded():
         assert row["success"] is (True if row["end_reason"] == "terminated" else None)
 
 
+class _UnsureSuccess(gym.Env):
+    """Ends at its third step with ``info["success"]``: NaN for odd seeds, else 1.0."""
+
+    observation_space = gym.spaces.Box(-1, 1, (2,), np.float32)
+    action_space = gym.spaces.Discrete(2)
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self._t, self._unsure = 0, bool(seed % 2)
+        return np.zeros(2, np.float32), {}
+
+    def step(self, action):
+        self._t += 1
+        done = self._t == 3
+        info = {"success": float("nan") if self._unsure else 1.0} if done else {}
+        return np.zeros(2, np.float32), 1.0, done, False, info
+
+
+def test_a_nan_success_flag_is_no_success():
+    # bool(nan) is True: an env that reports an undecided success as NaN counted as a success.
+    env_id = "UnsureSuccess-v0"
+    gym.register(env_id, entry_point=_UnsureSuccess, max_episode_steps=10)
+    try:
+        table = _run(env_id, _policy("tests.flows.user_envs:toward_goal_dawdling", env_id), 12, 4)
+    finally:
+        gym.registry.pop(env_id, None)
+    assert [r["success"] for r in table.to_pylist()] == [
+        None if r["seed"] % 2 else True for r in table.to_pylist()]
+    assert None in table.column("success").to_pylist()
+
+
 class _Broken(gym.Env):
     """Fails by mode: raise in step, NaN reward, both only for odd seeds."""
 

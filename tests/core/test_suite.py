@@ -170,3 +170,25 @@ def test_the_baselines_harness_faults_and_alarms_are_the_suites() -> None:
                                 baseline_reports=[their_report])
     assert report.harness_fault
     assert any(a.startswith("baseline base-task: ") for a in report.alarms), report.alarms
+
+
+def test_a_score_interval_is_low_to_high_when_the_normalisation_runs_downward() -> None:
+    # { min = 0, max = -100 }: lower returns score higher. The return's interval was mapped
+    # end to end, so the score's 'low' came out above its 'high'.
+    from evalfleet.records import EpisodeRecord, records_to_table
+    from evalfleet.report import aggregate
+    from evalfleet.suite import task_row
+
+    suite = parse_suite({"suite": {"episodes": 40}, "task": [
+        {"env": "CartPole-v1", "normalise": {"min": 0, "max": -100}}]})
+    task = suite.tasks[0]
+    table = records_to_table([
+        EpisodeRecord("r", "p" * 64, "e", "s", i, i, -float(i % 9), 3, "terminated", None, None,
+                      0.0, "w", "x", "inprocess") for i in range(40)])
+    report = aggregate(EvalRequest(policy="x:y", episodes=40), table, env_spec={},
+                       env_spec_hash="h", policy={"sha256": "p" * 64}, isolation="inprocess",
+                       timings={}, cache={}, run_seconds=1.0)
+    row = task_row(task, report, task_scores(task, table))
+    low, high = row["score_ci"]
+    assert low < row["score_mean"] < high
+    assert (low, high) == pytest.approx(sorted(-c / 100 for c in report.ci))
