@@ -17,7 +17,7 @@ import sys
 import tempfile
 import warnings
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -70,6 +70,8 @@ class WeightSnapshot:
     state: dict[str, torch.Tensor]
     module: torch.nn.Module | None
     events: list[Any]
+    extras: dict[str, Any] = field(default_factory=dict)
+    """What the module's state_dict leaves out (``module_extras``), copied at trigger time."""
 
     def ready(self) -> dict[str, torch.Tensor]:
         """The CPU tensors, after any pending device→host copy has landed."""
@@ -77,6 +79,69 @@ class WeightSnapshot:
             event.synchronize()
         self.events = []
         return self.state
+
+
+def _plain(value: Any) -> bool:
+    """A value TorchScript keeps as a module attribute, compared and copied by value here."""
+    import torch
+
+    if value is None or isinstance(value, bool | int | float | str | torch.Tensor):
+        return True
+    return isinstance(value, list | tuple) and all(_plain(v) for v in value)
+
+
+def _copied(value: Any) -> Any:
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu").clone()
+    if isinstance(value, list | tuple):
+        return type(value)(_copied(v) for v in value)
+    return value
+
+
+def module_extras(module: torch.nn.Module) -> dict[str, Any]:
+    """What of ``module``'s state its ``state_dict`` leaves out, by dotted name, copied to CPU.
+
+    Non-persistent buffers and plain attributes (numbers, strings, tensors not registered, lists
+    and tuples of them): an observation normaliser's running mean kept as a plain tensor, an
+    action scale, a temperature. A compiled copy keeps them as they were when it was compiled.
+    """
+    out: dict[str, Any] = {}
+    for prefix, sub in module.named_modules():
+        dot = f"{prefix}." if prefix else ""
+        for name, buf in sub._buffers.items():
+            if buf is not None and name in sub._non_persistent_buffers_set:
+                out[f"{dot}{name}"] = _copied(buf)
+        for name, value in vars(sub).items():
+            if not name.startswith("_") and name != "training" and _plain(value):
+                out[f"{dot}{name}"] = _copied(value)
+    return out
+
+
+def _same(a: dict[str, Any], b: dict[str, Any] | None) -> bool:
+    import torch
+
+    def eq(x: Any, y: Any) -> bool:
+        if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
+            return (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor)
+                    and x.dtype == y.dtype and x.shape == y.shape and bool(torch.equal(x, y)))
+        if isinstance(x, list | tuple) and isinstance(y, list | tuple):
+            return len(x) == len(y) and all(eq(u, v) for u, v in zip(x, y, strict=True))
+        return type(x) is type(y) and bool(x == y)
+
+    return b is not None and a.keys() == b.keys() and all(eq(a[k], b[k]) for k in a)
+
+
+def _with_extras(module: torch.nn.Module, extras: dict[str, Any]) -> None:
+    """Set ``extras`` (``module_extras``) on ``module``, a copy of the module they came from."""
+    for path, value in extras.items():
+        owner, _, name = path.rpartition(".")
+        sub = module.get_submodule(owner) if owner else module
+        if name in sub._buffers:
+            sub._buffers[name] = _copied(value)
+        else:
+            setattr(sub, name, _copied(value))
 
 
 def snapshot_weights(weights: Any) -> WeightSnapshot:
@@ -111,14 +176,17 @@ def snapshot_weights(weights: Any) -> WeightSnapshot:
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(device))
         events.append(event)
-    return WeightSnapshot(state, module, events)
+    return WeightSnapshot(state, module, events,
+                          module_extras(module) if module is not None else {})
 
 
 class PolicyWriter:
     """Turns weight snapshots into content-addressed policy files under ``folder``.
 
     With a factory the file is the state_dict (``torch.save``); without one, the module is
-    compiled to TorchScript once and each snapshot is loaded into the compiled copy.
+    compiled to TorchScript once and each snapshot is loaded into the compiled copy; it is
+    compiled again when a snapshot's ``extras`` (non-persistent buffers, plain attributes) differ
+    from those it was compiled with.
     """
 
     def __init__(self, folder: Path, factory: str | None) -> None:
@@ -126,6 +194,8 @@ class PolicyWriter:
         self.factory = factory
         self._scripted: Any = None
         self._scripted_for: int | None = None
+        self._extras: dict[str, Any] | None = None
+        self._buffer_keys: set[str] = set()
 
     def write(self, snapshot: WeightSnapshot) -> Path:
         """Write the snapshot; returns the file path (named by its sha256)."""
@@ -144,7 +214,7 @@ class PolicyWriter:
             with warnings.catch_warnings():
                 # torch 2.13 deprecates TorchScript; it is still evalfleet's self-contained format.
                 warnings.simplefilter("ignore", DeprecationWarning)
-                torch.jit.save(self._script(snapshot.module, state), buffer)
+                torch.jit.save(self._script(snapshot.module, state, snapshot.extras), buffer)
         blob = buffer.getvalue()
         digest = hashlib.sha256(blob).hexdigest()
         path = self.folder / f"{digest}.pt"
@@ -156,12 +226,17 @@ class PolicyWriter:
             os.replace(tmp, path)
         return path
 
-    def _script(self, module: torch.nn.Module, state: dict[str, torch.Tensor]) -> Any:
+    def _script(self, module: torch.nn.Module, state: dict[str, torch.Tensor],
+                extras: dict[str, Any]) -> Any:
         import torch
 
-        if self._scripted is None or self._scripted_for != id(module):
-            # The structure is copied once; the values come from each snapshot below.
+        if (self._scripted is None or self._scripted_for != id(module)
+                or not _same(extras, self._extras)):
+            # The structure is copied and compiled once, and again whenever what the state_dict
+            # leaves out changed (a compiled copy keeps those values); the weights come from
+            # each snapshot below.
             template = copy.deepcopy(module).to("cpu").eval()
+            _with_extras(template, extras)
             try:
                 self._scripted = torch.jit.script(template)
             except Exception as err:
@@ -171,8 +246,12 @@ class PolicyWriter:
                     "'module:function' so the weights travel as a state_dict instead."
                 ) from err
             self._scripted_for = id(module)
-        self._scripted.load_state_dict(state)
+            self._extras = extras
+            # A compiled module lists its non-persistent buffers in its state_dict too.
+            self._buffer_keys = set(self._scripted.state_dict()) - set(state)
+        self._scripted.load_state_dict(
+            {**{k: extras[k] for k in self._buffer_keys if k in extras}, **state})
         return self._scripted
 
 
-__all__ = ["PolicyWriter", "WeightSnapshot", "factory_ref", "snapshot_weights"]
+__all__ = ["PolicyWriter", "WeightSnapshot", "factory_ref", "module_extras", "snapshot_weights"]

@@ -1,0 +1,68 @@
+"""A module compiled once for the Evaluator evaluates each snapshot's values, not the first one's.
+
+``PolicyWriter`` compiles an ``nn.Module`` to TorchScript once and loads each snapshot's
+state_dict into the compiled copy. What the state_dict leaves out (non-persistent buffers, plain
+attributes such as an observation normaliser's mean kept as a tensor, or an action scale) stayed
+as it was at the first compile: later checkpoints were evaluated with stale values, silently.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from evalfleet.snapshots import PolicyWriter, module_extras, snapshot_weights
+
+
+class Normalised(torch.nn.Module):
+    def __init__(self, buffer: bool = True) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(2, 2)
+        # A non-persistent buffer made the compiled copy refuse every snapshot's state_dict.
+        self.register_buffer("offset", torch.zeros(2), persistent=not buffer)
+        self.mean = torch.zeros(2)  # a plain tensor attribute, as normalisers often keep it
+        self.scale = 1.0
+        self.steps = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear((x - self.mean) * self.scale + self.offset)
+
+
+def _out(path: Path, x: torch.Tensor) -> torch.Tensor:
+    return torch.jit.load(str(path))(x).detach()
+
+
+@pytest.mark.parametrize("buffer", [False, True])
+def test_each_snapshot_is_compiled_with_its_own_state_outside_the_state_dict(tmp_path, buffer):
+    module, x = Normalised(buffer), torch.tensor([[1.0, 2.0]])
+    writer = PolicyWriter(tmp_path, None)
+    first = writer.write(snapshot_weights(module))
+    with torch.no_grad():
+        assert torch.equal(_out(first, x), module(x))
+        module.mean = torch.tensor([0.5, -0.5])  # training updates what no state_dict carries
+        module.scale = 3.0
+        module.offset.fill_(0.25)
+        snap = snapshot_weights(module)
+        module.scale = 7.0  # after the trigger: not this snapshot's
+        second = writer.write(snap)
+        module.scale = 3.0
+        assert torch.equal(_out(second, x), module(x))
+        assert not torch.equal(_out(second, x), _out(first, x))
+    assert set(module_extras(module)) == {"mean", "scale", "steps", "linear.in_features",
+                                          "linear.out_features"} | ({"offset"} if buffer else set())
+
+
+def test_unchanged_extras_reuse_the_compiled_copy(tmp_path):
+    module = Normalised()
+    writer = PolicyWriter(tmp_path, None)
+    writer.write(snapshot_weights(module))
+    compiled = writer._scripted
+    with torch.no_grad():
+        module.linear.weight.add_(1.0)  # weights only: loaded into the same compiled copy
+    writer.write(snapshot_weights(module))
+    assert writer._scripted is compiled
+    module.steps += 1  # any change outside the state_dict compiles again
+    writer.write(snapshot_weights(module))
+    assert writer._scripted is not compiled
