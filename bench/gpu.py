@@ -13,7 +13,9 @@ in-loop ``Evaluator``) and records what it saw; a check that does not hold is li
    same request again with ``--isolation process`` (sandboxes started by a CUDA-using worker);
 4. the in-loop ``Evaluator`` with ``device='cuda'`` and the model on the GPU: new weights each
    call, trigger-to-result seconds;
-5. the placement and cache-key tests, which take the GPU branches there.
+5. logits that are NaN on CUDA end those episodes as the policy's error, and the in-loop
+   ``Evaluator``'s snapshot of a CUDA module carries its state outside the state_dict;
+6. the placement and cache-key tests, which take the GPU branches there.
 
 Results: ``gpu.json`` and ``gpu.md`` in ``--output`` (``bench/results`` by default).
 """
@@ -195,10 +197,86 @@ def main(argv: list[str] | None = None) -> int:
                           and s["workers"] == {"gpu-worker": 64} and s["alarms"] == [])
         check("in-loop Evaluator, device='cuda'", lambda: warm_evaluator(work / "warm"),
               lambda s: s["first_device"] == "cuda" and set(s["devices"]) == {"cuda"})
+        check("NaN logits from a policy on CUDA end as policy_error", nan_logits_on_cuda,
+              lambda s: s["device"] == "cuda" and s["end_reasons"].get("policy_error", 0) > 0
+              and set(s["end_reasons"]) <= {"policy_error", "terminated", "truncated"}
+              and s["error_kinds"] == ["ValueError"])
+        check("Evaluator snapshot of a CUDA module, state outside its state_dict",
+              cuda_snapshot_extras, lambda s: max(s["max_abs_apart"]) < 1e-5)
         check("placement and cache-key tests", lambda: _cli_pytest(), lambda s: s["rc"] == 0)
     (args.output / "gpu.json").write_text(json.dumps(found, indent=2) + "\n")
     (args.output / "gpu.md").write_text(markdown(found))
     return 1 if found["failed"] else 0
+
+
+def nan_logits_on_cuda() -> dict[str, Any]:
+    """A TorchScript policy on CUDA whose logits turn NaN when the cart is far right: those
+    episodes end as ``policy_error`` with their partial return; the others run to their end."""
+    import io
+
+    import torch
+
+    from evalfleet.envspec import env_thunk, resolve_env
+    from evalfleet.policy import load_policy
+    from evalfleet.records import records_to_table
+    from evalfleet.runner import EpisodeContext, run_shard
+    from evalfleet.sandbox.base import InProcessSlots
+    from evalfleet.seeds import SeedLedger
+
+    class Poisoned(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            logits = torch.stack([torch.zeros_like(x[:, 2]), x[:, 2]], dim=1)
+            far = (x[:, 0] > 0.22).unsqueeze(1).expand_as(logits)
+            return torch.where(far, torch.full_like(logits, float("nan")), logits)
+
+    buf = io.BytesIO()
+    torch.jit.save(torch.jit.script(Poisoned()), buf)
+    space = resolve_env("CartPole-v1", {}, None).action_space
+    policy = load_policy("torchscript", buf.getvalue(), None, "poisoned.pt", space, device="cuda")
+    ledger = SeedLedger(0)
+    slots = InProcessSlots(env_thunk("CartPole-v1", {}, None), 6)
+    try:
+        rows = records_to_table(run_shard([(i, ledger.seed(i)) for i in range(24)], slots, policy,
+                                          EpisodeContext("r", "s", "CartPole-v1", "h", "w"))
+                                ).to_pylist()
+    finally:
+        slots.close()
+    reasons: dict[str, int] = {}
+    for row in rows:
+        reasons[row["end_reason"]] = reasons.get(row["end_reason"], 0) + 1
+    errors = {row["error"].split(":")[0] for row in rows if row["end_reason"] == "policy_error"}
+    return {"device": policy.device, "end_reasons": reasons, "error_kinds": sorted(errors)}
+
+
+def cuda_snapshot_extras() -> dict[str, Any]:
+    """The Evaluator's snapshot of a CUDA module whose normaliser mean is a plain tensor changed
+    by training: each written policy computes what the module computed at its trigger."""
+    import torch
+
+    from evalfleet.snapshots import PolicyWriter, snapshot_weights
+
+    class Normalised(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = torch.nn.Linear(4, 2)
+            self.mean = torch.zeros(4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.linear(x - self.mean)
+
+    module = Normalised().cuda()
+    module.mean = module.mean.cuda()
+    x = torch.tensor([[0.1, 0.2, 0.3, 0.4]])
+    apart = []
+    with tempfile.TemporaryDirectory() as tmp:
+        writer = PolicyWriter(Path(tmp), None)
+        for mean in (0.0, 0.5, -1.0):
+            module.mean = torch.full((4,), mean, device="cuda")
+            with torch.no_grad():
+                want = module(x.cuda()).cpu()
+                got = torch.jit.load(str(writer.write(snapshot_weights(module))))(x)
+            apart.append(float((got - want).abs().max()))
+    return {"max_abs_apart": apart}
 
 
 def _cli_pytest() -> dict[str, Any]:
