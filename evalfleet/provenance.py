@@ -344,6 +344,16 @@ def _imports(name: str, path: Path, is_package: bool) -> tuple[str, ...]:
     return _IMPORTS[key]
 
 
+def _enqueue(name: str, queued: set[str], queue: deque[str]) -> None:
+    """Queue module ``name`` and its parent packages (importing a.b.c runs a and a.b first)."""
+    parts = name.split(".")
+    for depth in range(1, len(parts) + 1):
+        module = ".".join(parts[:depth])
+        if module not in queued:
+            queued.add(module)
+            queue.append(module)
+
+
 def _walk_imports(start: str, within: str | None, limit: int) -> tuple[int, list[str]]:
     """Modules ``start``'s code reaches: (modules read, other top-level modules reached).
 
@@ -363,12 +373,7 @@ def _walk_imports(start: str, within: str | None, limit: int) -> tuple[int, list
         if top != within:
             outside[top] = None
             return
-        parts = name.split(".")
-        for depth in range(1, len(parts) + 1):  # importing a.b.c runs a and a.b first
-            module = ".".join(parts[:depth])
-            if module not in queued:
-                queued.add(module)
-                queue.append(module)
+        _enqueue(name, queued, queue)
 
     reach(start)
     read = 0
@@ -461,12 +466,7 @@ def imported_code(modules: Iterable[str], limit: int = MAX_IMPORTED_MODULES, *,
                 for other in foreign_imports(name, f"{top}=={versions[top]}"):
                     reach(other, follow_versioned=False)
             return
-        parts = name.split(".")
-        for depth in range(1, len(parts) + 1):  # importing a.b.c runs a and a.b first
-            module = ".".join(parts[:depth])
-            if module not in queued:
-                queued.add(module)
-                queue.append(module)
+        _enqueue(name, queued, queue)
 
     starts = list(modules)
     for name in starts:
