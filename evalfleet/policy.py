@@ -391,9 +391,15 @@ def check_outputs(
             f"expected {what} of shape {expected} for action space {space}. "
             "Fix the policy's output layer (or pick the matching env)."
         )
-    if not np.all(np.isfinite(raw.astype(np.float64))):
+    logits = policy.is_torch and isinstance(space, spaces.Discrete)
+    if logits:  # -inf beside a finite logit masks an action; NaN, +inf or all -inf is refused
+        try:
+            check_logits(raw.astype(np.float64))
+        except ValueError as err:
+            raise PolicyError(f"policy {source!r} on a dummy batch: {err}.") from err
+    elif not np.all(np.isfinite(raw.astype(np.float64))):
         raise PolicyError(f"policy {source!r} produced non-finite outputs on a dummy batch.")
-    return "logits" if policy.is_torch and isinstance(space, spaces.Discrete) else "actions"
+    return "logits" if logits else "actions"
 
 
 def output_kind(fmt: str, action_space: spaces.Space[Any]) -> str:

@@ -312,3 +312,15 @@ def test_sampled_actions_refuse_bad_logits_and_a_masked_action_is_no_fault() -> 
                         range(episodes), slots))
     # -inf beside a finite logit masks that action: every step takes action 1, nobody fails.
     assert {r["end_reason"] for r in masked.values()} <= {"terminated", "truncated"}
+
+
+def test_stage_one_takes_masked_logits_and_refuses_ones_no_action_comes_from() -> None:
+    from evalfleet.errors import PolicyError
+    from evalfleet.policy import check_outputs
+
+    space = resolve_env(ENV, {}, None).observation_space
+    # -inf for a masked action was refused at stage 1 as "non-finite outputs" before.
+    assert check_outputs(_torchscript(_AngleLogits(None, masked=True)), space, "m.pt") == "logits"
+    with pytest.raises(PolicyError, match=r"policy 'n.pt' on a dummy batch: policy returned "
+                       "logits with no finite maximum or a NaN for 4 of 4 rows"):
+        check_outputs(_torchscript(_AngleLogits(float("nan"), everywhere=True)), space, "n.pt")
