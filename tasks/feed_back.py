@@ -16,6 +16,7 @@ from evalfleet.review import report_markdown
 from evalfleet.review_replays import ReviewReplays, review_replays
 from evalfleet.summary import summary_rows
 from flows.api_ledger import best_effort
+from tasks.run_episodes import release
 
 
 @task(name="feed-back", cache_policy=NO_CACHE)
@@ -59,4 +60,6 @@ def replays_ahead(request: EvalRequest, received: Received, collected: Collected
         replays = future.result()
     except Exception as err:  # noqa: BLE001 - the review reports it, with the shortfall
         replays = ReviewReplays(received.device, error=f"{type(err).__name__}: {err}")
+    finally:  # here now: a worker stopping later must not make the scheduler run it again
+        release([future])
     return replace(collected, replays=replays)

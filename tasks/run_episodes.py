@@ -1,6 +1,6 @@
 """Stage 4: run episodes (one coarse task per shard, mapped over the Dask cluster)."""
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from contextlib import nullcontext
 
 import pyarrow as pa
@@ -21,10 +21,20 @@ def run_episodes(shard: Shard, handle: PolicyHandle, request: EvalRequest, isola
     return execute_shard(shard, handle, request, isolation)
 
 
+def release(futures: Iterable[object]) -> None:
+    """Cancel ``futures`` on the Dask cluster: queued ones never run, finished ones are forgotten."""
+    for future in futures:
+        wrapped = getattr(future, "wrapped_future", None)
+        if wrapped is not None and hasattr(wrapped, "cancel"):
+            wrapped.cancel()
+
+
 def shard_tables(shards: PrefectFutureList[pa.Table],
                  persist: Callable[[int, pa.Table], object] | None = None,
                  address: str | None = None) -> list[pa.Table]:
     """The run stage's tables, in plan order; when one shard fails, the others are cancelled.
+
+    Once every table is in, the shards' results are released on the cluster.
 
     ``persist(position, table)`` runs as each shard finishes (not when all have): what finished
     survives a driver killed later. Cancelled shards must not outlive the policy's release: a
@@ -32,23 +42,27 @@ def shard_tables(shards: PrefectFutureList[pa.Table],
     fail with ``PolicyIntegrityError``.
     """
     def cancel() -> None:
-        for future in shards:
-            wrapped = getattr(future, "wrapped_future", None)
-            if wrapped is not None and hasattr(wrapped, "cancel"):
-                wrapped.cancel()
+        release(shards)
 
     tables: list[pa.Table | None] = [None] * len(shards)
     watch = WorkersWatch(address, cancel) if address else nullcontext(None)
     try:
         with watch:
             if persist is None:
-                return shards.result()
-            position = {id(future): i for i, future in enumerate(shards)}
-            for future in as_completed(list(shards)):
-                i = position[id(future)]
-                tables[i] = table = future.result()
-                persist(i, table)
-            return [t for t in tables if t is not None]
+                done = list(shards.result())
+            else:
+                position = {id(future): i for i, future in enumerate(shards)}
+                for future in as_completed(list(shards)):
+                    i = position[id(future)]
+                    tables[i] = table = future.result()
+                    persist(i, table)
+                done = [t for t in tables if t is not None]
+        # The tables are here now: the scheduler forgets them. Held there, a worker that stops
+        # (done_with) lost them, and the scheduler ran the shard again on a worker still up,
+        # after the policy's release: a task run that had completed ended Failed, with an ERROR
+        # line in a quiet CLI's output.
+        cancel()
+        return done
     except BaseException as err:
         cancel()
         if isinstance(watch, WorkersWatch) and watch.lost:
