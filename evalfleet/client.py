@@ -385,7 +385,8 @@ class Evaluator:
             raise EvaluatorClosed("this Evaluator was shut down; create a new one.")
 
     def _submit(self, weights: Any, step: int | None) -> _Job:
-        snapshot = snapshot_weights(weights)
+        # The training thread copies only what the policy file will hold.
+        snapshot = snapshot_weights(weights, extras=self.factory is None)
         if snapshot.module is None and self.factory is None:
             raise PolicyError(
                 "a state_dict needs 'policy_factory' ('module:function' building the nn.Module); "

@@ -144,8 +144,11 @@ def _with_extras(module: torch.nn.Module, extras: dict[str, Any]) -> None:
             setattr(sub, name, _copied(value))
 
 
-def snapshot_weights(weights: Any) -> WeightSnapshot:
+def snapshot_weights(weights: Any, extras: bool = True) -> WeightSnapshot:
     """Copy an ``nn.Module``'s or a state_dict's tensors to CPU without waiting on the device.
+
+    ``extras``: also copy what a module's state_dict leaves out (``module_extras``), which only
+    a module compiled here needs; with a policy factory the workers build the module themselves.
 
     CUDA tensors are copied with ``non_blocking=True`` behind a recorded event (the worker thread
     waits on the event, the training thread does not); the copy is ordered before any later
@@ -177,7 +180,7 @@ def snapshot_weights(weights: Any) -> WeightSnapshot:
         event.record(torch.cuda.current_stream(device))
         events.append(event)
     return WeightSnapshot(state, module, events,
-                          module_extras(module) if module is not None else {})
+                          module_extras(module) if module is not None and extras else {})
 
 
 class PolicyWriter:

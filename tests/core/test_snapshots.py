@@ -66,3 +66,9 @@ def test_unchanged_extras_reuse_the_compiled_copy(tmp_path):
     module.steps += 1  # any change outside the state_dict compiles again
     writer.write(snapshot_weights(module))
     assert writer._scripted is not compiled
+
+
+def test_with_a_factory_the_training_thread_copies_no_extras():
+    module = Normalised()
+    assert snapshot_weights(module, extras=False).extras == {}
+    assert set(snapshot_weights(module).extras) >= {"mean", "scale", "offset"}
