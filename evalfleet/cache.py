@@ -76,7 +76,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from evalfleet.errors import CacheCorruptError, CacheLockTimeout
-from evalfleet.records import EPISODE_SCHEMA, SCHEMA_VERSION
+from evalfleet.records import EPISODE_SCHEMA, SCHEMA_VERSION, empty_episodes
 from evalfleet.storage import write_json
 
 logger = logging.getLogger(__name__)
@@ -346,7 +346,7 @@ class EpisodeCache:
                 logger.info("%s (seen without the key's lock: a miss here; the lock's holder "
                             "removes and recomputes it)", err)
         if table is None and shards is None:
-            return Lookup(key, EPISODE_SCHEMA.empty_table(), list(indices), corrupt=corrupt)
+            return Lookup(key, empty_episodes(), list(indices), corrupt=corrupt)
         wanted = pa.array(np.asarray(indices, dtype=np.int64))
         resumed = 0
         if shards is not None:

@@ -38,7 +38,13 @@ from evalfleet.policy import (
     read_policy,
 )
 from evalfleet.provenance import SOURCE_PREFIX, code_version
-from evalfleet.records import EPISODE_SCHEMA, OUTCOME_COLUMNS, concat_sorted, stamp_evaluation
+from evalfleet.records import (
+    EPISODE_SCHEMA,
+    OUTCOME_COLUMNS,
+    concat_sorted,
+    empty_episodes,
+    stamp_evaluation,
+)
 from evalfleet.redaction import redact_json, redact_table
 from evalfleet.replay import (
     ReplayResult,
@@ -274,7 +280,7 @@ def lookup(request: EvalRequest, received: Received, indices: Sequence[int] | No
     """What the cache holds for ``request`` ('off' and 'refresh' see an empty cache)."""
     indices = range(request.episodes) if indices is None else indices
     if request.cache != "use":
-        return Lookup(received.cache_key, EPISODE_SCHEMA.empty_table(), list(indices))
+        return Lookup(received.cache_key, empty_episodes(), list(indices))
     return episode_cache(request).lookup(received.cache_key, indices)
 
 

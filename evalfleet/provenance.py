@@ -300,8 +300,15 @@ def _module_file(name: str) -> tuple[Path, bool] | None:
 
 
 #: Imported module names by (module, is a package, sha256 of its source): a file's imports are
-#: parsed once per process and version of the file.
+#: parsed once per process and version of the file, and kept in ``evalfleet_home()``
+#: (``_stored_imports``): parsing the ~100 modules a policy's or an env's code reaches took
+#: ~0.7 s of every cold stage 1, before the workers' fork server could start.
 _IMPORTS: dict[tuple[str, bool, str], tuple[str, ...]] = {}
+_imports_lock = threading.Lock()
+_imports_loaded = False  # this process has read the stored imports into ``_IMPORTS``
+_imports_new: dict[tuple[str, bool, str], tuple[str, ...]] = {}  # parsed here, not stored yet
+#: Most entries the stored imports keep (a file's every version is an entry of its own).
+MAX_STORED_IMPORTS = 20_000
 
 
 def _imports(name: str, path: Path, is_package: bool) -> tuple[str, ...]:
@@ -315,13 +322,25 @@ def _imports(name: str, path: Path, is_package: bool) -> tuple[str, ...]:
     except OSError:
         return ()
     key = (name, is_package, hashlib.sha256(source).hexdigest())
-    if key in _IMPORTS:
-        return _IMPORTS[key]
+    with _imports_lock:
+        if not _imports_loaded:
+            _load_stored_imports()
+        if key in _IMPORTS:
+            return _IMPORTS[key]
+    found = _parse_imports(source, name if is_package else name.rpartition(".")[0])
+    with _imports_lock:
+        if len(_IMPORTS) > MAX_STORED_IMPORTS:
+            _IMPORTS.clear()
+        _IMPORTS[key] = _imports_new[key] = found
+    return found
+
+
+def _parse_imports(source: bytes, package: str) -> tuple[str, ...]:
+    """The absolute module names the import statements of ``source`` name, in ``package``."""
     try:
         tree = ast.parse(source)
     except (SyntaxError, ValueError):  # not Python this interpreter runs: nothing to follow
         tree = ast.Module(body=[], type_ignores=[])
-    package = name if is_package else name.rpartition(".")[0]
     found: dict[str, None] = {}
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
@@ -338,10 +357,56 @@ def _imports(name: str, path: Path, is_package: bool) -> tuple[str, ...]:
                 found[base] = None
                 found.update(dict.fromkeys(f"{base}.{alias.name}" for alias in node.names
                                            if alias.name != "*"))
-    if len(_IMPORTS) > 20_000:
-        _IMPORTS.clear()
-    _IMPORTS[key] = tuple(found)
-    return _IMPORTS[key]
+    return tuple(found)
+
+
+def _stored_imports_file() -> Path:
+    """Where the parsed imports are kept: per interpreter (its parser decides what parses)."""
+    from evalfleet.server import evalfleet_home
+
+    tag = hashlib.sha256(sys.version.encode()).hexdigest()[:16]
+    return evalfleet_home() / "provenance" / f"source-imports-{tag}.json"
+
+
+def _read_stored_imports() -> dict[tuple[str, bool, str], tuple[str, ...]]:
+    """The stored imports, by key; empty when there are none or they do not read."""
+    try:
+        rows = json.loads(_stored_imports_file().read_text())["imports"]
+        return {(str(n), bool(p), str(h)): tuple(str(m) for m in found)
+                for n, p, h, found in rows}
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
+
+
+def _load_stored_imports() -> None:
+    """Read the stored imports into ``_IMPORTS`` (once per process; ``_imports_lock`` held)."""
+    global _imports_loaded
+    _imports_loaded = True
+    _IMPORTS.update(_read_stored_imports())
+
+
+def _keep_imports() -> None:
+    """Add the imports parsed since the last call to the stored ones (merged with the file's).
+
+    Two processes storing at once may lose one's entries: they are parsed again next time.
+    """
+    from evalfleet.storage import atomic_write
+
+    with _imports_lock:
+        if not _imports_new:
+            return
+        new = dict(_imports_new)
+        _imports_new.clear()
+    stored = _read_stored_imports()
+    if len(stored) + len(new) > MAX_STORED_IMPORTS:
+        stored = {}
+    stored.update(new)
+    rows = [[n, p, h, list(found)] for (n, p, h), found in stored.items()]
+    path = _stored_imports_file()
+    try:
+        atomic_write(path, lambda tmp: Path(tmp).write_text(json.dumps({"imports": rows})))
+    except OSError as err:  # an unwritable home: parsed again by the next process
+        logger.debug("could not keep the parsed imports in %s: %s", path, err)
 
 
 def _enqueue(name: str, queued: set[str], queue: deque[str]) -> None:
@@ -385,6 +450,7 @@ def _walk_imports(start: str, within: str | None, limit: int) -> tuple[int, list
         read += 1
         for imported in _imports(name, *found):
             reach(imported)
+    _keep_imports()
     return read, list(outside)
 
 
@@ -485,6 +551,7 @@ def imported_code(modules: Iterable[str], limit: int = MAX_IMPORTED_MODULES, *,
         read += 1
         for imported in _imports(name, *found):
             reach(imported)
+    _keep_imports()
     return dict(sorted(versions.items()))
 
 
