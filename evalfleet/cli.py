@@ -136,7 +136,7 @@ def add_eval_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gate", action="store_true",
                    help=f"exit {EXIT_REGRESSION} when the evaluation is a significant regression "
                    "against the best earlier checkpoint of --training-run-id (paired, same seeds), "
-                   f"{EXIT_GATE_UNDECIDED} when it could not be compared with it")
+                   f"{EXIT_GATE_UNDECIDED} when it could not be compared with it (not with --suite)")
     p.add_argument("--suite", default=None, metavar="SUITE_TOML",
                    help="evaluate on every task of a suite file (envs, kwargs grids, episodes, "
                    "normalisation; see examples/suite.toml) and aggregate across tasks; --env, "
@@ -366,6 +366,11 @@ def run_suite(evaluate_suite: SuiteEvaluator | None, args: argparse.Namespace) -
 
     try:
         with stop_on_sigterm():
+            if args.gate:
+                raise RequestError(
+                    "--gate compares one evaluation with the best earlier checkpoint of its "
+                    "training run; a suite has no such verdict across its tasks. Drop --gate, or "
+                    "gate each task as its own evaluation (--env ... --gate).")
             suite = load_suite(args.suite)
             base = request_from_args(args)
             check_report_path(args.report)

@@ -91,16 +91,20 @@ def result_from_report(report: EvalReport, step: int | None) -> Result:
 
 
 def history_result(report: EvalReport) -> Result:
-    """The history's keys of a result: verdict, best checkpoint's step and weights hash, alarms.
+    """The history's keys of a result: verdict, best checkpoint's step and weights hash; alarms.
 
     ``eval/verdict`` is None for an evaluation without a training run id and step.
+    ``eval/alarms`` names every alarm of the evaluation (the report's, then the history's):
+    a harness fault, policy failures, a determinism mismatch are alarms of the result too.
     """
     h = report.history or {}
+    names = [a.split(":", 1)[0] for a in report.alarms] + [a["alarm"] for a in h.get("alarms") or []]
     return {
         "eval/verdict": h.get("verdict"),
         "eval/best_step": h.get("best_step"),
         "eval/best_policy_sha256": h.get("best_policy_sha256"),
-        "eval/alarms": [a["alarm"] for a in h.get("alarms") or []],
+        "eval/alarms": list(dict.fromkeys(names)),
+        "eval/harness_fault": report.harness_fault,
     }
 
 
@@ -110,14 +114,11 @@ def suite_result(report: Any, step: int | None) -> Result:
     Also the probability of improvement over a baseline when there is one, and the suite report
     under ``report``.
     """
-    out: Result = {"eval/reward": report.aggregates["iqm"]["point"], "eval/step": step,
-                   "eval/suite/tasks": len(report.tasks)}
-    for key, est in report.aggregates.items():
-        out[f"eval/suite/{key}"] = est["point"]
-        out[f"eval/suite/{key}_ci_low"], out[f"eval/suite/{key}_ci_high"] = est["ci"]
-    if report.probability_of_improvement:
-        out["eval/suite/p_improvement"] = report.probability_of_improvement["point"]
-    out["report"] = report
+    from evalfleet.tracking import suite_result_metrics
+
+    out: Result = dict(suite_result_metrics(report.aggregates, report.probability_of_improvement,
+                                            len(report.tasks)))
+    out.update({"eval/suite/tasks": len(report.tasks), "eval/step": step, "report": report})
     return out
 
 

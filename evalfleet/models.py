@@ -116,6 +116,10 @@ class EvalRequest(_Frozen):
     experiment: str = Field("evalfleet", description="MLflow experiment name.")
     training_run_id: str | None = Field(None, description="Trainer's run id, tagged everywhere.")
     step: int | None = Field(None, description="Training step of the evaluated weights.")
+    suite_task: str | None = Field(
+        None, description="Set by a suite on its tasks' requests (the task's name): the suite, not "
+        "each task, logs the trainer's eval/* metrics into its MLflow run."
+    )
     cache: str = Field("use", description="'use' the cache, ignore it ('off'), or 'refresh' it.")
     cache_dir: Path | None = Field(
         None, description="Cache root; default $EVALFLEET_CACHE_DIR or output/cache."
@@ -364,6 +368,8 @@ class EvalReport(_Frozen):
     failure_clusters: list[dict[str, Any]] = []
     step_rewards: dict[str, Any] | None = None
     history: dict[str, Any] | None = None
+    suite_task: str | None = None
+    """The suite task this evaluation is (``EvalRequest.suite_task``); None on its own."""
     """Feed back across training (``evalfleet.history``): the verdict against the best earlier
     checkpoint of the same training run (paired, same seeds), the best checkpoint's step and
     weights hash, and the drift / reward-hacking alarms against the previous checkpoint."""

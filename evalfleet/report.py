@@ -215,6 +215,7 @@ def aggregate(
         policy_sha256=policy["sha256"],
         training_run_id=request.training_run_id,
         step=request.step,
+        suite_task=request.suite_task,
         isolation=isolation,
         episodes=n,
         completed=int(kinds.completed.sum()),

@@ -276,7 +276,7 @@ def task_requests(suite: Suite, base: EvalRequest) -> list[EvalRequest]:
                       episodes=task.episodes, max_steps=task.max_steps,
                       request_id=f"{base.request_id}-t{i:02d}", target_ci_halfwidth=None,
                       max_episodes=None, baseline=None, baseline_factory=None, callback_url=None,
-                      review=suite.task_review)
+                      review=suite.task_review, suite_task=task.name)
         try:
             out.append(EvalRequest.build(**fields))
         except RequestError as err:
@@ -286,9 +286,14 @@ def task_requests(suite: Suite, base: EvalRequest) -> list[EvalRequest]:
 
 def baseline_requests(requests: list[EvalRequest], baseline: str, factory: str | None
                       ) -> list[EvalRequest]:
-    """The tasks' requests for the baseline policy: same envs, seeds and protocol."""
+    """The tasks' requests for the baseline policy: same envs, seeds and protocol.
+
+    Not a checkpoint of the training run (as ``pipeline.baseline_request``): no step, so no task
+    history takes the baseline, logged after the policy, as the step's evaluation.
+    """
     return [r.model_copy(update={"policy": baseline, "policy_factory": factory,
-                                 "request_id": f"{r.request_id}-baseline"}) for r in requests]
+                                 "request_id": f"{r.request_id}-baseline", "step": None})
+            for r in requests]
 
 
 def task_scores(task: SuiteTask, table: pa.Table) -> np.ndarray[Any, np.dtype[np.float64]]:

@@ -216,7 +216,8 @@ def suite_feed_back(report: SuiteReport, base: EvalRequest, pictures: Aggregated
             uri, base.experiment, report.model_dump(mode="json"),
             params={"suite": report.suite, "tasks": len(report.tasks), "seed": base.seed,
                     "policy": base.policy, "baseline": base.baseline, "gamma": report.gamma},
-            artifacts=[*files, path], run_name=f"suite-{report.suite}-{report.policy_sha256[:12]}")
+            artifacts=[*files, path], run_name=f"suite-{report.suite}-{report.policy_sha256[:12]}",
+            training_run_id=base.training_run_id, step=base.step)
         outputs["mlflow_uri"] = uri
     except Exception as err:  # a failing sink never loses the files already written
         logger.error("MLflow logging of the suite failed (%s); results are in %s", err, folder)

@@ -126,9 +126,10 @@ def flatten_metrics(report: dict[str, Any]) -> dict[str, float]:
     return {k: float(v) for k, v in m.items() if v is not None}
 
 
-#: Verdicts as numbers, so a metric chart shows them over steps.
-VERDICT_CODES = {"regression": -1.0, "not_distinguishable": 0.0, "no_paired_episodes": 0.0,
-                 "protocol_changed": 0.0, "new_best": 1.0, "first": 1.0}
+#: Verdicts as numbers, so a metric chart shows them over steps. Verdicts that compared nothing
+#: (``no_paired_episodes``, ``protocol_changed``) get no point: 0.0 would read as "compared, no
+#: difference"; the tag ``evalfleet.verdict`` names them.
+VERDICT_CODES = {"regression": -1.0, "not_distinguishable": 0.0, "new_best": 1.0, "first": 1.0}
 
 
 def history_metrics(history: dict[str, Any] | None) -> dict[str, float]:
@@ -196,6 +197,8 @@ def log_into_trainer_run(client: Any, report: dict[str, Any], metrics: dict[str,
     from mlflow.entities import Metric
 
     run_id, step = report.get("training_run_id"), report.get("step")
+    if report.get("suite_task"):  # the suite logs its aggregates there once (``log_suite``)
+        return 0
     if not run_id or step is None or not _run_exists(client, run_id):
         return 0
     batch = [Metric(k, metrics[k], timestamp, int(step)) for k in TRAINER_METRICS if k in metrics]
@@ -308,6 +311,24 @@ def suite_metrics(report: dict[str, Any]) -> dict[str, float]:
     return {k: float(v) for k, v in m.items()}
 
 
+def suite_result_metrics(aggregates: dict[str, Any], improvement: dict[str, Any] | None,
+                         tasks: int) -> dict[str, float]:
+    """A suite's ``eval/`` numbers, as the trainer sees them.
+
+    The IQM as ``eval/reward`` (with its interval), every aggregate as ``eval/suite/<aggregate>``
+    (``_ci_low``/``_ci_high``), the probability of improvement over a baseline when there is one.
+    """
+    iqm = aggregates["iqm"]
+    out = {"eval/reward": iqm["point"], "eval/reward_ci_low": iqm["ci"][0],
+           "eval/reward_ci_high": iqm["ci"][1], "eval/suite/tasks": tasks}
+    for key, est in aggregates.items():
+        out[f"eval/suite/{key}"] = est["point"]
+        out[f"eval/suite/{key}_ci_low"], out[f"eval/suite/{key}_ci_high"] = est["ci"]
+    if improvement:
+        out["eval/suite/p_improvement"] = improvement["point"]
+    return {k: float(v) for k, v in out.items()}
+
+
 def log_suite(
     tracking_uri: str,
     experiment: str,
@@ -315,12 +336,16 @@ def log_suite(
     params: dict[str, Any],
     artifacts: list[Path],
     run_name: str,
+    *,
+    training_run_id: str | None = None,
+    step: int | None = None,
 ) -> str:
     """Log a suite as one MLflow parent run; each task's own run becomes its nested child.
 
     The tasks' runs (``report["tasks"][i]["mlflow_run_id"]``, logged by their own evaluations) get
     the ``mlflow.parentRunId`` tag of the new run, which is how MLflow nests runs. Returns the
-    parent's run id.
+    parent's run id. With ``training_run_id`` and ``step``, the suite's ``eval/`` numbers
+    (``suite_result_metrics``) go into the trainer's run at that step, once: its tasks log none.
     """
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     from mlflow.entities import Metric, Param, RunTag
@@ -344,6 +369,15 @@ def log_suite(
         if task.get("mlflow_run_id"):
             client.log_batch(task["mlflow_run_id"], tags=[
                 RunTag("mlflow.parentRunId", run_id), RunTag("evalfleet.suite_task", task["name"])])
+    if training_run_id and step is not None and _run_exists(client, training_run_id):
+        try:
+            client.log_batch(training_run_id, metrics=[
+                Metric(k, v, ts, int(step)) for k, v in suite_result_metrics(
+                    report["aggregates"], report.get("probability_of_improvement"),
+                    len(report["tasks"])).items()])
+        except Exception as err:  # the trainer's run may be read-only: never fatal
+            logger.warning("could not log the suite's eval metrics into training run %s: %s",
+                           training_run_id, err)
     _log_files(client, run, artifacts)
     client.set_terminated(run_id, "FAILED" if report["harness_fault"] else "FINISHED")
     return run_id
