@@ -13,7 +13,7 @@ from evalfleet import stats
 from evalfleet.models import EvalReport, EvalRequest
 from evalfleet.sandbox.isolation import isolation_manifest
 from evalfleet.sandbox.limits import sandbox_limits
-from evalfleet.scoring import outcomes
+from evalfleet.scoring import Outcomes, outcomes
 
 #: Above this share of planned episodes left unscored (harness failures) the evaluation is a
 #: harness fault, not a policy result.
@@ -22,6 +22,27 @@ FAILURE_ALARM_RATE = 0.05
 #: forward) the ``policy_failures`` alarm asks to look: the headline already counts them, but a
 #: policy that breaks often usually has a wiring bug (action-space drift, a device mismatch).
 POLICY_FAILURE_ALARM_RATE = 0.05
+
+
+def flattering_failures(returns: np.ndarray[Any, Any], kinds: Outcomes) -> str | None:
+    """The ``policy_failures_flatter`` alarm, when the policy's failures raise the headline.
+
+    They count with their partial return: a lower bound of the episode's where rewards are
+    positive, but where they are negative (a cost per step) ending early scores higher, so a
+    policy that breaks on its hardest seeds would look better for it. Raised at any count, when
+    the failures' partial returns average above the completed episodes' returns.
+    """
+    failed = kinds.policy & kinds.scored
+    if not failed.any() or not kinds.completed.any():
+        return None
+    partial, done = float(returns[failed].mean()), float(returns[kinds.completed].mean())
+    if partial <= done:
+        return None
+    return (f"policy_failures_flatter: {int(failed.sum())} episodes ended by the policy count with "
+            f"their partial return (mean {partial:.4g}), above the completed episodes' mean "
+            f"({done:.4g}): with negative rewards, ending early scores higher, so the headline "
+            "and any comparison may overstate this policy; --gate does not pass it. Fix the "
+            "policy's failures (see failures in the report) and evaluate again")
 
 
 def _by_reason(reasons: np.ndarray[Any, Any]) -> str:
@@ -130,12 +151,16 @@ def aggregate(
             f"({_by_reason(reasons[kinds.policy])}; > {POLICY_FAILURE_ALARM_RATE:.0%}); they "
             "count in every headline figure with their partial return and success false"
         )
+    flatter = flattering_failures(returns, kinds)
+    if flatter:
+        alarms.append(flatter)
     unscorable = int(kinds.unscorable.sum())
     if unscorable:
+        never = int((kinds.unscorable & (lengths == 0)).sum())
         alarms.append(
             f"policy_failure_returns_missing: {unscorable} episodes ended by the policy have no "
-            "finite return in their row and are left out of the statistics (coverage drops); "
-            "the runner should record the return up to the failure"
+            f"finite return in their row ({never} never started: a policy forward hung in their "
+            "shard first) and are left out of the statistics (coverage drops)"
         )
     good = returns[scored]
     if good.size:

@@ -378,7 +378,8 @@ class ShardRun:
             self._emit(EpisodeRecord(
                 request_id=ctx.request_id, policy_sha256=ctx.policy_sha256, env_id=ctx.env_id,
                 env_spec_hash=ctx.env_spec_hash, episode_index=index, seed=seed,
-                episode_return=0.0, length=0, end_reason=EndReason.POLICY_TIMEOUT.value,
+                # Never played: no return to score (NaN leaves it out, and coverage drops).
+                episode_return=float("nan"), length=0, end_reason=EndReason.POLICY_TIMEOUT.value,
                 error=f"not run: a policy forward in this shard did not return within {bound:g} s",
                 success=None, wall_seconds=0.0, worker=ctx.worker, sandbox="not-started",
                 isolation=self.slots.isolation, retried=self.attempts.get(index, (0, None))[0],

@@ -9,9 +9,10 @@
   reason this version does not know) say nothing about the policy: they are left out, and the
   report states ``coverage`` = scored episodes / planned episodes.
 
-A policy-attributable row whose return is not a finite number cannot be scored (the runner always
-records the partial sum; a table from elsewhere may not): it is left out of the scored episodes,
-so coverage drops, and ``aggregate`` raises an alarm naming how many.
+A policy-attributable row whose return is not a finite number cannot be scored (the runner records
+the partial sum, and NaN for an episode a hung forward left unstarted, length 0): it is left out
+of the scored episodes, so coverage drops, and ``aggregate`` raises an alarm naming how many.
+Where rewards are negative, a partial return flatters: ``report.flattering_failures`` says so.
 """
 
 from __future__ import annotations
