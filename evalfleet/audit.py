@@ -175,11 +175,23 @@ def audit_sample(indices: list[int], seed: int) -> list[int]:
     return sorted(int(i) for i in rng.choice(np.asarray(indices), size=k, replace=False))
 
 
+def _timing_dependent(reason: str) -> bool:
+    """An ending that depends on the clock or the machine, not on the env and the seed.
+
+    Infrastructure failures, and ``policy_timeout``: a forward that did not return in time (its
+    shard's unstarted episodes too, rows without a return) says nothing about the env's
+    determinism, and its rerun may well finish.
+    """
+    r = EndReason(reason)
+    return r.is_infrastructural or r is EndReason.POLICY_TIMEOUT
+
+
 def determinism_audit(table: pa.Table, rerun: pa.Table) -> dict[str, Any]:
     """Compare re-run episodes with the originals: return, length and end reason must match.
 
     ``checked`` counts the pairs compared. A re-run that cannot be compared (an infrastructure
-    failure on either run says nothing about the env's determinism, or no original row) is
+    failure or a policy timeout on either run says nothing about the env's determinism, or no
+    original row) is
     counted in ``skipped``, present only when some were; ``determinism_audit_alarm`` speaks up
     when nothing was compared.
     """
@@ -188,7 +200,7 @@ def determinism_audit(table: pa.Table, rerun: pa.Table) -> dict[str, Any]:
     checked = skipped = 0
     for row in rerun.to_pylist():
         first = original.get(row["episode_index"])
-        if first is None or any(EndReason(r["end_reason"]).is_infrastructural for r in (first, row)):
+        if first is None or any(_timing_dependent(r["end_reason"]) for r in (first, row)):
             skipped += 1
             continue
         checked += 1

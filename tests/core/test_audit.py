@@ -75,6 +75,17 @@ def test_determinism_audit_reports_mismatched_seeds():
     assert [m["seed"] for m in audit["mismatches"]] == [103]
 
 
+def test_a_policy_timeout_on_either_run_is_no_determinism_mismatch():
+    # A hung forward depends on the clock: its episode (or a never-run one, no return) may finish
+    # when re-run, and two never-run rows (NaN returns) are not "different" episodes either.
+    table = records_to_table([_row(0, 5.0, 10), _row(1, float("nan"), 0, "policy_timeout"),
+                              _row(2, 3.0, 4, "policy_timeout"), _row(3, 2.0, 10)])
+    rerun = records_to_table([_row(0, 5.0, 10), _row(1, float("nan"), 0, "policy_timeout"),
+                              _row(2, 7.0, 10), _row(3, float("nan"), 0, "policy_timeout")])
+    audit = determinism_audit(table, rerun)
+    assert (audit["checked"], audit["skipped"], audit["mismatches"]) == (1, 3, [])
+
+
 def test_constant_returns_over_varying_lengths_are_flagged():
     gamed = records_to_table([_row(i, 7.0, 5 + i) for i in range(12)])
     assert reward_integrity(gamed) and reward_integrity(gamed)[0].startswith("constant_returns")
