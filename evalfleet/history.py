@@ -53,6 +53,7 @@ from evalfleet import stats
 from evalfleet.audit import compare_with_baseline, harness_pairs_alarm
 from evalfleet.cache import EpisodeCache
 from evalfleet.errors import EvalfleetError
+from evalfleet.models import OUTPUT_MISSING
 from evalfleet.records import EPISODE_SCHEMA
 from evalfleet.scoring import outcomes
 
@@ -367,12 +368,18 @@ def current_figures(table: pa.Table, outcome_metric: str | None) -> dict[str, An
     """What later evaluations compare with: action shares and entropy, the outcome's mean."""
     shares = action_shares(table)
     values = outcome_values(table, outcome_metric)
+    outcome: dict[str, Any] = {"name": outcome_metric or "success",
+                               "mean": float(np.mean(list(values.values()))) if values else None,
+                               "n": len(values)}
+    if outcome_metric is not None and not values:  # what the env does report, for the alarm
+        seen: set[str] = set()
+        for pairs in table.column("metrics").to_pylist():
+            seen.update(k for k, _ in pairs or [])
+        outcome["keys_seen"] = sorted(seen)[:20]
     return {
         "action_shares": shares,
         "action_entropy": _entropy(shares) if shares is not None else None,
-        "outcome": {"name": outcome_metric or "success",
-                    "mean": float(np.mean(list(values.values()))) if values else None,
-                    "n": len(values)},
+        "outcome": outcome,
     }
 
 
@@ -593,6 +600,13 @@ def alarm_lines(history: dict[str, Any] | None) -> list[str]:
         lines.append(f"history_not_compared: no verdict against the best checkpoint{where}: "
                      f"{history.get('note')}; re-evaluate the best checkpoint on the same seeds "
                      "and episode count, or compare with --baseline")
+    outcome = (history.get("current") or {}).get("outcome") or {}
+    if "keys_seen" in outcome:  # a named outcome no episode reports: the check cannot run
+        seen = ", ".join(outcome["keys_seen"]) or "none"
+        lines.append(f"{OUTPUT_MISSING}: the reward-hacking check of outcome {outcome['name']!r} "
+                     f"(--outcome-metric): no scored episode's final info has that key (keys "
+                     f"seen: {seen}); name one the env reports, or drop --outcome-metric to watch "
+                     "the success rate")
     c = history.get("comparison") or {}
     if c.get("dropped_unmatched"):
         lines.append(f"history_pairs_unmatched: {c['dropped_unmatched']} episodes had no row of "

@@ -162,6 +162,19 @@ def test_a_named_info_outcome_metric_is_watched_instead_of_success(store):
     assert gamed.history["current"]["outcome"] == {"name": "progress", "mean": 0.0, "n": EPISODES}
 
 
+def test_a_named_outcome_no_episode_reports_is_an_output_missing_not_a_silent_no_alarm(store):
+    # Planted: a typo of the key. Before, the reward-hacking check fell silent (no pairs, no
+    # alarm, exit 0) while the return rose and the real key fell.
+    evaluate_checkpoint(store, "careless", 1, outcome_metric="progres", run="typo")
+    gamed = evaluate_checkpoint(store, "tip_farmer", 2, outcome_metric="progres", run="typo")
+    assert gamed.history["current"]["outcome"]["keys_seen"] == ["progress"]
+    (line,) = [a for a in gamed.alarms if a.startswith("output_missing: ")]
+    assert "outcome 'progres' (--outcome-metric)" in line and "keys seen: progress" in line
+    assert gamed.missing_outputs
+    assert not any(a.startswith("output_missing") for a in evaluate_checkpoint(
+        store, "tip_farmer", 3, outcome_metric="progress", run="typo-fixed").alarms)
+
+
 def test_regression_is_judged_against_the_best_checkpoint_and_gates(store, capsys):
     evaluate_checkpoint(store, "careful", 10, run="regress")
     worse = evaluate_checkpoint(store, "careless", 20, run="regress")
