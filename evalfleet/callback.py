@@ -43,6 +43,7 @@ from tenacity import (
 from evalfleet.egress import EgressPolicy, EgressRefused
 from evalfleet.errors import EvalfleetError, RequestError
 from evalfleet.redaction import redact_json
+from evalfleet.storage import json_safe
 
 logger = logging.getLogger(__name__)
 
@@ -164,8 +165,12 @@ def signed_headers(
 
 
 def canonical_json(data: Mapping[str, Any]) -> bytes:
-    """The bytes evalfleet signs and sends for a JSON document (sorted keys, no spaces)."""
-    return json.dumps(data, sort_keys=True, separators=(",", ":"), default=str).encode()
+    """The bytes evalfleet signs and sends for a JSON document.
+
+    Sorted keys, no spaces, strict: a number that is not finite is null (``storage.json_safe``).
+    """
+    return json.dumps(json_safe(dict(data)), sort_keys=True, separators=(",", ":"), default=str,
+                      allow_nan=False).encode()
 
 
 @dataclass(frozen=True)

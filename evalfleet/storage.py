@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import tempfile
 from pathlib import Path
@@ -68,7 +69,23 @@ def read_episodes(path: Path) -> pa.Table:
     return pq.read_table(path, schema=EPISODE_SCHEMA)
 
 
+def json_safe(data: Any) -> Any:
+    """``data`` with every float that is not finite (NaN, ±inf) as None: strict JSON.
+
+    Python writes them as ``NaN``/``Infinity``, which JSON has not: a trainer's parser (Go's,
+    JavaScript's, ``jq``) rejects the whole document, and Starlette refuses to send it (a 500).
+    A report with no scored episode has NaN statistics.
+    """
+    if isinstance(data, float):
+        return data if math.isfinite(data) else None
+    if isinstance(data, dict):
+        return {k: json_safe(v) for k, v in data.items()}
+    if isinstance(data, (list, tuple)):
+        return [json_safe(v) for v in data]
+    return data
+
+
 def write_json(data: dict[str, Any], path: Path) -> Path:
-    """Write ``data`` as indented JSON."""
-    text = json.dumps(data, indent=2, sort_keys=True, default=str)
+    """Write ``data`` as indented, strict JSON (``json_safe``)."""
+    text = json.dumps(json_safe(data), indent=2, sort_keys=True, default=str, allow_nan=False)
     return atomic_write(Path(path), lambda tmp: Path(tmp).write_text(text + "\n"))

@@ -13,6 +13,7 @@ from starlette.concurrency import run_in_threadpool
 from deployments.webhook.flow_runs import PrefectAPI
 from deployments.webhook.receiver import Receiver, ReceiverConfig
 from deployments.webhook.schema import Rejected
+from evalfleet.storage import json_safe
 
 
 def create_app(config: ReceiverConfig, prefect: PrefectAPI | None = None) -> FastAPI:
@@ -29,7 +30,7 @@ def create_app(config: ReceiverConfig, prefect: PrefectAPI | None = None) -> Fas
 
     def _json(status: int, body: dict[str, Any]) -> JSONResponse:
         headers = {"Retry-After": "5"} if status == 503 else None
-        return JSONResponse(body, status_code=status, headers=headers)
+        return JSONResponse(json_safe(body), status_code=status, headers=headers)
 
     @app.post("/v1/evaluations")
     async def create_evaluation(request: Request) -> JSONResponse:

@@ -9,7 +9,6 @@ env instances) and ``process`` sandboxes (the policy runs in the worker at every
 from __future__ import annotations
 
 import math
-
 import threading
 import time
 from collections.abc import Iterator
