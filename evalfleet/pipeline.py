@@ -463,7 +463,10 @@ def summarize(
         seeds = ", ".join(str(m["seed"]) for m in audit["mismatches"][:5])
         alarms.append(
             f"non_deterministic_env: {len(audit['mismatches'])} of {audit['checked']} re-run "
-            f"episodes differ (seeds {seeds}); results are not reproducible"
+            f"episodes differ (seeds {seeds}); results are not reproducible. Re-run alone, in "
+            "another batch: an env reading a clock, a global RNG or state across resets; or a "
+            "policy whose batched forward changes its last float bits with the batch size, where "
+            "two actions nearly tie (replay one seed with --episodes 1 to tell)"
         )
     from evalfleet.audit import determinism_audit_alarm, harness_pairs_alarm, unmatched_pairs_alarm
 
