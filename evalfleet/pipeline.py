@@ -466,7 +466,7 @@ def summarize(
             f"episodes differ (seeds {seeds}); results are not reproducible. Re-run alone, in "
             "another batch: an env reading a clock, a global RNG or state across resets; or a "
             "policy whose batched forward changes its last float bits with the batch size, where "
-            "two actions nearly tie (replay one seed with --episodes 1 to tell)"
+            "two actions nearly tie (replaying one of the seeds alone, batch of one, tells which)"
         )
     from evalfleet.audit import determinism_audit_alarm, harness_pairs_alarm, unmatched_pairs_alarm
 
