@@ -54,6 +54,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -186,13 +187,109 @@ def probe_in_background() -> threading.Thread:
     return thread
 
 
+#: How long a probe's answer kept in ``evalfleet_home()`` serves later processes. Its key names
+#: what decides each answer (``_probe_key``); the hour bounds whatever else might change.
+PROBE_TTL_S = 3600.0
+#: Kernel settings that decide whether unprivileged user namespaces (netns, pidns, bwrap) work.
+_USERNS_SYSCTLS = ("/proc/sys/user/max_user_namespaces", "/proc/sys/kernel/unprivileged_userns_clone",
+                   "/proc/sys/kernel/apparmor_restrict_unprivileged_userns")
+#: The sandbox code the probe runs (its scripts import them).
+_PROBED_CODE = ("isolation.py", "limits.py", "forkserver.py", "bwrap.py")
+
+
 def _probe() -> dict[str, Any]:
+    """The probe's answer, read from ``evalfleet_home()`` when this machine's key matches.
+
+    Else run (two children, ~0.5-1.5 s of CPU beside an evaluation's start) and kept an hour.
+    """
+    key = _probe_key()
+    children = _stored_probe(key)
+    if children is None:
+        children = _probe_children()
+        if children.pop("_complete", False):
+            _store_probe(key, children)
+    mechanisms = _with_caps(children)
+    logger.info("sandbox probe: %s", mechanisms)
+    return mechanisms
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path) as fh:
+            return fh.read().strip()
+    except OSError:
+        return None
+
+
+def _probe_key() -> str:
+    """sha256 of what decides the probe's answers.
+
+    The interpreter, the uid, the boot, the kernel and its user-namespace settings, this
+    process's seccomp state and capabilities, its cgroups, the bwrap binary, and the sandbox
+    code that runs the checks.
+    """
+    import hashlib
+
+    here = Path(__file__).parent
+    bwrap = find_bwrap()
+    status = (_read("/proc/self/status") or "").splitlines()
+    try:
+        st = os.stat(bwrap) if bwrap else None
+    except OSError:
+        st = None
+    parts = {
+        "python": [sys.executable, sys.version], "uid": [os.geteuid(), os.getegid()],
+        "boot": _read("/proc/sys/kernel/random/boot_id"), "kernel": os.uname().release,
+        "sysctl": [_read(p) for p in _USERNS_SYSCTLS],
+        "status": [line for line in status if line.startswith(
+            ("Seccomp", "NoNewPrivs", "CapEff", "CapBnd", "CapPrm"))],
+        "cgroup": _read("/proc/self/cgroup"),
+        "bwrap": [bwrap, st.st_size, st.st_mtime_ns] if st else bwrap,
+        "code": [hashlib.sha256((here / f).read_bytes()).hexdigest() for f in _PROBED_CODE],
+    }
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
+
+
+def _probe_file(key: str) -> Path:
+    from evalfleet.server import evalfleet_home
+
+    return evalfleet_home() / "provenance" / f"sandbox-probe-{key[:32]}.json"
+
+
+def _stored_probe(key: str) -> dict[str, Any] | None:
+    try:
+        stored = json.loads(_probe_file(key).read_text())
+        if stored["key"] == key and 0 <= time.time() - float(stored["at"]) < PROBE_TTL_S:
+            return dict(stored["children"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    return None
+
+
+def _store_probe(key: str, children: dict[str, Any]) -> None:
+    from evalfleet.storage import atomic_write
+
+    path = _probe_file(key)
+    try:
+        atomic_write(path, lambda tmp: Path(tmp).write_text(
+            json.dumps({"key": key, "at": time.time(), "children": children})))
+    except OSError as err:  # an unwritable home: probed again by the next process
+        logger.debug("could not keep the sandbox probe in %s: %s", path, err)
+
+
+def _probe_children() -> dict[str, Any]:
+    """The checks themselves, in short-lived children: their raw answers.
+
+    ``_with_caps`` reads them. ``_complete``: every child ran and answered (a failed start is
+    not kept).
+    """
     code, text = _run([sys.executable, "-c", _MECHANISMS_SCRIPT])
     mechanisms: dict[str, Any]
     try:
         mechanisms = json.loads(text) if code == 0 else {}
     except ValueError:
         mechanisms = {}
+    complete = bool(mechanisms)
     if not mechanisms:
         reason = f"probe process failed ({code}): {text}"
         mechanisms = {"seccomp": reason, "rlimits": reason, "netns": reason, "own_uid": reason,
@@ -204,12 +301,24 @@ def _probe() -> dict[str, Any]:
                                "evalfleet) or apt-get install bubblewrap")
     else:
         code, text = _run(jail_command([sys.executable, "-c", _JAIL_SCRIPT], bwrap))
+        complete = complete and code != -1  # -1: it could not be started or timed out
         jail, _, pidns = text.partition("\n")
         mechanisms["bwrap"] = None if code == 0 and jail == "ok" else (
             f"{bwrap} could not build the jail (exit {code}): {text}")
         mechanisms["bwrap_pidns"] = None if pidns in ("ok", "nocap") else pidns or text
-    # Where RLIMIT_NPROC caps each sandbox's processes (uid 0 outside is exempt from it).
-    raw = mechanisms.get("pidns")
+    mechanisms["bwrap_raw_pidns"] = pidns
+    mechanisms["bwrap_path"] = bwrap
+    mechanisms["_complete"] = complete
+    return mechanisms
+
+
+def _with_caps(children: dict[str, Any]) -> dict[str, Any]:
+    """The probe's answer from the children's, with where RLIMIT_NPROC caps sandboxes.
+
+    (uid 0 outside is exempt from it); the pids cgroup is checked now, not kept.
+    """
+    mechanisms = dict(children)
+    raw, pidns = mechanisms.get("pidns"), mechanisms.pop("bwrap_raw_pidns", None)
     mechanisms["pidns"] = None if raw in ("ok", "nocap") else raw
     mechanisms["process_cap"] = {
         "process": ("a uid of its own per sandbox" if mechanisms.get("own_uid") is None
@@ -218,8 +327,6 @@ def _probe() -> dict[str, Any]:
                   "a pids cgroup per sandbox" if pidns == "nocap" and _pids_cgroup_writable()
                   else None),
     }
-    mechanisms["bwrap_path"] = bwrap
-    logger.info("sandbox probe: %s", mechanisms)
     return mechanisms
 
 

@@ -115,3 +115,50 @@ def test_paths_under_tmp_are_bound_back_into_the_jail(tmp_path, monkeypatch: pyt
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["visible", "False", "OSError"]
+
+
+@pytest.fixture
+def new_process(monkeypatch: pytest.MonkeyPatch, tmp_path) -> list[list[str]]:
+    """This process as a new one (nothing probed yet), a home of its own; the children it runs."""
+    monkeypatch.setenv("EVALFLEET_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(isolation, "_probed", [])
+    runs: list[list[str]] = []
+    real = isolation._run
+
+    def counted(command: list[str]) -> tuple[int, str]:
+        runs.append(command)
+        return real(command)
+
+    monkeypatch.setattr(isolation, "_run", counted)
+    return runs
+
+
+def test_a_later_process_on_the_same_machine_reads_the_probe_instead_of_running_it(
+        new_process: list[list[str]], monkeypatch: pytest.MonkeyPatch) -> None:
+    # Two interpreters (~0.5-1.5 s of CPU) at every evaluation's start, beside the workers'.
+    first = probe()
+    assert new_process, "the first process runs the checks"
+    new_process.clear()
+    monkeypatch.setattr(isolation, "_probed", [])
+    assert probe() == first and new_process == []
+    # What the key names, changed (here the kernel's user-namespace settings): probed again.
+    monkeypatch.setattr(isolation, "_USERNS_SYSCTLS", (*isolation._USERNS_SYSCTLS, "/proc/version"))
+    monkeypatch.setattr(isolation, "_probed", [])
+    assert probe() == first and new_process
+
+
+def test_a_stored_probe_past_its_hour_or_of_a_failed_child_is_run_again(
+        new_process: list[list[str]], monkeypatch: pytest.MonkeyPatch) -> None:
+    probe()
+    monkeypatch.setattr(isolation, "PROBE_TTL_S", 0.0)
+    monkeypatch.setattr(isolation, "_probed", [])
+    new_process.clear()
+    probe()
+    assert new_process
+    monkeypatch.setattr(isolation, "PROBE_TTL_S", 3600.0)
+    monkeypatch.setattr(isolation, "_run", lambda command: (-1, "OSError: planted"))
+    monkeypatch.setattr(isolation, "_probe_key", lambda: "planted-key")
+    monkeypatch.setattr(isolation, "_probed", [])
+    failed = probe()
+    assert failed["seccomp"].startswith("probe process failed")
+    assert isolation._stored_probe("planted-key") is None  # a failure is not kept for others
