@@ -385,8 +385,7 @@ def _no_vector_lines(a: dict[str, Any], one_core: float) -> list[str]:
 
     yard = f"bare loop x 2 processes beside it, median {a['bare_x2_median']:,.0f} steps/s"
     lines = [
-        f"| Acrobot-v1, {n} episodes, 2 workers, cold `evaluate()` (a fresh process: its own fork "
-        f"server and cluster): run stage, "
+        f"| Acrobot-v1, {n} episodes, 2 workers, cold `evaluate()` (its own cluster): run stage, "
         f"median of {reps} ({yard}) | {a['cold']['run_stage_x_median']:.2f} x | >= 0.85 x |",
         f"| same, whole evaluation (cluster start to report, {a['cold']['wall_s_median']:.1f} s) | "
         f"{a['cold']['whole_x_median']:.2f} x | >= 0.8 x |",
@@ -405,8 +404,7 @@ def _no_vector_lines(a: dict[str, Any], one_core: float) -> list[str]:
     if a.get("cold_long"):
         cl = a["cold_long"]
         lines.append(
-            f"| Acrobot-v1, {cl['episodes']} episodes, cold `evaluate()` (a fresh process), once: "
-            f"run stage / whole "
+            f"| Acrobot-v1, {cl['episodes']} episodes, cold `evaluate()`, once: run stage / whole "
             f"({cl['wall_s']:.1f} s; bare x 2 {cl['bare_x2_steps_per_s']:,.0f} steps/s) | "
             f"{cl['run_stage_x']:.2f} x / {cl['whole_x']:.2f} x | >= 0.85 x / 0.8 x |")
     for env, row in (a.get("use_case") or {}).items():
