@@ -26,7 +26,7 @@ import logging
 import os
 import re
 import reprlib
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -310,15 +310,73 @@ def make_env(
     return gym.make(env_id, disable_env_checker=True, **extra)
 
 
-def env_thunk(
-    env_id: str, kwargs: dict[str, Any], max_steps: int | None
-) -> Callable[[], gym.Env[Any, Any]]:
+class EnvMaker:
+    """A zero-argument maker of one env, as workers and sandboxes need (``make_env``).
+
+    ``facts()``: what resolving the env finds out (``env_facts``), for a sandbox to answer.
+    """
+
+    def __init__(self, env_id: str, kwargs: dict[str, Any], max_steps: int | None) -> None:
+        self.env_id, self.kwargs, self.max_steps = env_id, dict(kwargs), max_steps
+
+    def __call__(self) -> gym.Env[Any, Any]:
+        """A new env (``make_env``)."""
+        return make_env(self.env_id, self.kwargs, self.max_steps)
+
+    def facts(self) -> dict[str, Any]:
+        """``env_facts`` of this env (imports its modules and makes it once)."""
+        return env_facts(self.env_id, self.kwargs, self.max_steps)
+
+
+def env_thunk(env_id: str, kwargs: dict[str, Any], max_steps: int | None) -> EnvMaker:
     """A zero-argument maker, as workers and sandboxes need."""
+    return EnvMaker(env_id, kwargs, max_steps)
 
-    def thunk() -> gym.Env[Any, Any]:
-        return make_env(env_id, kwargs, max_steps)
 
-    return thunk
+def untrusted_module(env_id: str) -> str | None:
+    """The ``module:`` prefix of ``env_id`` when it is no env shipped with gymnasium or evalfleet.
+
+    Importing it runs someone else's code: stage 1 and the workers then resolve the env in a
+    sandbox (``resolve_env_for``), unless ``inprocess`` was asked for knowingly.
+    """
+    if ":" not in env_id:
+        return None  # an id gymnasium or evalfleet's envs registered
+    from evalfleet.sandbox.isolation import shipped_env
+
+    module = env_id.split(":", 1)[0]
+    return None if shipped_env(f"{module}:_") else module
+
+
+def space_to_json(space: gym.Space[Any]) -> dict[str, Any]:
+    """A Box or Discrete space, exactly, as JSON values (bounds element by element).
+
+    A bound that is not finite is written as Python's JSON writes it, read back by Python's.
+    """
+    if isinstance(space, spaces.Discrete):
+        return {"kind": "Discrete", "n": int(space.n), "start": int(space.start)}
+    if isinstance(space, spaces.Box):
+        return {"kind": "Box", "shape": list(space.shape), "dtype": str(space.dtype),
+                "low": np.asarray(space.low).ravel().tolist(),
+                "high": np.asarray(space.high).ravel().tolist()}
+    raise EnvSpecError(f"a {type(space).__name__} space cannot be described (Box, Discrete)")
+
+
+def space_from_json(data: Mapping[str, Any]) -> gym.Space[Any]:
+    """The space ``space_to_json`` described; anything else is refused."""
+    try:
+        if data["kind"] == "Discrete":
+            return spaces.Discrete(int(data["n"]), start=int(data["start"]))
+        if data["kind"] == "Box":
+            shape = tuple(int(d) for d in data["shape"])
+            dtype = np.dtype(str(data["dtype"]))
+            if dtype.kind not in "biuf":
+                raise ValueError(f"dtype {dtype}")
+            low = np.array(data["low"], dtype=dtype).reshape(shape)
+            high = np.array(data["high"], dtype=dtype).reshape(shape)
+            return spaces.Box(low, high, shape=shape, dtype=dtype)
+    except (KeyError, TypeError, ValueError) as err:
+        raise EnvSpecError(f"an env's space description does not read: {err}") from err
+    raise EnvSpecError(f"an env's space description names kind {data.get('kind')!r}")
 
 
 def describe_space(space: gym.Space[Any]) -> dict[str, Any]:
@@ -345,8 +403,12 @@ class ResolvedEnv:
     action_space: gym.Space[Any]
 
 
-def resolve_env(env_id: str, kwargs: dict[str, Any], max_steps: int | None) -> ResolvedEnv:
-    """Make the env once in this process: unknown ids and bad kwargs fail here, not on workers."""
+def env_facts(env_id: str, kwargs: dict[str, Any], max_steps: int | None) -> dict[str, Any]:
+    """What only importing and making the env tells, as JSON values.
+
+    Its registered spec in exact form, the modules its spec names, and its spaces. Unknown ids
+    and bad kwargs fail here.
+    """
     check_env_kwargs(env_id, kwargs)
     import_env_modules(env_id)
     bare_id = env_id.split(":", 1)[1] if ":" in env_id else env_id
@@ -377,28 +439,84 @@ def resolve_env(env_id: str, kwargs: dict[str, Any], max_steps: int | None) -> R
                     f"env {env_id!r} has a {type(space).__name__} {name} space; evalfleet batches "
                     "Box observations and Box/Discrete actions. Wrap the env (e.g. FlattenObservation)."
                 )
-        ep = spec.entry_point
-        package, package_version = _package_of(_module_of(ep))
         # Other code that shapes the env: the id's module (it usually registers the id and sets
         # the spec's kwargs), the wrappers', and classes or functions the spec's kwargs name.
-        modules = {env_id.split(":", 1)[0]} if ":" in env_id else set()
+        modules: set[str] = set()
         spec_kwargs = _spec_value(dict(spec.kwargs), modules)
         wrappers = [{"name": w.name, "entry_point": _entry_name(w.entry_point),
                      "kwargs": _spec_value(w.kwargs, modules)} for w in spec.additional_wrappers]
         modules |= {_module_of(w.entry_point) for w in spec.additional_wrappers}
-        fingerprint = EnvFingerprint(
-            env_id=env_id,
-            kwargs=dict(kwargs),
-            max_episode_steps=effective_max,
-            entry_point=_entry_name(ep),
-            version=spec.version,
-            package=package,
-            package_version=package_version,
-            spec_kwargs=spec_kwargs,
-            wrappers=wrappers,
-            code=_code_versions(modules | {_module_of(ep)}, _module_of(ep).split(".", 1)[0]),
-            files=spec_files(spec, kwargs),
-        )
-        return ResolvedEnv(fingerprint, env.observation_space, env.action_space)
+        return {"entry_point": _entry_name(spec.entry_point), "version": spec.version,
+                "max_episode_steps": effective_max, "spec_kwargs": spec_kwargs,
+                "wrappers": wrappers, "modules": sorted(modules),
+                "observation_space": space_to_json(env.observation_space),
+                "action_space": space_to_json(env.action_space)}
     finally:
         env.close()
+
+
+def resolved_from_facts(env_id: str, kwargs: dict[str, Any], facts: Mapping[str, Any]
+                        ) -> ResolvedEnv:
+    """The env's fingerprint and spaces from ``env_facts``, completed here.
+
+    The id and kwargs are the request's, and the code versions and named files are read here
+    from the modules and strings the facts name: facts from a sandboxed env describe that env
+    only (its id's ``module:`` prefix is in every key it can reach).
+    """
+    try:
+        entry = str(facts["entry_point"])
+        modules = {str(m) for m in facts["modules"]} | {_module_of(entry)}
+        if ":" in env_id:
+            modules.add(env_id.split(":", 1)[0])
+        spec_kwargs, wrappers = dict(facts["spec_kwargs"]), list(facts["wrappers"])
+        max_episode_steps = int(facts["max_episode_steps"])
+        version = None if facts["version"] is None else int(facts["version"])
+        observation_space = space_from_json(facts["observation_space"])
+        action_space = space_from_json(facts["action_space"])
+    except (KeyError, TypeError, ValueError) as err:
+        raise EnvSpecError(f"env {env_id!r}: its description does not read ({err})") from err
+    package, package_version = _package_of(_module_of(entry))
+    fingerprint = EnvFingerprint(
+        env_id=env_id,
+        kwargs=dict(kwargs),
+        max_episode_steps=max_episode_steps,
+        entry_point=entry,
+        version=version,
+        package=package,
+        package_version=package_version,
+        spec_kwargs=spec_kwargs,
+        wrappers=wrappers,
+        code=_code_versions(modules, _module_of(entry).split(".", 1)[0]),
+        files=named_files(dict(kwargs), spec_kwargs, [w.get("kwargs") for w in wrappers]),
+    )
+    return ResolvedEnv(fingerprint, observation_space, action_space)
+
+
+def resolve_env(env_id: str, kwargs: dict[str, Any], max_steps: int | None) -> ResolvedEnv:
+    """Make the env once in this process: unknown ids and bad kwargs fail here, not on workers."""
+    return resolved_from_facts(env_id, kwargs, env_facts(env_id, kwargs, max_steps))
+
+
+def resolve_env_for(env_id: str, kwargs: dict[str, Any], max_steps: int | None, isolation: str,
+                    limits: Any = None, timeout_s: float = 120.0) -> ResolvedEnv:
+    """``resolve_env``, wherever the env's code may run for an evaluation at ``isolation``.
+
+    In this process for envs shipped with gymnasium or evalfleet, and for ``inprocess`` (asked
+    for knowingly). An env from someone else's module (``untrusted_module``) is imported and
+    made in a sandbox of the evaluation's level (``process`` for ``auto``), which answers its
+    description: its code never runs in the driver nor in a worker, where credentials, the Dask
+    client and the results are. ``limits``: the sandbox's ``SandboxLimits``.
+    """
+    if isolation == "inprocess" or untrusted_module(env_id) is None:
+        return resolve_env(env_id, kwargs, max_steps)
+    check_env_kwargs(env_id, kwargs)
+    from evalfleet.sandbox.process import ProcessSlots
+
+    level = isolation if isolation in ("process", "bwrap") else "process"
+    slots = ProcessSlots(env_thunk(env_id, kwargs, max_steps), 1, level=level,
+                         episode_timeout_s=timeout_s, env_spec={"env_id": env_id}, limits=limits)
+    try:
+        facts = slots.describe()
+    finally:
+        slots.close()
+    return resolved_from_facts(env_id, kwargs, facts)

@@ -25,7 +25,7 @@ from evalfleet.audit import (
     step_rewards,
 )
 from evalfleet.cache import EpisodeCache, Lookup, cache_key, default_cache_dir, key_ingredients
-from evalfleet.envspec import resolve_env
+from evalfleet.envspec import resolve_env_for, untrusted_module
 from evalfleet.errors import RequestError, StaleWorkerCode
 from evalfleet.models import EvalReport, EvalRequest, PolicyHandle, Shard, ShardPlan, with_missing
 from evalfleet.planning import plan_shards
@@ -55,6 +55,7 @@ from evalfleet.report import aggregate, curve_so_far, versions
 from evalfleet.review import cluster_failures, report_page
 from evalfleet.review_replays import ReviewReplays, replay_sandbox, review_replays
 from evalfleet.sandbox.isolation import resolve_isolation
+from evalfleet.sandbox.limits import sandbox_limits
 from evalfleet.seeds import SeedLedger
 from evalfleet.storage import run_dir, write_episodes, write_json, write_table
 from evalfleet.tracking import default_tracking_uri, flush_pending, log_or_queue, pending_dir
@@ -178,8 +179,13 @@ def receive_unloaded(request: EvalRequest) -> tuple[Received, Callable[..., Rece
     says when it may be skipped.
     """
     t0 = time.perf_counter()
-    env = resolve_env(request.env, request.env_kwargs, request.max_steps)
-    isolation = resolve_isolation(request.isolation, env.fingerprint.entry_point)
+    env = resolve_env_for(request.env, request.env_kwargs, request.max_steps, request.isolation,
+                          sandbox_limits(request), request.episode_timeout_s)
+    # An env resolved in a sandbox described itself: its entry point is its word, not a reason
+    # to trust it (``auto`` runs it in sandboxes whatever it names).
+    trusted = request.isolation == "inprocess" or untrusted_module(request.env) is None
+    isolation = resolve_isolation(request.isolation,
+                                  env.fingerprint.entry_point if trusted else None)
     artifact = read_policy(request.policy, request.policy_factory, env.action_space,
                            deterministic=request.deterministic)
     placement = cluster.place_inference(_callable_device(request, artifact), request.dask_address)

@@ -17,11 +17,12 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from evalfleet.envspec import resolve_env
+from evalfleet.envspec import resolve_env_for
 from evalfleet.models import EvalRequest
 from evalfleet.policy import PolicyArtifact, load_policy
 from evalfleet.replay import ReplayResult, ReplaySandbox, record_episodes, replay_inputs
 from evalfleet.review import choose_episodes
+from evalfleet.sandbox.limits import sandbox_limits
 
 #: Episodes replayed for the action-distribution plot when nothing more is asked for.
 ACTION_SAMPLE = 16
@@ -60,9 +61,8 @@ def replay_sandbox(request: EvalRequest, isolation: str) -> ReplaySandbox | None
     """Where replays step the env: a sandbox of the evaluation's level (None: in this process)."""
     if isolation == "inprocess":
         return None
-    from evalfleet.sandbox.limits import sandbox_limits
-
-    env = resolve_env(request.env, request.env_kwargs, request.max_steps)
+    env = resolve_env_for(request.env, request.env_kwargs, request.max_steps, isolation,
+                          sandbox_limits(request), request.episode_timeout_s)
     shape = tuple(env.observation_space.shape) if env.observation_space.shape else None
     return ReplaySandbox(isolation, request.episode_timeout_s, env.fingerprint.as_dict(),
                          sandbox_limits(request), shape)
@@ -81,7 +81,8 @@ def review_replays(request: EvalRequest, artifact: PolicyArtifact, isolation: st
     chosen = choose_episodes(table, k, seed=request.seed)
     try:
         episodes, expected, reasons = replay_inputs(table, chosen)
-        env = resolve_env(request.env, request.env_kwargs, request.max_steps)
+        env = resolve_env_for(request.env, request.env_kwargs, request.max_steps, isolation,
+                              sandbox_limits(request), request.episode_timeout_s)
         policy = load_policy(artifact.format, artifact.payload, artifact.factory, artifact.source,
                              env.action_space, device=device, deterministic=request.deterministic)
         with tempfile.TemporaryDirectory(prefix="evalfleet-videos-") as videos:

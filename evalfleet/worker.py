@@ -19,7 +19,14 @@ import pyarrow as pa
 from distributed import get_worker
 
 from evalfleet.cluster import policy_on_worker, worker_name
-from evalfleet.envspec import env_files, env_thunk, import_env_modules, resolve_env
+from evalfleet.envspec import (
+    env_files,
+    env_thunk,
+    import_env_modules,
+    named_files,
+    resolve_env_for,
+    untrusted_module,
+)
 from evalfleet.errors import StaleWorkerCode
 from evalfleet.models import EvalRequest, PolicyHandle, Shard
 from evalfleet.progress import shard_publisher
@@ -29,7 +36,7 @@ from evalfleet.redaction import scrubbed_exception
 from evalfleet.runner import EpisodeContext, run_shard
 from evalfleet.sandbox import open_slots
 from evalfleet.sandbox.limits import sandbox_limits
-from evalfleet.sandbox.process import fork_server, preload_modules
+from evalfleet.sandbox.process import env_modules, fork_server, preload_modules
 
 watch_imports()  # a worker's stale-code check needs when it imported what it runs
 
@@ -43,7 +50,7 @@ def _publish(topic: str, message: dict[str, Any]) -> None:
         pass
 
 
-_resolved: dict[tuple[str, str, int | None, str], Any] = {}
+_resolved: dict[tuple[str, str, int | None, str, str], Any] = {}
 
 #: glibc ``mallopt`` parameters (malloc.h).
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
@@ -86,19 +93,25 @@ def execute_shard(shard: Shard, handle: PolicyHandle, request: EvalRequest, isol
         raise clean from None
 
 
-def _resolve(request: EvalRequest) -> Any:
-    """The request's env, resolved once per worker process (its modules imported, one made).
+def _resolve(request: EvalRequest, isolation: str) -> Any:
+    """The request's env, resolved once per worker process (``resolve_env_for``).
 
     Again when a file its kwargs name has changed since (its fingerprint, so the rows' env spec
-    hash, holds the file's bytes).
+    hash, holds the file's bytes). An env from someone else's module is never imported here:
+    its sandbox describes it, and only the files the request's own kwargs name are watched.
     """
-    import_env_modules(request.env)  # imported once; the spec must be registered to be read
-    files = env_files(request.env, request.env_kwargs)
-    key = (request.env, repr(sorted(request.env_kwargs.items())), request.max_steps,
+    if isolation == "inprocess" or untrusted_module(request.env) is None:
+        import_env_modules(request.env)  # imported once; the spec must be registered to be read
+        files = env_files(request.env, request.env_kwargs)
+    else:
+        files = named_files(dict(request.env_kwargs))
+    key = (request.env, repr(sorted(request.env_kwargs.items())), request.max_steps, isolation,
            repr(sorted(files.items())))
     resolved = _resolved.get(key)
     if resolved is None:
-        resolved = _resolved[key] = resolve_env(request.env, request.env_kwargs, request.max_steps)
+        resolved = _resolved[key] = resolve_env_for(
+            request.env, request.env_kwargs, request.max_steps, isolation,
+            sandbox_limits(request), request.episode_timeout_s)
     return resolved
 
 
@@ -136,7 +149,7 @@ def warm_sandboxes(request: EvalRequest, isolation: str, code: dict[str, str] | 
     try:
         t0 = time.perf_counter()
         tune_malloc()
-        resolved = _resolve(request)
+        resolved = _resolve(request, isolation)
         stale = stale_code(code or {})
         if isolation in ("process", "bwrap") and not stale:
             _start_fork_server(request, isolation, resolved.fingerprint.as_dict())
@@ -150,10 +163,10 @@ def warm_sandboxes(request: EvalRequest, isolation: str, code: dict[str, str] | 
 
 
 def _start_fork_server(request: EvalRequest, level: str, env_spec: dict[str, Any]) -> None:
-    """Start the worker's fork server of ``level`` and import the env's modules in it."""
+    """Start the worker's fork server of ``level`` and import the shipped env modules in it."""
     limits = sandbox_limits(request)
     preload = preload_modules(env_spec)
-    server = fork_server(level, limits.start_timeout_s, preload)
+    server = fork_server(level, limits.start_timeout_s, env_modules(env_spec))
     # The server imports a maker's modules when it is prepared for it; this maker is forgotten
     # at once (each shard's slots prepare their own), its imports stay for every fork.
     token = f"warm-{uuid.uuid4().hex}"
@@ -168,7 +181,7 @@ def _start_fork_server(request: EvalRequest, level: str, env_spec: dict[str, Any
 def _execute_shard(shard: Shard, handle: PolicyHandle, request: EvalRequest, isolation: str
                    ) -> pa.Table:
     tune_malloc()
-    resolved = _resolve(request)
+    resolved = _resolve(request, isolation)
     policy = policy_on_worker(handle, request.policy, resolved.action_space)
     check_code(dict(handle.code))  # after both imported: what they run is what the key names
     ctx = EpisodeContext(

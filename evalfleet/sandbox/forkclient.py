@@ -79,6 +79,11 @@ class ForkServerError(Exception):
     """The fork server died, hung, or answered nonsense."""
 
 
+#: How a fork server starts: -P, and "/" as its working folder (``ForkServer``), so the worker's
+#: folder (which a sandbox may be able to write, /tmp for one) is not where it looks first.
+SERVER_COMMAND = [sys.executable, "-P", "-m", "evalfleet.sandbox.forkserver"]
+
+
 class ForkServer:
     """A worker's fork server for one level, seen from the worker: start, requests, stop."""
 
@@ -88,8 +93,7 @@ class ForkServer:
         self.packages = packages
         self._lock = threading.Lock()
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        inner = [sys.executable, "-m", "evalfleet.sandbox.forkserver", str(theirs.fileno()), level,
-                 str(os.getpid())]
+        inner = [*SERVER_COMMAND, str(theirs.fileno()), level, str(os.getpid())]
         # A root worker's jail is uid 0 outside, exempt from RLIMIT_NPROC: the server gets a
         # pids cgroup folder of its own (an open folder, since the jail cannot see /sys) and
         # caps each sandbox with a child cgroup.
@@ -107,7 +111,7 @@ class ForkServer:
         try:
             self.proc: subprocess.Popen[bytes] = _launch(
                 lambda: subprocess.Popen(
-                    command, env=env, stdin=subprocess.DEVNULL, start_new_session=True,
+                    command, env=env, stdin=subprocess.DEVNULL, start_new_session=True, cwd="/",
                     pass_fds=[theirs.fileno(), *([] if cgroup_fd is None else [cgroup_fd])])
             )
         except OSError as err:

@@ -52,6 +52,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
 from evalfleet.sandbox import limits as lim
 from evalfleet.sandbox import wire
 from evalfleet.sandbox.slots import error_text, scalar_info
@@ -483,6 +485,16 @@ class _Sandbox:
         obs, info = env.reset(seed=seed)
         return wire.Result(wire.OK, obs, info=scalar_info(info))
 
+    def describe(self, i: int, _: Any) -> wire.Result:
+        """The env's ``facts()`` (``envspec.env_facts``) as JSON bytes.
+
+        For stage 1 and workers that must not import the env's code (``resolve_env_for``).
+        """
+        lim.arm_cpu_budget(self.limits.cpu_seconds_per_episode)
+        facts: Callable[[], Any] = getattr(self.maker, "facts")  # noqa: B009 - an EnvMaker's
+        text = json.dumps(facts()).encode()
+        return wire.Result(wire.OK, np.frombuffer(text, dtype=np.uint8))
+
     def step(self, i: int, action: Any) -> wire.Result:
         env = self.envs[i]
         if env is None:
@@ -501,7 +513,9 @@ class _Sandbox:
             if body is None:
                 return 0
             op, items = pickle.loads(body)
-            handler = self.reset if op == "reset" else self.step
+            handlers: dict[str, Callable[[int, Any], wire.Result]] = {
+                "reset": self.reset, "describe": self.describe, "step": self.step}
+            handler = handlers[op]
             parts = []
             try:
                 for i, arg in items:

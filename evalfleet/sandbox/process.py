@@ -26,6 +26,7 @@ in the request that saw it fail at their next step.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -42,6 +43,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import cloudpickle
+import numpy as np
 
 from evalfleet.models import EndReason
 from evalfleet.sandbox import wire
@@ -59,7 +61,7 @@ from evalfleet.sandbox.slots import SlotOutcome
 
 # The fork-server client moved to ``forkclient``; these names stay importable from here.
 __all__ = ["PIDS_CGROUP_ROOT", "ForkServer", "ForkServerError", "ProcessSlots", "fork_server",
-           "preload_modules", "shutdown_fork_servers"]
+           "env_modules", "preload_modules", "shutdown_fork_servers"]
 
 logger = logging.getLogger(__name__)
 
@@ -92,8 +94,11 @@ def _signal_name(sig: int) -> str:
         return f"signal {sig}"
 
 
-def preload_modules(env_spec: dict[str, Any]) -> list[str]:
-    """Modules the fork server imports before forking: evalfleet's envs, the id's and entry's."""
+def env_modules(env_spec: dict[str, Any]) -> list[str]:
+    """The env's modules: evalfleet's envs, the id's ``module:`` prefix and the entry point's.
+
+    A bwrap jail shows their package folders (``fork_server``'s ``packages``).
+    """
     from evalfleet.envspec import BUILTIN_ENV_MODULES
 
     names = list(BUILTIN_ENV_MODULES)
@@ -104,6 +109,19 @@ def preload_modules(env_spec: dict[str, Any]) -> list[str]:
     if ":" in entry:
         names.append(entry.split(":", 1)[0])
     return list(dict.fromkeys(names))
+
+
+def preload_modules(env_spec: dict[str, Any]) -> list[str]:
+    """Of ``env_modules``, those the fork server imports before forking: shipped ones only.
+
+    The server is not confined like its sandboxes (under a root worker it is root with every
+    capability) and serves every evaluation of its worker: an env's own module imported there
+    ran its code outside any sandbox, could read the worker's memory and patch the server for
+    later evaluations. Each sandbox imports it after it is confined (``make``), instead.
+    """
+    from evalfleet.sandbox.isolation import shipped_env
+
+    return [m for m in env_modules(env_spec) if m == "envs" or shipped_env(f"{m}:_")]
 
 
 class ProcessSlots:
@@ -131,6 +149,7 @@ class ProcessSlots:
         self._k = envs_per_sandbox
         self._episode_timeout_s = episode_timeout_s
         self._maker_blob = cloudpickle.dumps(make)
+        self._packages = env_modules(env_spec)
         self._preload = preload_modules(env_spec)
         # Thread caps as the fork server has them; the request's extra names with this worker's values.
         self._environment = dict(sandbox_environment(env_allow), OMP_NUM_THREADS="1",
@@ -156,8 +175,14 @@ class ProcessSlots:
         """Reset one slot (see ``reset_many``)."""
         return self.reset_many([(slot, seed)])[0]
 
-    def reset_many(self, items: Sequence[tuple[int, int]]) -> list[SlotOutcome]:
-        """Reset slots with their seeds; sandboxes that are missing are forked first."""
+    def reset_many(self, items: Sequence[tuple[int, int]], describe: bool = False
+                   ) -> list[SlotOutcome]:
+        """Reset slots with their seeds; sandboxes that are missing are forked first.
+
+        ``describe``: instead, ask slot 0's sandbox for its env's description (``describe``).
+        """
+        if describe:
+            items = [(0, 0)]
         for slot, _ in items:
             self._budget[slot] = self._episode_timeout_s
         for attempt in (1, 2):
@@ -177,8 +202,27 @@ class ProcessSlots:
                 self._drop_server()
         for slot, _ in items:
             self._lost.pop(slot, None)  # a reset starts from a fresh or healthy sandbox
-        return self._exchange("reset", [(slot, seed) for slot, seed in items],
-                              self.limits.reset_timeout_s)
+        return self._exchange("describe" if describe else "reset",
+                              [(slot, seed) for slot, seed in items], self.limits.reset_timeout_s)
+
+    def describe(self) -> dict[str, Any]:
+        """What slot 0's env tells of itself once imported and made (``EnvMaker.facts``).
+
+        Asked of its sandbox: the env's code runs there, confined, never here. Raises
+        ``EnvSpecError`` with the env's error.
+        """
+        from evalfleet.errors import EnvSpecError
+
+        outcome = self.reset_many([], describe=True)[0]
+        if outcome.failure is not None:
+            raise EnvSpecError(f"{outcome.error}")
+        try:
+            facts = json.loads(np.asarray(outcome.obs, dtype=np.uint8).tobytes())
+        except ValueError as err:
+            raise EnvSpecError(f"the env's sandbox answered no description ({err})") from err
+        if not isinstance(facts, dict):
+            raise EnvSpecError("the env's sandbox answered no description")
+        return facts
 
     def step_many(self, slots: Sequence[int], actions: Sequence[Any]) -> list[SlotOutcome]:
         """Step slots, one action each: all sandboxes at once."""
@@ -203,7 +247,7 @@ class ProcessSlots:
     # -- internals ---------------------------------------------------------------------------------
 
     def _ensure_server(self) -> ForkServer:
-        server = fork_server(self.isolation, self.limits.start_timeout_s, self._preload)
+        server = fork_server(self.isolation, self.limits.start_timeout_s, self._packages)
         if self._token not in server.prepared:
             answer = server.call(
                 ("prepare", self._token, self._maker_blob, list(sys.path), self._preload,

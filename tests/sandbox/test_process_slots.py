@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 import os
 import signal
-import sys
 import threading
 import time
 from typing import Any
@@ -20,7 +19,7 @@ from evalfleet.policy import LoadedPolicy
 from evalfleet.records import OUTCOME_COLUMNS, EpisodeRecord, records_to_table
 from evalfleet.runner import EpisodeContext, run_shard
 from evalfleet.sandbox import open_slots
-from evalfleet.sandbox.forkclient import fork_server
+from evalfleet.sandbox.forkclient import SERVER_COMMAND, fork_server
 from evalfleet.sandbox.isolation import available_levels
 from evalfleet.sandbox.limits import MiB, SandboxLimits
 from evalfleet.sandbox.process import ProcessSlots
@@ -53,7 +52,7 @@ def outcomes(records: list[EpisodeRecord]) -> list[dict[str, Any]]:
     return records_to_table(records).select(list(OUTCOME_COLUMNS)).to_pylist()
 
 
-SERVER_CMD = [sys.executable, "-m", "evalfleet.sandbox.forkserver"]
+SERVER_CMD = SERVER_COMMAND
 
 
 def sandboxes_of(level: str) -> list[psutil.Process]:
@@ -67,7 +66,7 @@ def sandboxes_of(level: str) -> list[psutil.Process]:
     while level_now:
         for proc in level_now:
             try:
-                if proc.cmdline()[:3] == SERVER_CMD:
+                if proc.cmdline()[:len(SERVER_CMD)] == SERVER_CMD:
                     return [c for c in proc.children() if c.status() != psutil.STATUS_ZOMBIE]
             except psutil.Error:  # exited while we looked
                 continue

@@ -7,7 +7,6 @@ measures their unique memory (USS) once 500 are up. Prints the figures the issue
 from __future__ import annotations
 
 import statistics
-import sys
 import threading
 import time
 from pathlib import Path
@@ -17,12 +16,13 @@ import pytest
 
 from evalfleet.cli import EXAMPLE_POLICY
 from evalfleet.models import EvalRequest
+from evalfleet.sandbox.forkclient import SERVER_COMMAND
 
 pytestmark = pytest.mark.slow
 
 EPISODES = 2000
 CONCURRENCY = 500
-SERVER_CMD = [sys.executable, "-m", "evalfleet.sandbox.forkserver"]
+SERVER_CMD = SERVER_COMMAND
 MAX_USS = 15 * 1024 * 1024
 
 
@@ -31,7 +31,7 @@ def fork_servers() -> list[psutil.Process]:
     procs = {}
     for proc in psutil.Process().children(recursive=True):
         try:
-            if proc.cmdline()[:3] == SERVER_CMD:
+            if proc.cmdline()[:len(SERVER_CMD)] == SERVER_CMD:
                 procs[proc.pid] = proc
         except psutil.Error:
             continue
