@@ -84,6 +84,7 @@ class _Box:
     allowed: float = 0.0  # seconds this request may take before the sandbox is killed
     episode_bound: bool = False  # True when ``allowed`` is what is left of an episode's budget
     reply: list[wire.Result] | None = None
+    replied: float = 0.0  # this worker's clock when ``reply`` came in
     dead: tuple[str, str] | None = None  # (reason, error) once it is known to be gone
 
 
@@ -343,8 +344,12 @@ class ProcessSlots:
         for b, positions in by_box.items():
             box = self._boxes[b]
             if box is not None and box.reply is not None:
+                # Each episode is charged its own seconds as the sandbox measured them, but the
+                # box's at least as this worker's clock measured the whole exchange: an env can
+                # stop the sandbox's clock, not this one.
+                share = (box.replied - now) / len(positions)
                 for p, result in zip(positions, box.reply, strict=True):
-                    self._budget[items[p][0]] -= result.seconds
+                    self._budget[items[p][0]] -= max(result.seconds, share)
                     out[p] = _outcome(result)
                 box.reply = None
                 continue
@@ -416,6 +421,7 @@ class ProcessSlots:
                         if len(reply) != expected[b]:
                             raise wire.ProtocolError(f"{len(reply)} results for {expected[b]}")
                         box.reply = reply
+                        box.replied = time.monotonic()
                         pending.discard(b)
                 except wire.ProtocolError as err:
                     doomed[b] = (EndReason.CRASHED.value, f"sandbox {box.name} broke the protocol "

@@ -273,6 +273,36 @@ class Introspect(CartPoleEnv):
         return obs, {**info, **facts}
 
 
+class FrozenClock(_Faulty):
+    """Stops its sandbox's clock, then takes 0.3 s per step for 15 steps: 4.5 s of the wall
+    clock that the sandbox measures as none (an episode budget charged by it never runs out)."""
+
+    def fault(self, reward: float) -> float:
+        frozen = time.monotonic()
+        # The fork server's module (``python -m``: ``__main__``) times each request.
+        for server in (sys.modules.get("__main__"), sys.modules.get("evalfleet.sandbox.forkserver")):
+            if server is None or not hasattr(server, "_Sandbox"):
+                continue
+
+            class _Clock:
+                def __getattr__(self, name: str) -> Any:
+                    return getattr(time, name)
+
+                @staticmethod
+                def monotonic() -> float:
+                    return frozen
+
+            server.time = _Clock()  # type: ignore[attr-defined]
+        self._slow = 15
+        return reward
+
+    def step(self, action: Any) -> tuple[Any, Any, bool, bool, dict[str, Any]]:
+        if getattr(self, "_slow", 0) > 0:
+            self._slow -= 1
+            time.sleep(0.3)
+        return super().step(action)
+
+
 class SlowStep(CartPoleEnv):
     """Healthy CartPole whose steps take 2 ms: shards last long enough to lose a worker mid-way."""
 
@@ -284,6 +314,6 @@ class SlowStep(CartPoleEnv):
 FAULTY = ("RaiseOnStep", "Hang", "Segfault", "NaNReward", "MemoryHog", "Connect", "WriteOutside",
           "ReadFiles", "ForkBomb", "CpuBurner", "Daemon")
 
-for _name in (*FAULTY, "Introspect", "SlowStep", "CrashOnce"):
+for _name in (*FAULTY, "Introspect", "SlowStep", "CrashOnce", "FrozenClock"):
     gym.register(id=f"evalfleet-test/{_name}-v0", entry_point=f"{__name__}:{_name}",
                  max_episode_steps=500)

@@ -196,6 +196,15 @@ def test_episode_timeout_charges_only_the_hanging_sandbox() -> None:
             assert outcomes([r]) == outcomes([ref]), "healthy neighbours keep their episodes"
 
 
+def test_an_env_that_stops_its_sandbox_clock_still_times_out() -> None:
+    # Its sandbox reported ~0 s per step; the episode budget was charged with that and never
+    # ran out. The worker's own clock of each exchange is charged now.
+    records, _ = run_direct("process", fe.env_id("FrozenClock"), 14, 4, timeout_s=1.0)
+    faulty = [r for r in records if fe.is_faulty(r.seed)]
+    assert faulty and all(r.end_reason == "timeout" for r in faulty), [
+        (r.seed, r.end_reason, r.length) for r in faulty]
+
+
 def test_unknown_level_is_refused() -> None:
     with pytest.raises(IsolationUnavailable, match="Unknown isolation 'jail'"):
         open_slots("jail", env_thunk("CartPole-v1", {}, None), 1, episode_timeout_s=1,
