@@ -401,6 +401,8 @@ class ResolvedEnv:
     fingerprint: EnvFingerprint
     observation_space: gym.Space[Any]
     action_space: gym.Space[Any]
+    render_fps: float | None = None
+    """The env's ``metadata['render_fps']`` (a recording's frame rate), if it states one."""
 
 
 def env_facts(env_id: str, kwargs: dict[str, Any], max_steps: int | None) -> dict[str, Any]:
@@ -450,9 +452,17 @@ def env_facts(env_id: str, kwargs: dict[str, Any], max_steps: int | None) -> dic
                 "max_episode_steps": effective_max, "spec_kwargs": spec_kwargs,
                 "wrappers": wrappers, "modules": sorted(modules),
                 "observation_space": space_to_json(env.observation_space),
-                "action_space": space_to_json(env.action_space)}
+                "action_space": space_to_json(env.action_space),
+                "render_fps": _number_or_none(env.metadata.get("render_fps"))}
     finally:
         env.close()
+
+
+def _number_or_none(value: Any) -> float | None:
+    try:
+        return float(value) if value is not None else None
+    except (TypeError, ValueError):
+        return None
 
 
 def resolved_from_facts(env_id: str, kwargs: dict[str, Any], facts: Mapping[str, Any]
@@ -489,7 +499,8 @@ def resolved_from_facts(env_id: str, kwargs: dict[str, Any], facts: Mapping[str,
         code=_code_versions(modules, _module_of(entry).split(".", 1)[0]),
         files=named_files(dict(kwargs), spec_kwargs, [w.get("kwargs") for w in wrappers]),
     )
-    return ResolvedEnv(fingerprint, observation_space, action_space)
+    return ResolvedEnv(fingerprint, observation_space, action_space,
+                       render_fps=_number_or_none(facts.get("render_fps")))
 
 
 def resolve_env(env_id: str, kwargs: dict[str, Any], max_steps: int | None) -> ResolvedEnv:

@@ -294,6 +294,8 @@ class ReplaySandbox:
     """The evaluation's sandbox limits."""
     obs_shape: tuple[int, ...] | None = None
     """The observation space's shape (observations cross the sandbox flat)."""
+    fps: float | None = None
+    """The env's ``render_fps``, as its sandbox described it (videos' frame rate)."""
 
     def open(self, env_id: str, env_kwargs: Mapping[str, Any], max_steps: int | None,
              render: bool) -> EnvSlots:
@@ -568,18 +570,6 @@ def _run_episode(
     return _finish_video(ep, sink)
 
 
-def _env_fps(env_id: str, env_kwargs: Mapping[str, Any], max_steps: int | None) -> float:
-    """The env's ``render_fps`` (its metadata; stage 1 already made the env here once)."""
-    try:
-        env = _open_env(env_id, env_kwargs, max_steps, render=False)
-    except Exception:  # the sandbox will report what is wrong with it
-        return float(DEFAULT_FPS)
-    try:
-        return float(env.metadata.get("render_fps") or DEFAULT_FPS)
-    finally:
-        _close(env)
-
-
 
 def _close(env: gym.Env[Any, Any]) -> None:
     try:
@@ -675,7 +665,8 @@ def record_episodes(
     wants_video = set(video_for) if video_for is not None else {i for i, _ in todo}
     wants_rows = set(trajectories_for) if trajectories_for is not None else {i for i, _ in todo}
     shape = sandbox.obs_shape if sandbox is not None else None
-    sandbox_fps = float(fps or _env_fps(env_id, env_kwargs, max_steps)) if sandbox else 0.0
+    # The sandboxed env's frame rate as it described itself: never made here to ask it.
+    sandbox_fps = float(fps or sandbox.fps or DEFAULT_FPS) if sandbox else 0.0
     for index, seed in todo:
         target = None
         if rendering and video_dir is not None and index in wants_video:

@@ -65,7 +65,7 @@ def replay_sandbox(request: EvalRequest, isolation: str) -> ReplaySandbox | None
                           sandbox_limits(request), request.episode_timeout_s)
     shape = tuple(env.observation_space.shape) if env.observation_space.shape else None
     return ReplaySandbox(isolation, request.episode_timeout_s, env.fingerprint.as_dict(),
-                         sandbox_limits(request), shape)
+                         sandbox_limits(request), shape, fps=env.render_fps)
 
 
 def review_replays(request: EvalRequest, artifact: PolicyArtifact, isolation: str,

@@ -436,10 +436,12 @@ def test_a_long_lived_worker_resolves_the_env_again_after_its_file_changed(scena
     mine = tmp_path / "worker.json"
     mine.write_text('{"gravity": 9.8}')
     request = EvalRequest.build(**base, env=env, env_kwargs={"scenario": str(mine)})
-    first = _resolve(request)
-    assert _resolve(request) is first  # unchanged: resolved once
+    isolation = receive(request).isolation  # the env's own module: sandboxed, described there
+    assert isolation == "process"
+    first = _resolve(request, isolation)
+    assert _resolve(request, isolation) is first  # unchanged: resolved once
     mine.write_text('{"gravity": 20.0}')
-    again = _resolve(request)
+    again = _resolve(request, isolation)
     assert again.fingerprint.spec_hash != first.fingerprint.spec_hash
     assert again.fingerprint.spec_hash == receive(request).env_spec_hash
 
@@ -459,7 +461,7 @@ def test_the_registering_modules_kwargs_are_in_the_key(registering_module, base)
     # The module edited and imported afresh, as the next process would.
     source.write_text(textwrap.dedent(REGISTERING_MODULE.format(env_id=env_id, flag=True)))
     _drop_modules(name)
-    gymnasium.registry.pop(env_id)
+    gymnasium.registry.pop(env_id, None)  # registered here only if imported here (inprocess)
     after = _received(**fields)
     assert after.cache_key != before.cache_key
     assert before.cache_ingredients["env"]["spec_kwargs"] == {"sutton_barto_reward": False}
@@ -526,7 +528,7 @@ def test_one_element_of_a_list_kwarg_changes_the_key(array_env, base):
 
 def test_one_element_of_a_registered_array_kwarg_changes_the_key(array_env, base, monkeypatch):
     """The spec's kwargs may hold anything: an array is keyed by its bytes, dtype and shape."""
-    fields = {**base, "env": array_env}
+    fields = {**base, "env": array_env, "isolation": "inprocess"}  # its registry, edited here
     before = _received(**fields)
     spec = gymnasium.spec(array_env.split(":", 1)[1])
     changed = spec.kwargs["gains"].copy()

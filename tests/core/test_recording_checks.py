@@ -101,7 +101,8 @@ def test_replay_in_a_sandbox_equals_the_in_process_replay(level, tmp_path):
     here = record_episodes("CartPole-v1", {}, 80, policy, episodes, video_dir=tmp_path / "here",
                            trajectories=True, video_for=[0])
     sandbox = ReplaySandbox(level, 60.0, env.fingerprint.as_dict(),
-                            obs_shape=tuple(env.observation_space.shape))
+                            obs_shape=tuple(env.observation_space.shape), fps=env.render_fps)
+    assert env.render_fps == 50.0  # as CartPole states it: the sandboxed env is not made here
     there = record_episodes("CartPole-v1", {}, 80, policy, episodes, video_dir=tmp_path / "there",
                             trajectories=True, video_for=[0], sandbox=sandbox)
     assert [(e.episode_return, e.length, e.end_reason) for e in there.episodes] == [

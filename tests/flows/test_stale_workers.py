@@ -71,18 +71,32 @@ def _double_the_reward(source: Path) -> None:
 def test_a_cluster_not_ours_with_old_code_is_refused_with_what_to_do(prefect_server, tmp_path,
                                                                       scaled_env):
     env, source = scaled_env
-    with external_cluster(2) as address:
-        before = evaluate(_request(tmp_path, env, dask_address=address))
+    with external_cluster(2) as address:  # inprocess: the workers import the env's module
+        before = evaluate(_request(tmp_path, env, dask_address=address, isolation="inprocess"))
         assert before.completed == 12
         _double_the_reward(source)
         module = env.split(":", 1)[0]
         with pytest.raises(StaleWorkerCode, match=rf"runs other code .*'{module}' runs "
                            r"source-sha256:\w+ where the key names source-sha256:\w+.*Restart the "
                            r"cluster's workers"):
-            evaluate(_request(tmp_path, env, dask_address=address))
+            evaluate(_request(tmp_path, env, dask_address=address, isolation="inprocess"))
         # Nothing was stored under the new key: after a restart the new code runs, twice the return.
         with Client(address, timeout=20) as client:
             client.restart(wait_for_workers=True)
+        after = evaluate(_request(tmp_path, env, dask_address=address, isolation="inprocess"))
+        assert after.cache["status"] == "miss"
+        assert after.mean == pytest.approx(2 * before.mean)
+
+
+def test_sandboxed_env_code_is_imported_afresh_by_every_shards_sandboxes(prefect_server, tmp_path,
+                                                                         scaled_env):
+    # At process level the workers never import the env's own module (its sandboxes do, from the
+    # files as they are): an edit runs at once, on the same workers, under its new key.
+    env, source = scaled_env
+    with external_cluster(2) as address:
+        before = evaluate(_request(tmp_path, env, dask_address=address))
+        assert before.isolation == "process"
+        _double_the_reward(source)
         after = evaluate(_request(tmp_path, env, dask_address=address))
         assert after.cache["status"] == "miss"
         assert after.mean == pytest.approx(2 * before.mean)
