@@ -176,14 +176,34 @@ class ProcessSlots:
         """Reset one slot (see ``reset_many``)."""
         return self.reset_many([(slot, seed)])[0]
 
-    def reset_many(self, items: Sequence[tuple[int, int]], describe: bool = False
-                   ) -> list[SlotOutcome]:
-        """Reset slots with their seeds; sandboxes that are missing are forked first.
+    def reset_many(self, items: Sequence[tuple[int, int]]) -> list[SlotOutcome]:
+        """Reset slots with their seeds; sandboxes that are missing are forked first."""
+        self._ready(items)
+        return self._exchange("reset", [(slot, seed) for slot, seed in items],
+                              self.limits.reset_timeout_s)
 
-        ``describe``: instead, ask slot 0's sandbox for its env's description (``describe``).
+    def describe(self) -> dict[str, Any]:
+        """What slot 0's env tells of itself once imported and made (``EnvMaker.facts``).
+
+        Asked of its sandbox: the env's code runs there, confined, never here. Raises
+        ``EnvSpecError`` with the env's error.
         """
-        if describe:
-            items = [(0, 0)]
+        from evalfleet.errors import EnvSpecError
+
+        self._ready([(0, 0)])
+        outcome = self._exchange("describe", [(0, 0)], self.limits.reset_timeout_s)[0]
+        if outcome.failure is not None:
+            raise EnvSpecError(f"{outcome.error}")
+        try:
+            facts = json.loads(np.asarray(outcome.obs, dtype=np.uint8).tobytes())
+        except ValueError as err:
+            raise EnvSpecError(f"the env's sandbox answered no description ({err})") from err
+        if not isinstance(facts, dict):
+            raise EnvSpecError("the env's sandbox answered no description")
+        return facts
+
+    def _ready(self, items: Sequence[tuple[int, Any]]) -> None:
+        """Before a new episode on each slot of ``items``: its budget whole, its sandbox forked."""
         for slot, _ in items:
             self._budget[slot] = self._episode_timeout_s
         for attempt in (1, 2):
@@ -203,27 +223,6 @@ class ProcessSlots:
                 self._drop_server()
         for slot, _ in items:
             self._lost.pop(slot, None)  # a reset starts from a fresh or healthy sandbox
-        return self._exchange("describe" if describe else "reset",
-                              [(slot, seed) for slot, seed in items], self.limits.reset_timeout_s)
-
-    def describe(self) -> dict[str, Any]:
-        """What slot 0's env tells of itself once imported and made (``EnvMaker.facts``).
-
-        Asked of its sandbox: the env's code runs there, confined, never here. Raises
-        ``EnvSpecError`` with the env's error.
-        """
-        from evalfleet.errors import EnvSpecError
-
-        outcome = self.reset_many([], describe=True)[0]
-        if outcome.failure is not None:
-            raise EnvSpecError(f"{outcome.error}")
-        try:
-            facts = json.loads(np.asarray(outcome.obs, dtype=np.uint8).tobytes())
-        except ValueError as err:
-            raise EnvSpecError(f"the env's sandbox answered no description ({err})") from err
-        if not isinstance(facts, dict):
-            raise EnvSpecError("the env's sandbox answered no description")
-        return facts
 
     def step_many(self, slots: Sequence[int], actions: Sequence[Any]) -> list[SlotOutcome]:
         """Step slots, one action each: all sandboxes at once."""
