@@ -347,6 +347,11 @@ def untrusted_module(env_id: str) -> str | None:
     return None if shipped_env(f"{module}:_") else module
 
 
+def resolved_here(env_id: str, isolation: str) -> bool:
+    """True when ``env_id``'s code may run in this process: a shipped env, or ``inprocess``."""
+    return isolation == "inprocess" or untrusted_module(env_id) is None
+
+
 def space_to_json(space: gym.Space[Any]) -> dict[str, Any]:
     """A Box or Discrete space, exactly, as JSON values (bounds element by element).
 
@@ -518,7 +523,7 @@ def resolve_env_for(env_id: str, kwargs: dict[str, Any], max_steps: int | None, 
     description: its code never runs in the driver nor in a worker, where credentials, the Dask
     client and the results are. ``limits``: the sandbox's ``SandboxLimits``.
     """
-    if isolation == "inprocess" or untrusted_module(env_id) is None:
+    if resolved_here(env_id, isolation):
         return resolve_env(env_id, kwargs, max_steps)
     check_env_kwargs(env_id, kwargs)
     from evalfleet.sandbox.process import ProcessSlots

@@ -25,7 +25,7 @@ from evalfleet.audit import (
     step_rewards,
 )
 from evalfleet.cache import EpisodeCache, Lookup, cache_key, default_cache_dir, key_ingredients
-from evalfleet.envspec import resolve_env_for, untrusted_module
+from evalfleet.envspec import resolve_env_for, resolved_here
 from evalfleet.errors import RequestError, StaleWorkerCode
 from evalfleet.models import EvalReport, EvalRequest, PolicyHandle, Shard, ShardPlan, with_missing
 from evalfleet.planning import plan_shards
@@ -183,9 +183,8 @@ def receive_unloaded(request: EvalRequest) -> tuple[Received, Callable[..., Rece
                           sandbox_limits(request), request.episode_timeout_s)
     # An env resolved in a sandbox described itself: its entry point is its word, not a reason
     # to trust it (``auto`` runs it in sandboxes whatever it names).
-    trusted = request.isolation == "inprocess" or untrusted_module(request.env) is None
-    isolation = resolve_isolation(request.isolation,
-                                  env.fingerprint.entry_point if trusted else None)
+    isolation = resolve_isolation(request.isolation, env.fingerprint.entry_point
+                                  if resolved_here(request.env, request.isolation) else None)
     artifact = read_policy(request.policy, request.policy_factory, env.action_space,
                            deterministic=request.deterministic)
     placement = cluster.place_inference(_callable_device(request, artifact), request.dask_address)

@@ -25,7 +25,7 @@ from evalfleet.envspec import (
     import_env_modules,
     named_files,
     resolve_env_for,
-    untrusted_module,
+    resolved_here,
 )
 from evalfleet.errors import StaleWorkerCode
 from evalfleet.models import EvalRequest, PolicyHandle, Shard
@@ -100,7 +100,7 @@ def _resolve(request: EvalRequest, isolation: str) -> Any:
     hash, holds the file's bytes). An env from someone else's module is never imported here:
     its sandbox describes it, and only the files the request's own kwargs name are watched.
     """
-    if isolation == "inprocess" or untrusted_module(request.env) is None:
+    if resolved_here(request.env, isolation):
         import_env_modules(request.env)  # imported once; the spec must be registered to be read
         files = env_files(request.env, request.env_kwargs)
     else:
