@@ -8,7 +8,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from typing import Any
@@ -237,6 +237,41 @@ def done_with(address: str | None) -> bool:
     _scheduler_log.addFilter(_lost_results_filter)
     cluster.scale(0)  # returns at once; the scheduler retires and closes the workers
     return True
+
+
+def forget_results(futures: Iterable[Any], wait_s: float = 10.0) -> None:
+    """Cancel Dask ``futures`` and return once the scheduler holds none of them for their client.
+
+    ``Future.cancel`` only queues a message on the client's batched stream (sent every ~10 ms);
+    a later call over its own connection (``done_with``'s retirement of the workers, a check)
+    can reach the scheduler first. A result still wanted when its worker retires is run again
+    on a worker still up. ``wait_s`` bounds the wait; a scheduler that is gone ends it at once.
+    """
+    by_client: dict[Client, list[Any]] = {}
+    for future in futures:
+        client = getattr(future, "client", None)
+        if client is not None and hasattr(future, "cancel"):
+            by_client.setdefault(client, []).append(future)
+    for client, held in by_client.items():
+        keys = [future.key for future in held]
+        with suppress(Exception):  # closed client, lost scheduler: nothing left to hold them
+            client.cancel(held)
+            deadline = time.monotonic() + wait_s
+            while client.run_on_scheduler(_still_wanted, keys=keys, client_id=client.id):
+                if time.monotonic() >= deadline:
+                    logger.warning("the scheduler still holds %d result(s) of this evaluation "
+                                   "%.0f s after their release", len(keys), wait_s)
+                    break
+                time.sleep(0.01)
+
+
+def _still_wanted(dask_scheduler: Any, keys: list[Any], client_id: str) -> bool:
+    """On the scheduler: whether client ``client_id`` still wants any of ``keys``."""
+    for key in keys:
+        ts = dask_scheduler.tasks.get(key)
+        if ts is not None and any(cs.client_key == client_id for cs in ts.who_wants or ()):
+            return True
+    return False
 
 
 def _lost_results_filter(record: logging.LogRecord) -> bool:

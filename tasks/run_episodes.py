@@ -8,7 +8,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 from prefect.futures import PrefectFutureList, as_completed
 
-from evalfleet.cluster import WorkersWatch, lost_workers, scheduler_lost
+from evalfleet.cluster import WorkersWatch, forget_results, lost_workers, scheduler_lost
 from evalfleet.errors import ClusterLost
 from evalfleet.models import EvalRequest, PolicyHandle, Shard
 from evalfleet.worker import execute_shard
@@ -22,11 +22,11 @@ def run_episodes(shard: Shard, handle: PolicyHandle, request: EvalRequest, isola
 
 
 def release(futures: Iterable[object]) -> None:
-    """Cancel ``futures`` on the Dask cluster: queued ones never run, finished ones are forgotten."""
-    for future in futures:
-        wrapped = getattr(future, "wrapped_future", None)
-        if wrapped is not None and hasattr(wrapped, "cancel"):
-            wrapped.cancel()
+    """Cancel ``futures`` on the Dask cluster: queued ones never run, finished ones are forgotten.
+
+    Returns once the scheduler has taken the release in (``forget_results``).
+    """
+    forget_results([getattr(future, "wrapped_future", None) for future in futures])
 
 
 def shard_tables(shards: PrefectFutureList[pa.Table],
