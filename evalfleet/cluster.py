@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -196,8 +198,9 @@ def fleet_cluster(address: str | None, workers: int, preload: tuple[str, ...] = 
     config = {"distributed.worker.daemon": False,
               "distributed.worker.multiprocessing-method": "forkserver",
               f"distributed.nanny.environ.{DRIVER_PID_ENV}": str(os.getpid())}
-    with dask.config.set(config), _worker_fork_server(WORKER_MODULES + preload), \
-            _nanny_exports_nothing(), LocalCluster(
+    with _private_scratch() as scratch, \
+            dask.config.set(config, **{"temporary-directory": scratch}), \
+            _worker_fork_server(WORKER_MODULES + preload), _nanny_exports_nothing(), LocalCluster(
         n_workers=workers,
         threads_per_worker=1,
         processes=True,
@@ -218,6 +221,22 @@ def fleet_cluster(address: str | None, workers: int, preload: tuple[str, ...] = 
                 _single_use.pop(cluster.scheduler_address, None)
                 _scheduler_log.removeFilter(_lost_results_filter)
             forget_client(cluster.scheduler_address)
+
+
+@contextmanager
+def _private_scratch() -> Iterator[str]:
+    """A folder only this process's uid can enter, for the local cluster's scratch space.
+
+    Dask's default, ``<tmp>/dask-scratch-space``, is made by whoever comes first and goes first
+    on the ``sys.path`` of every worker (and of this process, for the scheduler and nannies): a
+    ``process`` sandbox (a uid of its own, the host's ``/tmp``) that made it before the cluster
+    did could place modules the root workers then import.
+    """
+    scratch = tempfile.mkdtemp(prefix="evalfleet-dask-")  # mode 0700
+    try:
+        yield scratch
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 def done_with(address: str | None) -> bool:
