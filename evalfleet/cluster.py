@@ -199,7 +199,7 @@ def fleet_cluster(address: str | None, workers: int, preload: tuple[str, ...] = 
               "distributed.worker.multiprocessing-method": "forkserver",
               f"distributed.nanny.environ.{DRIVER_PID_ENV}": str(os.getpid())}
     with _private_scratch() as scratch, \
-            dask.config.set(config, **{"temporary-directory": scratch}), \
+            dask.config.set({**config, "temporary-directory": scratch}), \
             _worker_fork_server(WORKER_MODULES + preload), _nanny_exports_nothing(), LocalCluster(
         n_workers=workers,
         threads_per_worker=1,
