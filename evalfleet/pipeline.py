@@ -830,7 +830,11 @@ def same_policy(request: EvalRequest, received: Received) -> bool:
     if ref is None:
         return False
     if ref.startswith("sha256:"):
-        return received.artifact.sha256.startswith(ref.removeprefix("sha256:").lower())
+        if not received.artifact.sha256.startswith(ref.removeprefix("sha256:").lower()):
+            return False
+        # Another cached policy under this protocol with the prefix: the baseline may be that one.
+        _one_hash_match(request, received, also=received.artifact.sha256)
+        return True
     if (ref, request.baseline_factory) == (request.policy, request.policy_factory):
         return True
     return receive(baseline_request(request, request.episodes)).cache_key == received.cache_key
@@ -875,21 +879,8 @@ def cached_baseline(request: EvalRequest, received: Received, episodes: int) -> 
     leave out exactly the episodes where the baseline broke.
     """
     ref = str(request.baseline)
-    prefix = ref[len("sha256:"):].lower()
     cache = episode_cache(request)
-    mine = {k: v for k, v in received.cache_ingredients.items() if k != "policy"}
-    matches: dict[str, str] = {}  # policy sha256 -> its entry's key, under this protocol
-    for entry in cache.entries():
-        sha = str(entry.get("policy_sha256") or "")
-        ing = cache.ingredients(str(entry["key"])) if sha.startswith(prefix) else None
-        if ing is not None and {k: v for k, v in ing.items() if k != "policy"} == mine:
-            matches.setdefault(sha, str(entry["key"]))
-    if len(matches) > 1:
-        raise RequestError(
-            f"baseline {ref!r} matches {len(matches)} cached policies under this evaluation's "
-            f"protocol ({', '.join(sha[:16] for sha in sorted(matches))}): give more of the "
-            "sha256, enough to name one.")
-    for key in matches.values():
+    for key in _one_hash_match(request, received).values():
         found = cache.lookup(key, range(episodes))
         if not found.missing:
             return found.stored, ref
@@ -914,6 +905,33 @@ def cached_baseline(request: EvalRequest, received: Received, episodes: int) -> 
         f"baseline {ref!r}: no cached episodes of a policy with that hash under this env and "
         f"protocol in {cache.root}; pass the baseline policy file instead."
     )
+
+
+def _one_hash_match(request: EvalRequest, received: Received, also: str | None = None
+                    ) -> dict[str, str]:
+    """The cached policies a 'sha256:' baseline names under this protocol: sha256 -> entry key.
+
+    ``also``: a policy the prefix names besides the cached ones (the evaluated policy). More
+    than one in all is refused: which one the baseline meant is the user's to say.
+    """
+    ref = str(request.baseline)
+    prefix = ref[len("sha256:"):].lower()
+    cache = episode_cache(request)
+    mine = {k: v for k, v in received.cache_ingredients.items() if k != "policy"}
+    matches: dict[str, str] = {}  # policy sha256 -> its entry's key, under this protocol
+    for entry in cache.entries():
+        sha = str(entry.get("policy_sha256") or "")
+        ing = cache.ingredients(str(entry["key"])) if sha.startswith(prefix) else None
+        if ing is not None and {k: v for k, v in ing.items() if k != "policy"} == mine:
+            matches.setdefault(sha, str(entry["key"]))
+    named = sorted(set(matches) | ({also} if also else set()))
+    if len(named) > 1:
+        raise RequestError(
+            f"baseline {ref!r} matches {len(named)} policies under this evaluation's protocol "
+            f"({', '.join(sha[:16] for sha in named)}"
+            f"{', the evaluated policy among them' if also else ''}): give more of the sha256, "
+            "enough to name one.")
+    return matches
 
 
 def mlflow_params(request: EvalRequest, report: EvalReport) -> dict[str, Any]:

@@ -514,7 +514,7 @@ def test_a_sha256_baseline_names_one_cached_policy_or_is_refused(store, tmp_path
                                artifact=SimpleNamespace(sha256="ff" * 32))
     request = EvalRequest(env=courier.ENV_ID, policy="x", baseline="sha256:" + "ab" * 8,
                           cache_dir=tmp_path / "cache", output=tmp_path, episodes=200)
-    with pytest.raises(RequestError, match=r"matches 2 cached policies under this evaluation's "
+    with pytest.raises(RequestError, match=r"matches 2 policies under this evaluation's "
                        r"protocol \(abababababababab, abababababababab\): give more"):
         cached_baseline(request, received, 200)  # type: ignore[arg-type]
     one = request.model_copy(update={"baseline": "sha256:" + "ab" * 8 + "2" * 4})
@@ -524,3 +524,29 @@ def test_a_sha256_baseline_names_one_cached_policy_or_is_refused(store, tmp_path
         with pytest.raises(RequestError, match="at least 12 hex digits"):
             EvalRequest.build(env=courier.ENV_ID, policy="x", baseline=short)
     assert not same_policy(one, received)  # type: ignore[arg-type]
+
+
+def test_a_sha256_baseline_that_also_names_the_evaluated_policy_is_refused(store, tmp_path):
+    # The prefix matched the evaluated policy, so the comparison was with itself (a difference
+    # of exactly 0, no alarm), while a cached checkpoint under the same protocol shares it.
+    from types import SimpleNamespace
+
+    from evalfleet.errors import RequestError
+    from evalfleet.pipeline import same_policy
+
+    ing = {"env": {"x": 1}, "protocol": {"seed": 0}}
+    cached, evaluated = "ab" * 8 + "1" * 48, "ab" * 8 + "3" * 48
+    EpisodeCache(tmp_path / "cache").store(hashlib.sha256(b"c").hexdigest(),
+                                           _broken_on(range(0), name=cached),
+                                           dict(ing, policy={"sha256": cached}))
+    received = SimpleNamespace(cache_ingredients=dict(ing, policy={"sha256": evaluated}),
+                               artifact=SimpleNamespace(sha256=evaluated))
+    request = EvalRequest(env=courier.ENV_ID, policy="x", baseline="sha256:" + "ab" * 8,
+                          cache_dir=tmp_path / "cache", output=tmp_path, episodes=200)
+    with pytest.raises(RequestError, match=r"matches 2 policies under this evaluation's protocol "
+                       r"\(abababababababab, abababababababab, the evaluated policy among them\)"):
+        same_policy(request, received)  # type: ignore[arg-type]
+    whole = request.model_copy(update={"baseline": "sha256:" + evaluated})
+    assert same_policy(whole, received)  # type: ignore[arg-type]
+    other = request.model_copy(update={"baseline": "sha256:" + cached[:20]})
+    assert not same_policy(other, received)  # type: ignore[arg-type]
