@@ -20,7 +20,7 @@ from evalfleet.environ import restored_environment
 from evalfleet.errors import EvalfleetError, RequestError, Stopped
 from evalfleet.models import OUTPUT_MISSING, EvalReport, EvalRequest
 from evalfleet.server import SERVER_MODE_ENV
-from evalfleet.summary import summary_text
+from evalfleet.summary import percent, summary_text
 
 #: The bundled example policy: a 4-64-64-2 TorchScript MLP that balances CartPole-v1.
 EXAMPLE_POLICY = str(files("evalfleet") / "data" / "cartpole_mlp.pt")
@@ -449,7 +449,7 @@ def _run_eval(evaluate: Callable[[EvalRequest], EvalReport], args: argparse.Name
     if report.harness_fault and not args.allow_failures:
         recording = [a for a in report.alarms if a.startswith("recording_incomplete")]
         why = "; ".join(recording) if recording else (
-            f"more than 5% of episodes failed in the harness (coverage {report.coverage:.1%})")
+            f"more than 5% of episodes failed in the harness (coverage {percent(report.coverage, 1)})")
         print(f"evalfleet: harness fault: {why} (pass --allow-failures to exit 0 anyway)",
               file=sys.stderr)
         return EXIT_HARNESS_FAULT
@@ -534,8 +534,10 @@ def history_table(rows: Sequence[dict[str, object]]) -> str:
         ci = f"[{num(r.get('reward_ci_low'), '.4g')}, {num(r.get('reward_ci_high'), '.4g')}]"
         alarms = ", ".join(r.get("alarms") or []) or "-"  # type: ignore[arg-type]
         best = " *" if r.get("best") else ""
+        rate = r.get("failure_rate")
+        fail = "-" if rate is None else percent(float(rate), 1)  # type: ignore[arg-type]
         lines.append(f"{r['step']!s:>8}  {num(r.get('reward'), '.4g'):>10}  {ci:<21}  "
-                     f"{num(r.get('success_rate'), '.3f'):>7}  {num(r.get('failure_rate'), '.1%'):>6}  "
+                     f"{num(r.get('success_rate'), '.3f'):>7}  {fail:>6}  "
                      f"{num(r.get('episode_length'), '.4g'):>7}  {str(r.get('verdict') or '-') + best:<19}  "
                      f"{alarms}")
     return "\n".join(lines)

@@ -28,7 +28,7 @@ import numpy as np
 import pyarrow as pa
 
 from evalfleet.models import EndReason, EvalReport
-from evalfleet.summary import summary_markdown, summary_rows
+from evalfleet.summary import percent, summary_markdown, summary_rows
 
 __all__ = [
     "choose_episodes",
@@ -302,7 +302,7 @@ def report_page(
     """
     out_path = Path(out_path)
     failures = [
-        {"reason": reason, "count": count, "share": f"{count / max(report.episodes, 1):.2%}",
+        {"reason": reason, "count": count, "share": percent(count / max(report.episodes, 1)),
          "headline": _headline(reason)}
         for reason, count in sorted(report.failures.items(), key=lambda kv: (-kv[1], kv[0]))
     ]

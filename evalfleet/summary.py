@@ -42,6 +42,21 @@ def _history(h: dict[str, object]) -> str:
                    "; no best checkpoint under this protocol")
 
 
+def percent(share: float, digits: int = 2) -> str:
+    """``share`` as a percentage that never rounds a part to all or to nothing.
+
+    19,999 of 20,000 episodes scored reads ">99.99%", not "100.00%" beside a harness failure;
+    1 failure in 200,000 reads "<0.01%", not "0.00%".
+    """
+    text = f"{share:.{digits}%}"
+    step = 10.0 ** -(digits + 2)
+    if 0 < share < 1 and text == f"{1:.{digits}%}":
+        return f">{1 - step:.{digits}%}"
+    if 0 < share < 1 and text == f"{0:.{digits}%}":
+        return f"<{step:.{digits}%}"
+    return text
+
+
 def summary_rows(report: EvalReport) -> list[dict[str, str]]:
     """The summary as (metric, value) rows."""
     r = report.returns
@@ -55,14 +70,15 @@ def summary_rows(report: EvalReport) -> list[dict[str, str]]:
         ("episodes", f"{report.episodes} planned, {report.scored} scored ({report.completed} "
                      f"completed + {report.policy_failures} ended by the policy), "
                      f"{report.harness_failures} harness failures left out"),
-        ("coverage", f"{report.coverage:.2%} ({report.scored}/{report.episodes} episodes scored)"),
+        ("coverage", f"{percent(report.coverage)} ({report.scored}/{report.episodes} episodes scored)"),
         ("mean return ± 95% CI", f"{_fmt(r['mean'])}  [{_fmt(low)}, {_fmt(high)}]"),
         ("std", _fmt(r["std"])),
         ("IQM", f"{_fmt(r['iqm'])}  [{_fmt(r['iqm_ci']['low'])}, {_fmt(r['iqm_ci']['high'])}]"),
         ("min / median / max", f"{_fmt(r['min'])} / {_fmt(r['median'])} / {_fmt(r['max'])}"),
         ("episode length mean", _fmt(report.lengths["mean"])),
-        ("failures", f"{failures} (rate {report.failure_rate:.2%}: policy "
-                     f"{report.policy_failure_rate:.2%}, harness {report.harness_failure_rate:.2%})"),
+        ("failures", f"{failures} (rate {percent(report.failure_rate)}: policy "
+                     f"{percent(report.policy_failure_rate)}, harness "
+                     f"{percent(report.harness_failure_rate)})"),
     ]
     if report.success:
         s = report.success

@@ -285,3 +285,20 @@ def test_a_comparison_missing_the_baselines_failed_seeds_raises_an_alarm():
     # A few failed pairs (5%) leave the comparison as it is.
     few = records_to_table([_row(i, 0.0, "timeout") if i < 5 else _row(i, 1.0) for i in range(100)])
     assert not [a for a in _stage6(new, few, records_to_table([])).alarms if "pairs_harness" in a]
+
+
+def test_coverage_short_of_all_never_reads_100_percent():
+    # One harness failure in 20,000: the summary said "coverage 100.00%" beside it.
+    report = _report(_run("tests.flows.headline_envs:steady", n=20))
+    short = report.model_copy(update={"episodes": 20_000, "scored": 19_999, "harness_failures": 1,
+                                      "coverage": 19_999 / 20_000, "failure_rate": 1 / 20_000,
+                                      "harness_failure_rate": 1 / 20_000})
+    rows = {row["metric"]: row["value"] for row in summary_rows(short)}
+    assert rows["coverage"] == ">99.99% (19999/20000 episodes scored)"
+    assert "rate 0.01%: policy 0.00%, harness 0.01%" in rows["failures"]
+    tiny = short.model_copy(update={"episodes": 200_000, "scored": 199_999,
+                                    "coverage": 199_999 / 200_000, "failure_rate": 1 / 200_000,
+                                    "harness_failure_rate": 1 / 200_000})
+    rows = {row["metric"]: row["value"] for row in summary_rows(tiny)}
+    assert rows["coverage"].startswith(">99.99% ")
+    assert "rate <0.01%: policy 0.00%, harness <0.01%" in rows["failures"]
