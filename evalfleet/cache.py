@@ -25,7 +25,9 @@ equals a cold 3,000-episode run because episode ``i`` always has seed ``ledger(s
 Isolation level and worker count are not in the key: they must not change results.
 
 Rows that failed for infrastructural reasons (timeout, crashed, oom) or through the policy's
-runtime (policy_error) are never stored; env failures that are deterministic for a seed are.
+runtime (policy_error) are never stored; env failures that are deterministic for a seed are,
+when the env ran ``inprocess`` (in a sandbox an env error may be the confinement's: a file it may
+not open, a refused socket).
 
 Each entry is ``<root>/<key[:2]>/<key>/manifest.json`` and the Parquet table it names,
 ``episodes-<sha256>.parquet``: the manifest holds the key's ingredients, the row count, the table's
@@ -207,7 +209,17 @@ def _sweep_tmp(folder: Path) -> None:
 
 
 def _cacheable(table: pa.Table) -> pa.Table:
-    return table.filter(pc.is_in(table.column("end_reason"), value_set=pa.array(CACHEABLE_REASONS)))
+    """The rows a later request may take: outcomes of the policy on the env, whatever ran them.
+
+    An ``env_error`` raised in a sandbox may be the sandbox's doing (a file it may not open, a
+    socket seccomp refuses, a fork past its process cap), which another level or other limits
+    would not raise: only ``inprocess`` env errors are stored, the others run again.
+    """
+    reasons = table.column("end_reason")
+    kept = pc.is_in(reasons, value_set=pa.array(CACHEABLE_REASONS))
+    confined = pc.and_(pc.equal(reasons, "env_error"),
+                       pc.not_equal(table.column("isolation"), "inprocess"))
+    return table.filter(pc.and_(kept, pc.invert(confined)))
 
 
 def _sha256_file(path: Path) -> str:

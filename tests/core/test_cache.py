@@ -85,10 +85,10 @@ def test_same_weights_elsewhere_hit_other_weights_same_name_miss(tmp_path, examp
     assert _key(policy=str(a), output=tmp_path) != _key(policy=str(b), output=tmp_path)
 
 
-def _table(indices, reason="terminated"):
+def _table(indices, reason="terminated", isolation="inprocess"):
     return records_to_table([
         EpisodeRecord("r", "sha", "env", "spec", i, 1000 + i, float(i) + 0.5, 10, reason, None,
-                      None, 0.1, "w", "s", "inprocess") for i in indices])
+                      None, 0.1, "w", "s", isolation) for i in indices])
 
 
 def test_top_up_reports_what_is_missing_and_merges(tmp_path):
@@ -109,6 +109,23 @@ def test_infrastructure_failures_are_not_stored(tmp_path):
                              _table([4], "env_error"), _table([5], "policy_error")])
     assert cache.store("a" * 64, rows, {}) == 3
     assert cache.lookup("a" * 64, range(6)).missing == [2, 3, 5]
+
+
+def test_an_env_error_raised_in_a_sandbox_is_not_stored(tmp_path):
+    # "PermissionError" from a file the sandbox may not open, EPERM from a refused socket: the
+    # confinement's doing. Served from the cache to an inprocess request (or one that allows
+    # the file), it was an env failure that run would never have had.
+    cache = EpisodeCache(tmp_path)
+    rows = pa.concat_tables([_table([0], isolation="process"),
+                             _table([1], "env_error", isolation="process"),
+                             _table([2], "env_error", isolation="bwrap"),
+                             _table([3], "invalid_action", isolation="bwrap"),
+                             _table([4], "env_error")])
+    assert cache.store("e" * 64, rows, {}) == 3
+    found = cache.lookup("e" * 64, range(5))
+    assert found.missing == [1, 2]
+    assert found.stored.column("end_reason").to_pylist() == [
+        "terminated", "invalid_action", "env_error"]
 
 
 def _entry_table(cache, key):
