@@ -85,6 +85,11 @@ def add_eval_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sandbox-env", action="append", default=[], metavar="NAME",
                    help="environment variable sandboxes may see besides the allow-list "
                    "(repeat for several)")
+    p.add_argument("--sandbox-read", action="append", default=[], metavar="PATH",
+                   help="absolute path process sandboxes may also read, e.g. an env's data "
+                   "(repeat for several; by default they read only what running the env needs)")
+    p.add_argument("--sandbox-write", action="append", default=[], metavar="PATH",
+                   help="absolute path process sandboxes may also write (repeat for several)")
     p.add_argument("--episode-timeout", type=float, default=d["episode_timeout_s"].default,
                    help="seconds one episode may spend in its env's reset/step calls (process/bwrap)")
     p.add_argument("--step-timeout", type=float, default=d["step_timeout_s"].default,
@@ -170,6 +175,8 @@ def request_from_args(args: argparse.Namespace) -> EvalRequest:
         device=args.device,
         isolation=args.isolation,
         sandbox_env_allow=args.sandbox_env,
+        sandbox_read=args.sandbox_read,
+        sandbox_write=args.sandbox_write,
         episode_timeout_s=args.episode_timeout,
         step_timeout_s=args.step_timeout,
         policy_timeout_s=args.policy_timeout,

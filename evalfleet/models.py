@@ -98,6 +98,14 @@ class EvalRequest(_Frozen):
         default_factory=list, description="Environment variables sandboxes see besides the "
         "allow-list of evalfleet.sandbox.environment (names; the values are the worker's)."
     )
+    sandbox_read: list[str] = Field(
+        default_factory=list, description="Absolute paths process sandboxes may also read "
+        "(an env's data outside its package); they read only what running the env needs else."
+    )
+    sandbox_write: list[str] = Field(
+        default_factory=list, description="Absolute paths process sandboxes may also write, "
+        "beside their own folder."
+    )
     episode_timeout_s: float = Field(
         60.0, description="Seconds one episode may spend inside its env's reset/step calls "
         "(process/bwrap sandboxes; a single step is also cut off after step_timeout_s)."
@@ -196,6 +204,12 @@ class EvalRequest(_Frozen):
                     f"'sandbox_env_allow' entries must be environment variable names such as "
                     f"'MY_ENV_DATA_DIR' (got {name!r})."
                 )
+        for name in ("sandbox_read", "sandbox_write"):
+            for path in getattr(self, name):
+                if not path.startswith("/"):
+                    raise RequestError(
+                        f"'{name}' entries must be absolute paths such as '/data/my-env' "
+                        f"(got {path!r}).")
         if self.cache not in CACHE_MODES:
             raise RequestError(f"Unknown cache mode {self.cache!r}. Choose one of {', '.join(CACHE_MODES)}.")
         if self.target_ci_halfwidth is not None:

@@ -49,13 +49,14 @@ import socket
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
 
 from evalfleet.sandbox import limits as lim
 from evalfleet.sandbox import wire
+from evalfleet.sandbox.bwrap import SYSTEM_PATHS, jail_binds
 from evalfleet.sandbox.slots import error_text, scalar_info
 
 #: Exit status of a sandbox whose own code failed before serving (never an env's exception).
@@ -81,6 +82,7 @@ class _Server:
         self.stale_cgroups: list[str] = []  # cgroups not yet empty when their sandbox was reaped
         self.makers: dict[str, Callable[[], Any]] = {}
         self.environments: dict[str, dict[str, str]] = {}
+        self.files: dict[str, lim.FileRules] = {}  # token -> what its sandboxes may open
         self.children: dict[int, str] = {}
         self.serial = 0
         self.base = tempfile.mkdtemp(prefix="evalfleet-sandboxes-")
@@ -135,11 +137,13 @@ class _Server:
                 self.stale_cgroups.remove(name)
 
     def prepare(self, token: str, maker_blob: bytes, sys_path: list[str], preload: list[str],
-                environment: dict[str, str]) -> dict[str, Any]:
+                environment: dict[str, str], packages: tuple[str, ...] = ()) -> dict[str, Any]:
         self.environments[token] = dict(environment)
         for entry in sys_path:
             if entry not in sys.path:
                 sys.path.append(entry)
+        if self.level == "process":
+            self.files[token] = file_rules(packages)
         failed = {}
         for name in preload:
             try:
@@ -159,6 +163,7 @@ class _Server:
               ) -> dict[str, Any]:
         maker = self.makers[token]
         environment = self.environments[token]
+        files = self.files.get(token)
         self.serial += 1
         folder = os.path.join(self.base, f"sbx-{self.serial}")
         os.mkdir(folder, 0o700)
@@ -180,10 +185,11 @@ class _Server:
                 self.control.close()
                 if pidns:
                     code = _namespace_host(fd, maker, k, limits, folder, uid, netns, server_pid,
-                                           self.new_user, environment)
+                                           self.new_user, environment, files)
                 else:
                     code = _sandbox_main(fd, maker, k, limits, folder, uid, netns, server_pid,
-                                         environment, own_pidns=False, own_user=False)
+                                         environment, own_pidns=False, own_user=False,
+                                         files=files)
             finally:
                 os._exit(code)
         os.close(fd)
@@ -255,6 +261,7 @@ class _Server:
                 elif op == "forget":
                     self.makers.pop(request[1], None)
                     self.environments.pop(request[1], None)
+                    self.files.pop(request[1], None)
                     answer = {"ok": True}
                 else:
                     answer = {"error": f"unknown request {op!r}"}
@@ -266,6 +273,21 @@ class _Server:
                         pass
                 answer = {"error": f"{type(err).__name__}: {err}"}
             _send(self.control, answer)
+
+
+def file_rules(packages: Iterable[str]) -> lim.FileRules:
+    """What a ``process`` sandbox of an env from ``packages`` may read: the bwrap jail's binds.
+
+    The system folders, the interpreter's, the site-packages and the packages of evalfleet and
+    of the env (``jail_binds``), beside the ``sys.path`` folders, listed only: never the rest of
+    a project checkout, a home, the results or a secret file, even under a root worker's
+    CAP_DAC_READ_SEARCH.
+    """
+    read = (*[p for p in SYSTEM_PATHS if os.path.exists(p)], *jail_binds(packages))
+    listed = tuple(dict.fromkeys(
+        os.path.realpath(entry) for entry in sys.path
+        if entry and os.path.isabs(entry) and os.path.isdir(entry)))
+    return lim.FileRules(read=tuple(dict.fromkeys(read)), listed=listed)
 
 
 def serve(fd: int, level: str, parent: int, cgroup_fd: int | None = None) -> None:
@@ -351,7 +373,8 @@ def _count_capped_forks() -> int:
 
 def _namespace_host(fd: int, maker: Callable[[], Any], k: int, limits: lim.SandboxLimits,
                     folder: str, uid: int | None, netns: bool, server_pid: int,
-                    new_user: bool, environment: dict[str, str]) -> int:
+                    new_user: bool, environment: dict[str, str],
+                    files: lim.FileRules | None = None) -> int:
     """The process the server knows as the sandbox: a pid namespace, its init, the sandbox.
 
     Three processes: this host (in the server's namespace, the one the server kills and reaps),
@@ -369,7 +392,8 @@ def _namespace_host(fd: int, maker: Callable[[], Any], k: int, limits: lim.Sandb
     if init == 0:
         code = EXIT_SETUP
         try:
-            code = _namespace_init(fd, maker, k, limits, folder, uid, netns, new_user, environment)
+            code = _namespace_init(fd, maker, k, limits, folder, uid, netns, new_user, environment,
+                                   files)
         finally:
             os._exit(code)
     os.close(fd)
@@ -390,7 +414,7 @@ def _namespace_host(fd: int, maker: Callable[[], Any], k: int, limits: lim.Sandb
 
 def _namespace_init(fd: int, maker: Callable[[], Any], k: int, limits: lim.SandboxLimits,
                     folder: str, uid: int | None, netns: bool, new_user: bool,
-                    environment: dict[str, str]) -> int:
+                    environment: dict[str, str], files: lim.FileRules | None = None) -> int:
     """Pid 1 of a sandbox's namespace: fork the sandbox, reap everything, exit when it does."""
     lim.set_parent_death_signal(0)  # its parent lives outside the namespace: getppid() is 0
     child = os.fork()
@@ -398,7 +422,7 @@ def _namespace_init(fd: int, maker: Callable[[], Any], k: int, limits: lim.Sandb
         code = EXIT_SETUP
         try:
             code = _sandbox_main(fd, maker, k, limits, folder, uid, netns, 1, environment,
-                                 own_pidns=True, own_user=new_user)
+                                 own_pidns=True, own_user=new_user, files=files)
         finally:
             os._exit(code)
     os.close(fd)
@@ -415,8 +439,12 @@ def _namespace_init(fd: int, maker: Callable[[], Any], k: int, limits: lim.Sandb
 
 def _sandbox_main(fd: int, maker: Callable[[], Any], k: int, limits: lim.SandboxLimits,
                   folder: str, uid: int | None, netns: bool, parent: int,
-                  environment: dict[str, str], *, own_pidns: bool, own_user: bool) -> int:
-    """Confine this freshly forked process, then serve env requests until the socket closes."""
+                  environment: dict[str, str], *, own_pidns: bool, own_user: bool,
+                  files: lim.FileRules | None = None) -> int:
+    """Confine this freshly forked process, then serve env requests until the socket closes.
+
+    ``files`` (``process`` level): what it may open besides its folder (``lim.restrict_files``).
+    """
     os.setpgid(0, 0)
     devnull = os.open(os.devnull, os.O_RDWR)
     for std in (0, 1, 2):
@@ -437,6 +465,8 @@ def _sandbox_main(fd: int, maker: Callable[[], Any], k: int, limits: lim.Sandbox
     elif own_user:
         lim.drop_all_capabilities()
     lim.set_parent_death_signal(parent)  # after setuid, which clears it
+    if files is not None:
+        lim.restrict_files(files, folder, limits)
     lim.install_sandbox_filter(own_pidns)
     lim.arm_cpu_budget(limits.cpu_seconds_per_episode)
     sock = socket.socket(fileno=fd)

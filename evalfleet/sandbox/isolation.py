@@ -12,7 +12,8 @@ Requirements per level:
 - ``process``: seccomp and rlimits. Added where the machine permits them, and reported: a network
   namespace (``netns``), a uid of its own per sandbox (``own_uid``, root workers), a pid
   namespace per sandbox (``pidns``; with a user namespace of its own under a non-root worker),
-  and how each level caps a sandbox's processes (``process_cap``).
+  file access confined by Landlock (``landlock``), and how each level caps a sandbox's
+  processes (``process_cap``).
 - ``bwrap``: ``process``'s requirements, plus a working bubblewrap jail (``bwrap``; a pid
   namespace per sandbox inside it: ``bwrap_pidns``).
 
@@ -29,9 +30,13 @@ What each level guarantees when every mechanism holds (as on a root microVM; the
   with the sandbox (its pid namespace's init dies). Processes and threads are capped per sandbox
   by RLIMIT_NPROC: under a uid of its own (root worker) or counted in a user namespace of its own
   (non-root worker). Under a root worker it runs as a uid of its own keeping only
-  CAP_DAC_READ_SEARCH: it reads every file but writes only where anyone may (world-writable
-  folders such as /tmp, /var/tmp, /dev/shm); under a non-root worker it reads and writes
-  wherever the worker may. Not a jail for hostile code.
+  CAP_DAC_READ_SEARCH. Where the kernel has Landlock (``landlock``), it opens only what the
+  bwrap jail would bind (system libraries, a few /etc files, the interpreter, site-packages,
+  the package folders of evalfleet and the env; the ``sys.path`` folders listed only), a few
+  CPU facts and devices, and writes only its own folder: no home, project checkout, results
+  folder or another process's ``/proc/<pid>/environ``. Without Landlock it reads every file
+  (root worker) or the worker's (non-root worker), and writes where anyone may or where the
+  worker may. Not a jail for hostile code.
 - ``bwrap``: ``process`` inside bubblewrap: it sees only the jail's read-only binds (system
   libraries, a few /etc files, the interpreter, site-packages, the package folders of evalfleet
   and the env, see :mod:`evalfleet.sandbox.bwrap`) and a private /tmp, the only writable place;
@@ -120,9 +125,22 @@ def pidns():
     from evalfleet.sandbox.forkserver import _check_sandbox_namespaces
     return _check_sandbox_namespaces(os.geteuid() != 0) or "ok"
 
+def landlock():
+    import tempfile
+    gone = tempfile.mkdtemp()
+    os.rmdir(gone)  # no folder of its own: nothing is left behind
+    why = lim.restrict_files(lim.FileRules(read=(), listed=()), gone)
+    if why:
+        return why
+    try:
+        open(sys.executable, "rb").close()
+    except PermissionError:
+        return ""
+    return "Landlock loaded but the interpreter's file was still readable"
+
 print(json.dumps({name: attempt(fn) for name, fn in
                   [("seccomp", seccomp), ("rlimits", rlimits), ("netns", netns),
-                   ("own_uid", own_uid), ("pidns", pidns)]}))
+                   ("own_uid", own_uid), ("pidns", pidns), ("landlock", landlock)]}))
 """
 
 # Runs inside the jail: the root must be read-only, no network, no capabilities.
@@ -293,7 +311,7 @@ def _probe_children() -> dict[str, Any]:
     if not mechanisms:
         reason = f"probe process failed ({code}): {text}"
         mechanisms = {"seccomp": reason, "rlimits": reason, "netns": reason, "own_uid": reason,
-                      "pidns": reason}
+                      "pidns": reason, "landlock": reason}
     bwrap = find_bwrap()
     pidns = "bwrap not found"
     if bwrap is None:

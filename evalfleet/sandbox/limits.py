@@ -78,6 +78,13 @@ class SandboxLimits:
     uid_base: int = 1_000_000_000
     """First uid of the range sandbox uids are taken from (no passwd entries are needed)."""
 
+    readable: tuple[str, ...] = ()
+    """``process`` level: paths its sandboxes may also read beneath (an env's data outside its
+    package), beside what the bwrap jail would bind (``restrict_files``)."""
+
+    writable: tuple[str, ...] = ()
+    """``process`` level: paths its sandboxes may also write beneath, beside their own folder."""
+
     def __post_init__(self) -> None:
         for name in ("address_space_bytes", "cpu_seconds_per_episode", "open_files",
                      "file_size_bytes", "processes"):
@@ -88,6 +95,10 @@ class SandboxLimits:
             value = getattr(self, name)
             if not value > 0:
                 raise RequestError(f"'{name}' must be > 0 seconds (got {value!r}).")
+        for name in ("readable", "writable"):
+            for path in getattr(self, name):
+                if not isinstance(path, str) or not os.path.isabs(path):
+                    raise RequestError(f"'{name}' paths must be absolute (got {path!r}).")
         if self.address_space_bytes < 256 * MiB:
             raise RequestError(
                 f"'address_space_bytes' must be at least 256 MiB (got {self.address_space_bytes!r}):"
@@ -102,7 +113,8 @@ class SandboxLimits:
 def sandbox_limits(request: EvalRequest) -> SandboxLimits:
     """The request's sandbox limits (defaults documented in ``SandboxLimits``)."""
     return SandboxLimits(address_space_bytes=request.sandbox_memory_mb * MiB,
-                         step_timeout_s=request.step_timeout_s)
+                         step_timeout_s=request.step_timeout_s,
+                         readable=tuple(request.sandbox_read), writable=tuple(request.sandbox_write))
 
 
 def _libc() -> ctypes.CDLL:
@@ -284,3 +296,118 @@ def install_sandbox_filter(own_pidns: bool = False) -> None:
     for call in ("tkill", "ptrace", "process_vm_writev", "process_vm_readv"):
         f.add_rule(eperm, call)
     f.load()
+
+
+# Landlock (Linux >= 5.13): a process restricts, for itself and its descendants, which files it
+# may open; capabilities do not lift it (CAP_DAC_READ_SEARCH included).
+_SYS_LANDLOCK_CREATE_RULESET = 444
+_SYS_LANDLOCK_ADD_RULE = 445
+_SYS_LANDLOCK_RESTRICT_SELF = 446
+_LANDLOCK_CREATE_RULESET_VERSION = 1
+_LANDLOCK_RULE_PATH_BENEATH = 1
+_PR_SET_NO_NEW_PRIVS = 38
+_FS_EXECUTE, _FS_WRITE_FILE, _FS_READ_FILE, _FS_READ_DIR = 1, 2, 4, 8
+_FS_ABI1 = (1 << 13) - 1  # execute ... make_sym
+_FS_REFER, _FS_TRUNCATE, _FS_IOCTL_DEV = 1 << 13, 1 << 14, 1 << 15
+#: Rights that apply to a file (the others only to folders).
+_FS_FILE_RIGHTS = _FS_EXECUTE | _FS_WRITE_FILE | _FS_READ_FILE | _FS_TRUNCATE | _FS_IOCTL_DEV
+_SCOPE_ABSTRACT_UNIX_SOCKET, _SCOPE_SIGNAL = 1, 2
+
+#: Devices every sandbox may open (reads; /dev/null for writes too).
+DEVICE_PATHS = ("/dev/null", "/dev/zero", "/dev/urandom", "/dev/random")
+
+#: Read-only beside the interpreter and the env's packages: what libraries read of the CPUs.
+SYSTEM_INFO_PATHS = ("/sys/devices/system/cpu", "/proc/cpuinfo", "/proc/meminfo")
+
+
+class _RulesetAttr(ctypes.Structure):
+    _fields_ = [("handled_access_fs", ctypes.c_uint64), ("handled_access_net", ctypes.c_uint64),
+                ("scoped", ctypes.c_uint64)]
+
+
+class _PathBeneath(ctypes.Structure):
+    _pack_ = 1
+    _fields_ = [("allowed_access", ctypes.c_uint64), ("parent_fd", ctypes.c_int32)]
+
+
+def landlock_abi() -> int:
+    """The kernel's Landlock ABI version; 0 where Landlock is missing or disabled."""
+    libc = _libc()
+    libc.syscall.restype = ctypes.c_long
+    found = libc.syscall(_SYS_LANDLOCK_CREATE_RULESET, None, ctypes.c_size_t(0),
+                         ctypes.c_uint32(_LANDLOCK_CREATE_RULESET_VERSION))
+    return max(0, int(found))
+
+
+@dataclass(frozen=True)
+class FileRules:
+    """What a ``process`` sandbox may open: everything else is refused by Landlock.
+
+    ``read``: folders (and files) read beneath: the system's, the interpreter's, the
+    site-packages and the env's packages, the jail's list (``bwrap.jail_binds``). ``listed``:
+    the ``sys.path`` folders they sit in, listed only (the import system lists a folder to find
+    a module in it; no file beneath is readable through this). ``write``: the sandbox's folder.
+    """
+
+    read: tuple[str, ...]
+    listed: tuple[str, ...]
+
+
+def restrict_files(rules: FileRules, folder: str, limits: SandboxLimits | None = None
+                   ) -> str | None:
+    """Confine this process's file access to ``rules`` and ``folder`` (read-write), for good.
+
+    ``limits``: its ``readable`` and ``writable`` paths are granted too.
+
+    None when in force; the reason when this kernel has no Landlock (nothing restricted then).
+    Raises ``OSError`` when Landlock is there but the restriction fails: a sandbox that was to
+    be confined never runs unconfined.
+    """
+    abi = landlock_abi()
+    if abi < 1:
+        return f"Landlock unavailable on this kernel ({os.uname().release})"
+    handled = _FS_ABI1 | (_FS_REFER if abi >= 2 else 0) | (_FS_TRUNCATE if abi >= 3 else 0) \
+        | (_FS_IOCTL_DEV if abi >= 5 else 0)
+    scoped = _SCOPE_ABSTRACT_UNIX_SOCKET | _SCOPE_SIGNAL if abi >= 6 else 0
+    attr = _RulesetAttr(handled, 0, scoped)
+    size = ctypes.sizeof(_RulesetAttr) if abi >= 6 else 16 if abi >= 4 else 8
+    libc = _libc()
+    libc.syscall.restype = ctypes.c_long
+    ruleset = libc.syscall(_SYS_LANDLOCK_CREATE_RULESET, ctypes.byref(attr),
+                           ctypes.c_size_t(size), ctypes.c_uint32(0))
+    if ruleset < 0:
+        raise OSError(ctypes.get_errno(), f"landlock_create_ruleset: "
+                                          f"{os.strerror(ctypes.get_errno())}")
+    reading = _FS_READ_FILE | _FS_READ_DIR | _FS_EXECUTE
+    grants = [(path, reading) for path in (*rules.read, *SYSTEM_INFO_PATHS)]
+    grants += [(path, _FS_READ_DIR) for path in rules.listed]
+    grants += [(path, _FS_READ_FILE | _FS_WRITE_FILE) for path in DEVICE_PATHS]
+    extra = limits or SandboxLimits()
+    grants += [(path, reading) for path in extra.readable]
+    grants += [(path, handled) for path in (folder, *extra.writable)]
+    try:
+        for path, access in grants:
+            try:
+                fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+            except OSError:
+                continue  # not on this machine
+            try:
+                if not os.path.isdir(path):
+                    access &= _FS_FILE_RIGHTS
+                beneath = _PathBeneath(access & handled, fd)
+                if libc.syscall(_SYS_LANDLOCK_ADD_RULE, ctypes.c_int(ruleset),
+                                ctypes.c_int(_LANDLOCK_RULE_PATH_BENEATH),
+                                ctypes.byref(beneath), ctypes.c_uint32(0)) != 0:
+                    raise OSError(ctypes.get_errno(), f"landlock_add_rule({path}): "
+                                                      f"{os.strerror(ctypes.get_errno())}")
+            finally:
+                os.close(fd)
+        if libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS)")
+        if libc.syscall(_SYS_LANDLOCK_RESTRICT_SELF, ctypes.c_int(ruleset),
+                        ctypes.c_uint32(0)) != 0:
+            raise OSError(ctypes.get_errno(), f"landlock_restrict_self: "
+                                              f"{os.strerror(ctypes.get_errno())}")
+    finally:
+        os.close(ruleset)
+    return None

@@ -251,7 +251,7 @@ class ProcessSlots:
         if self._token not in server.prepared:
             answer = server.call(
                 ("prepare", self._token, self._maker_blob, list(sys.path), self._preload,
-                 self._environment),
+                 self._environment, tuple(self._packages)),
                 self.limits.start_timeout_s,
             )
             if not answer.get("ok"):

@@ -9,6 +9,7 @@ import shutil
 import socket
 import tempfile
 import threading
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -76,3 +77,28 @@ def outside_dir() -> Iterator[Path]:
     path.chmod(0o755)
     yield path
     shutil.rmtree(path, ignore_errors=True)
+
+
+#: The repository's root (its packages: envs, evalfleet, tests).
+PROJECT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def secrets(outside_dir: Path) -> Iterator[dict[str, str]]:
+    """Secret files the worker can read, outside every bind: path -> content."""
+    token = uuid.uuid4().hex
+    home_dir = Path.home() / f".evalfleet-test-ssh-{token}"
+    planted = {
+        outside_dir / "other-evaluation-results.json": f"results-{token}",
+        PROJECT / f".evalfleet-test-secret-{token}": f"project-{token}",
+        home_dir / "id_ed25519": f"key-{token}",
+    }
+    home_dir.mkdir(mode=0o700)
+    try:
+        for path, text in planted.items():
+            path.write_text(text)
+        yield {str(p): t for p, t in planted.items()}
+    finally:
+        for path in planted:
+            path.unlink(missing_ok=True)
+        home_dir.rmdir()

@@ -8,8 +8,6 @@ repository's own, return exactly what they return in-process.
 
 from __future__ import annotations
 
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,27 +30,6 @@ pytestmark = pytest.mark.skipif(available_levels()["bwrap"] is not None,
                                 reason=f"bwrap jail unavailable: {available_levels()['bwrap']}")
 
 PROJECT = Path(envs.__file__).resolve().parents[1]
-
-
-@pytest.fixture
-def secrets(outside_dir: Path) -> Iterator[dict[str, str]]:
-    """Secret files the worker can read, outside every bind: path -> content."""
-    token = uuid.uuid4().hex
-    home_dir = Path.home() / f".evalfleet-test-ssh-{token}"
-    planted = {
-        outside_dir / "other-evaluation-results.json": f"results-{token}",
-        PROJECT / f".evalfleet-test-secret-{token}": f"project-{token}",
-        home_dir / "id_ed25519": f"key-{token}",
-    }
-    home_dir.mkdir(mode=0o700)
-    try:
-        for path, text in planted.items():
-            path.write_text(text)
-        yield {str(p): t for p, t in planted.items()}
-    finally:
-        for path in planted:
-            path.unlink(missing_ok=True)
-        home_dir.rmdir()
 
 
 def test_binds_are_narrow() -> None:

@@ -18,6 +18,7 @@ import pytest
 from evalfleet.errors import RequestError
 from evalfleet.models import EvalRequest
 from evalfleet.records import records_to_table
+from evalfleet.sandbox.limits import SandboxLimits
 from evalfleet.scoring import outcomes
 
 from . import faulty_envs as fe
@@ -39,7 +40,8 @@ def marker_dir() -> Iterator[str]:
 
 def test_flaky_host_is_retried_once_and_ends_ok(marker_dir: str) -> None:
     records, _ = run_direct("process", fe.env_id("CrashOnce"), EPISODES, SLOTS,
-                            kwargs={"marker_dir": marker_dir})
+                            kwargs={"marker_dir": marker_dir},
+                            limits=SandboxLimits(writable=(marker_dir,)))
     faulty = [r for r in records if fe.is_faulty(r.seed)]
     assert faulty, "the seed ledger gave no faulty seed: pick another base seed"
     for r in faulty:
