@@ -24,8 +24,9 @@ proper has its own process group, a fresh network namespace (where permitted), i
 cwd/HOME/TMPDIR, an allow-listed environment (the server itself starts with one too),
 rlimits (RLIMIT_NPROC counted for it alone under a uid or user namespace of its
 own), at the ``process`` level under a root worker a uid of its own keeping only
-CAP_DAC_READ_SEARCH (it reads what the worker reads, writes only where anyone may), otherwise no
-capabilities, death with its parent, and a seccomp filter (sockets: AF_UNIX only; signals: its
+CAP_DAC_READ_SEARCH, otherwise no capabilities, at the ``process`` level a Landlock ruleset
+where the kernel has one (it opens only what the bwrap jail would bind and writes only its own
+folder, ``file_rules``), death with its parent, and a seccomp filter (sockets: AF_UNIX only; signals: its
 own pid namespace but never its init, or only itself without one; no ptrace). When an episode
 ends and no other is under way in it, it kills every other process of its namespace.
 
