@@ -210,6 +210,11 @@ class EvalRequest(_Frozen):
                     raise RequestError(
                         f"'{name}' entries must be absolute paths such as '/data/my-env' "
                         f"(got {path!r}).")
+            if getattr(self, name) and self.isolation == "bwrap":
+                raise RequestError(
+                    f"'{name}' applies to process sandboxes; a bwrap jail shows only its own "
+                    "binds (the system, the interpreter, site-packages, the env's packages). "
+                    "Use isolation 'process', or ship the env's data inside its package.")
         if self.cache not in CACHE_MODES:
             raise RequestError(f"Unknown cache mode {self.cache!r}. Choose one of {', '.join(CACHE_MODES)}.")
         if self.target_ci_halfwidth is not None:

@@ -97,8 +97,11 @@ def test_paths_the_request_allows_are_read_and_written(outside_dir: Path) -> Non
     assert target.read_text().count("escaped from pid") == len(probes)
 
 
-def test_allowed_paths_must_be_absolute() -> None:
+def test_allowed_paths_are_absolute_and_for_process_sandboxes() -> None:
     with pytest.raises(RequestError, match="'readable' paths must be absolute"):
         SandboxLimits(readable=("data",))
     with pytest.raises(RequestError, match="'sandbox_write' entries must be absolute paths"):
         EvalRequest.build(env="CartPole-v1", policy="x", sandbox_write=["out"])
+    with pytest.raises(RequestError, match="'sandbox_read' applies to process sandboxes"):
+        EvalRequest.build(env="CartPole-v1", policy="x", isolation="bwrap",
+                          sandbox_read=["/data"])
