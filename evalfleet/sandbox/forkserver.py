@@ -60,6 +60,10 @@ from evalfleet.sandbox import wire
 from evalfleet.sandbox.bwrap import SYSTEM_PATHS, jail_binds
 from evalfleet.sandbox.slots import error_text, scalar_info
 
+#: Added to a PermissionError of a Landlock-confined sandbox: what it may open, and how to widen it.
+CONFINED_HINT = (" [process sandboxes open only what running the env needs; grant a path with "
+                 "--sandbox-read / --sandbox-write]")
+
 #: Exit status of a sandbox whose own code failed before serving (never an env's exception).
 EXIT_SETUP = 70
 _CONTROL_BUF = 4 * 1024 * 1024
@@ -466,18 +470,18 @@ def _sandbox_main(fd: int, maker: Callable[[], Any], k: int, limits: lim.Sandbox
     elif own_user:
         lim.drop_all_capabilities()
     lim.set_parent_death_signal(parent)  # after setuid, which clears it
-    if files is not None:
-        lim.restrict_files(files, folder, limits)
+    confined = files is not None and lim.restrict_files(files, folder, limits) is None
     lim.install_sandbox_filter(own_pidns)
     lim.arm_cpu_budget(limits.cpu_seconds_per_episode)
     sock = socket.socket(fileno=fd)
-    return _Sandbox(maker, k, limits, own_pidns).serve(sock)
+    return _Sandbox(maker, k, limits, own_pidns, confined).serve(sock)
 
 
 class _Sandbox:
     def __init__(self, maker: Callable[[], Any], k: int, limits: lim.SandboxLimits,
-                 own_pidns: bool) -> None:
+                 own_pidns: bool, confined: bool = False) -> None:
         self.maker = maker
+        self.confined = confined  # Landlock: it opens only what running the env needs
         self.envs: list[Any] = [None] * k
         self.limits = limits
         self.own_pidns = own_pidns
@@ -504,7 +508,10 @@ class _Sandbox:
             gc.collect()
             return wire.Result(wire.OOM, error=f"MemoryError (address-space limit "
                                                f"{self.limits.address_space_bytes} bytes)")
-        return wire.Result(wire.ENV_ERROR, error=error_text(err))
+        text = error_text(err)
+        if self.confined and isinstance(err, PermissionError):
+            text = f"{text}{CONFINED_HINT}"
+        return wire.Result(wire.ENV_ERROR, error=text)
 
     def reset(self, i: int, seed: int) -> wire.Result:
         self._episode_over(i)  # a slot reset mid-episode ends that episode too
