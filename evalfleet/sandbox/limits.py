@@ -316,8 +316,10 @@ _SCOPE_ABSTRACT_UNIX_SOCKET, _SCOPE_SIGNAL = 1, 2
 #: Devices every sandbox may open (reads; /dev/null for writes too).
 DEVICE_PATHS = ("/dev/null", "/dev/zero", "/dev/urandom", "/dev/random")
 
-#: Read-only beside the interpreter and the env's packages: what libraries read of the CPUs.
-SYSTEM_INFO_PATHS = ("/sys/devices/system/cpu", "/proc/cpuinfo", "/proc/meminfo")
+#: Read-only beside the interpreter and the env's packages: what libraries read of the CPUs and
+#: of their own process (``/proc/self`` is the sandbox's own folder there, resolved when it is
+#: confined; another process's, the worker's included, stays closed).
+SYSTEM_INFO_PATHS = ("/sys/devices/system/cpu", "/proc/cpuinfo", "/proc/meminfo", "/proc/self")
 
 
 class _RulesetAttr(ctypes.Structure):
@@ -346,7 +348,8 @@ class FileRules:
     ``read``: folders (and files) read beneath: the system's, the interpreter's, the
     site-packages and the env's packages, the jail's list (``bwrap.jail_binds``). ``listed``:
     the ``sys.path`` folders they sit in, listed only (the import system lists a folder to find
-    a module in it; no file beneath is readable through this). ``write``: the sandbox's folder.
+    a module in it; no file beneath is readable through this). The sandbox's folder, read-write,
+    is ``restrict_files``'s argument.
     """
 
     read: tuple[str, ...]

@@ -36,7 +36,8 @@ pytestmark = [
 def test_a_process_sandbox_reads_no_planted_secret(secrets: dict[str, str]) -> None:
     environ = f"/proc/{os.getpid()}/environ"  # the worker's own environment
     records, _ = run_direct("process", fe.env_id("ReadFiles"), 12, 3,
-                            kwargs={"targets": [*secrets, environ, "/etc/shadow"]})
+                            kwargs={"targets": [*secrets, environ, "/etc/shadow",
+                                                "/proc/self/status"]})
     probes = [r for r in records if fe.is_faulty(r.seed)]
     assert probes and all(r.end_reason == "env_error" for r in probes)
     for r in probes:
@@ -46,6 +47,7 @@ def test_a_process_sandbox_reads_no_planted_secret(secrets: dict[str, str]) -> N
             assert f"{path} -> PermissionError" in text, text
         assert f"{environ} -> PermissionError" in text, text
         assert "/etc/shadow -> PermissionError" in text, text
+        assert "/proc/self/status -> read 'Name:" in text, text  # its own, not the worker's
     healthy = [r for r in records if not fe.is_faulty(r.seed)]
     assert healthy and all(r.end_reason in ("terminated", "truncated") for r in healthy)
 
