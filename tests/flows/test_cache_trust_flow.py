@@ -62,12 +62,29 @@ def _comparable(report: EvalReport) -> dict[str, Any]:
 def test_a_hit_reports_what_the_miss_reported(prefect_server, tmp_path):
     request = EvalRequest.build(
         env=faulty_envs.env_id("RaiseOnStep"), policy="tests.sandbox.faulty_envs:balance",
-        episodes=40, concurrency=20, output=tmp_path / "out")
+        episodes=40, concurrency=20, output=tmp_path / "out", isolation="inprocess")
     miss = evaluate(request)
     hit = evaluate(request.model_copy(update={"request_id": "second"}))
     assert (miss.cache["status"], hit.cache["status"]) == ("miss", "hit")
     assert miss.failures.get("env_error", 0) >= 1 and miss.failure_clusters
     a, b = _comparable(miss), _comparable(hit)
     assert sorted(a) == sorted(b)
+    for name in a:
+        assert a[name] == b[name], name
+
+
+def test_env_errors_raised_in_sandboxes_run_again_and_report_the_same(prefect_server, tmp_path):
+    # In a sandbox an env error may be the confinement's (a refused file or socket): it is not
+    # cached, so the second request runs exactly those episodes again, and says so.
+    request = EvalRequest.build(
+        env=faulty_envs.env_id("RaiseOnStep"), policy="tests.sandbox.faulty_envs:balance",
+        episodes=40, concurrency=20, output=tmp_path / "out", isolation="process")
+    miss = evaluate(request)
+    again = evaluate(request.model_copy(update={"request_id": "second"}))
+    errors = miss.failures.get("env_error", 0)
+    assert errors >= 1 and miss.cache["status"] == "miss"
+    assert again.cache["status"] == "partial"
+    assert again.cache["reused"] == 40 - errors and again.cache["computed"] == errors, again.cache
+    a, b = _comparable(miss), _comparable(again)
     for name in a:
         assert a[name] == b[name], name
