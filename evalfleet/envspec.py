@@ -182,17 +182,26 @@ def named_files(*values: Any) -> dict[str, str]:
     separator, not the root) by its files'. Other strings name nothing here and add nothing.
     """
     out: dict[str, str] = {}
+    for text, path in named_paths(*values).items():
+        try:
+            out[text] = file_sha256(path) if path.is_file() else tree_digest(tree_files(path))
+        except OSError:  # unreadable here: the env cannot read it either, and fails on its own
+            continue
+    return out
+
+
+def named_paths(*values: Any) -> dict[str, Path]:
+    """The kwarg strings ``named_files`` keys, and the file or folder each names (not read)."""
+    out: dict[str, Path] = {}
     for text in (t for v in values for t in _strings(v)):
         if text in out or not text or len(text) > 4096 or "\0" in text:
             continue
         path = Path(text).expanduser()
         try:
-            if path.is_file():
-                out[text] = file_sha256(path)
-            elif (path.is_dir() and os.sep in text.rstrip(os.sep)
-                  and path.resolve() != Path(path.resolve().anchor)):
-                out[text] = tree_digest(tree_files(path))
-        except OSError:  # unreadable here: the env cannot read it either, and fails on its own
+            if path.is_file() or (path.is_dir() and os.sep in text.rstrip(os.sep)
+                                  and path.resolve() != Path(path.resolve().anchor)):
+                out[text] = path
+        except OSError:
             continue
     return out
 
@@ -530,7 +539,8 @@ def resolve_env_for(env_id: str, kwargs: dict[str, Any], max_steps: int | None, 
 
     level = isolation if isolation in ("process", "bwrap") else "process"
     slots = ProcessSlots(env_thunk(env_id, kwargs, max_steps), 1, level=level,
-                         episode_timeout_s=timeout_s, env_spec={"env_id": env_id}, limits=limits)
+                         episode_timeout_s=timeout_s, limits=limits,
+                         env_spec={"env_id": env_id, "kwargs": kwargs})
     try:
         facts = slots.describe()
     finally:

@@ -57,7 +57,7 @@ import numpy as np
 
 from evalfleet.sandbox import limits as lim
 from evalfleet.sandbox import wire
-from evalfleet.sandbox.bwrap import SYSTEM_PATHS, jail_binds
+from evalfleet.sandbox.bwrap import SYSTEM_PATHS, jail_binds, package_paths
 from evalfleet.sandbox.slots import error_text, scalar_info
 
 #: Added to a PermissionError of a Landlock-confined sandbox: what it may open, and how to widen it.
@@ -142,13 +142,14 @@ class _Server:
                 self.stale_cgroups.remove(name)
 
     def prepare(self, token: str, maker_blob: bytes, sys_path: list[str], preload: list[str],
-                environment: dict[str, str], packages: tuple[str, ...] = ()) -> dict[str, Any]:
+                environment: dict[str, str], packages: tuple[str, ...] = (),
+                data: tuple[str, ...] = ()) -> dict[str, Any]:
         self.environments[token] = dict(environment)
         for entry in sys_path:
             if entry not in sys.path:
                 sys.path.append(entry)
         if self.level == "process":
-            self.files[token] = file_rules(packages)
+            self.files[token] = file_rules(packages, data)
         failed = {}
         for name in preload:
             try:
@@ -280,15 +281,21 @@ class _Server:
             _send(self.control, answer)
 
 
-def file_rules(packages: Iterable[str]) -> lim.FileRules:
+def file_rules(packages: Iterable[str], data: Iterable[str] = ()) -> lim.FileRules:
     """What a ``process`` sandbox of an env from ``packages`` may read: the bwrap jail's binds.
+
+    ``data``: files and folders its kwargs name (``process.env_data_files``), read too, and so
+    is the folder of an env module that is a single file (what it imports or reads beside it).
 
     The system folders, the interpreter's, the site-packages and the packages of evalfleet and
     of the env (``jail_binds``), beside the ``sys.path`` folders, listed only: never the rest of
     a project checkout, a home, the results or a secret file, even under a root worker's
     CAP_DAC_READ_SEARCH.
     """
-    read = (*[p for p in SYSTEM_PATHS if os.path.exists(p)], *jail_binds(packages))
+    # A module that is a single file reads what lies beside it (modules it imports, data).
+    beside = [os.path.dirname(path) for path in package_paths(packages) if os.path.isfile(path)]
+    read = (*[p for p in SYSTEM_PATHS if os.path.exists(p)], *jail_binds(packages), *beside,
+            *data)
     listed = tuple(dict.fromkeys(
         os.path.realpath(entry) for entry in sys.path
         if entry and os.path.isabs(entry) and os.path.isdir(entry)))

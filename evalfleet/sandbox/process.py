@@ -96,9 +96,12 @@ def _signal_name(sig: int) -> str:
 
 
 def env_modules(env_spec: dict[str, Any]) -> list[str]:
-    """The env's modules: evalfleet's envs, the id's ``module:`` prefix and the entry point's.
+    """The env's modules: evalfleet's envs, its id's, its entry point's, its code's.
 
-    A bwrap jail shows their package folders (``fork_server``'s ``packages``).
+    Its code's: every top-level module whose code its fingerprint holds (``code``: what the
+    env's code imports, a module beside it included). A bwrap jail shows their package
+    folders (``fork_server``'s ``packages``), and so does a ``process`` sandbox's Landlock
+    ruleset.
     """
     from evalfleet.envspec import BUILTIN_ENV_MODULES
 
@@ -109,7 +112,20 @@ def env_modules(env_spec: dict[str, Any]) -> list[str]:
     entry = str(env_spec.get("entry_point", ""))
     if ":" in entry:
         names.append(entry.split(":", 1)[0])
+    names.extend(str(top) for top in env_spec.get("code") or {})
     return list(dict.fromkeys(names))
+
+
+def env_data_files(env_spec: dict[str, Any]) -> tuple[str, ...]:
+    """The files and folders the requested kwargs name (``envspec.named_paths``), absolute.
+
+    The request named them (they are in the cache key): a ``process`` sandbox may read them.
+    Never the registered spec's own kwargs: an env's module would grant itself any file.
+    """
+    from evalfleet.envspec import named_paths
+
+    return tuple(os.path.abspath(path)
+                 for path in named_paths(dict(env_spec.get("kwargs") or {})).values())
 
 
 def preload_modules(env_spec: dict[str, Any]) -> list[str]:
@@ -151,6 +167,7 @@ class ProcessSlots:
         self._episode_timeout_s = episode_timeout_s
         self._maker_blob = cloudpickle.dumps(make)
         self._packages = env_modules(env_spec)
+        self._data = env_data_files(env_spec)
         self._preload = preload_modules(env_spec)
         # Thread caps as the fork server has them; the request's extra names with this worker's values.
         self._environment = dict(sandbox_environment(env_allow), OMP_NUM_THREADS="1",
@@ -251,7 +268,7 @@ class ProcessSlots:
         if self._token not in server.prepared:
             answer = server.call(
                 ("prepare", self._token, self._maker_blob, list(sys.path), self._preload,
-                 self._environment, tuple(self._packages)),
+                 self._environment, tuple(self._packages), self._data),
                 self.limits.start_timeout_s,
             )
             if not answer.get("ok"):

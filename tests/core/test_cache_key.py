@@ -656,6 +656,8 @@ def test_each_planted_change_is_a_miss(change, base, tmp_path, monkeypatch, requ
             fields["env_kwargs"] = {"scenario": str(edited)}
         elif change == "env_kwarg_folder":
             fields["env_kwargs"] = {"scenario": str(folder) + "/"}
+        else:  # a registered default outside the module's folder: granted by name (Landlock)
+            fields["sandbox_read"] = [str(default.parent)]
         key = _key(**fields)
         edited.write_text('{"gravity": 3.7}')
     elif change == "env_registering_module":

@@ -136,7 +136,11 @@ class WriteOutside(_Faulty):
 
 
 class ReadFiles(_Faulty):
-    """Reads each of ``targets`` and raises with what it found: the text, or the error's name."""
+    """Reads each of ``targets`` and raises with what it found: the text, or the error's name.
+
+    A target written ``read:PATH`` names PATH without the request naming it (as env code that
+    knows where secrets lie): a ``process`` sandbox may read the files the request's kwargs name.
+    """
 
     def __init__(self, targets: tuple[str, ...] = (), render_mode: str | None = None) -> None:
         super().__init__(render_mode=render_mode)
@@ -146,7 +150,7 @@ class ReadFiles(_Faulty):
         found = []
         for target in self.targets:
             try:
-                with open(target) as fh:
+                with open(target.removeprefix("read:")) as fh:
                     found.append(f"{target} -> read {fh.read()!r}")
             except OSError as err:
                 found.append(f"{target} -> {type(err).__name__}")

@@ -36,8 +36,8 @@ pytestmark = [
 def test_a_process_sandbox_reads_no_planted_secret(secrets: dict[str, str]) -> None:
     environ = f"/proc/{os.getpid()}/environ"  # the worker's own environment
     records, _ = run_direct("process", fe.env_id("ReadFiles"), 12, 3,
-                            kwargs={"targets": [*secrets, environ, "/etc/shadow",
-                                                "/proc/self/status"]})
+                            kwargs={"targets": [f"read:{path}" for path in (
+                                *secrets, environ, "/etc/shadow", "/proc/self/status")]})
     probes = [r for r in records if fe.is_faulty(r.seed)]
     assert probes and all(r.end_reason == "env_error" for r in probes)
     for r in probes:
@@ -86,10 +86,19 @@ def test_paths_the_request_allows_are_read_and_written(outside_dir: Path) -> Non
     data = outside_dir / "data.txt"
     data.write_text("env data")
     records, _ = run_direct("process", fe.env_id("ReadFiles"), 12, 3,
-                            kwargs={"targets": [str(data)]},
+                            kwargs={"targets": [f"read:{data}"]},
                             limits=SandboxLimits(readable=(str(outside_dir),)))
     probes = [r for r in records if fe.is_faulty(r.seed)]
     assert probes and all(f"{data} -> read 'env data'" in (r.error or "") for r in probes)
+    # A file the request's kwargs name is read without a grant (it is in the cache key).
+    records, _ = run_direct("process", fe.env_id("ReadFiles"), 12, 3,
+                            kwargs={"targets": [str(data)]})
+    probes = [r for r in records if fe.is_faulty(r.seed)]
+    assert probes and all(f"{data} -> read 'env data'" in (r.error or "") for r in probes)
+    records, _ = run_direct("process", fe.env_id("ReadFiles"), 12, 3,
+                            kwargs={"targets": [f"read:{data}"]})
+    probes = [r for r in records if fe.is_faulty(r.seed)]
+    assert probes and all(f"{data} -> PermissionError" in (r.error or "") for r in probes)
     target = outside_dir / "written.txt"
     target.touch()
     target.chmod(0o666)  # a root worker's sandboxes run under uids of their own
@@ -109,3 +118,31 @@ def test_allowed_paths_are_absolute_and_for_process_sandboxes() -> None:
     with pytest.raises(RequestError, match="'sandbox_read' applies to process sandboxes"):
         EvalRequest.build(env="CartPole-v1", policy="x", isolation="bwrap",
                           sandbox_read=["/data"])
+
+
+SELF_GRANTING = '''
+import gymnasium as gym
+from tests.sandbox.faulty_envs import ReadFiles
+
+gym.register(id="{env_id}", entry_point="tests.sandbox.faulty_envs:ReadFiles",
+             max_episode_steps=500, kwargs={{"targets": [{secret!r}]}})
+'''
+
+
+def test_an_env_module_cannot_grant_itself_a_file_through_its_registered_kwargs(
+        tmp_path: Path, outside_dir: Path, monkeypatch) -> None:
+    # The files the request's kwargs name are readable; the registered spec's kwargs are the
+    # env module's own word, and naming a secret there must not open it.
+    secret = outside_dir / "token"
+    secret.write_text("planted-token")
+    name = f"selfgrant_{os.getpid()}"
+    env_id = f"SelfGrant{os.getpid()}-v0"
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / f"{name}.py").write_text(
+        SELF_GRANTING.format(env_id=env_id, secret=str(secret)))
+    monkeypatch.syspath_prepend(str(tmp_path / "src"))
+    records, _ = run_direct("process", f"{name}:{env_id}", 12, 3)
+    probes = [r for r in records if fe.is_faulty(r.seed)]
+    assert probes and all(f"{secret} -> PermissionError" in (r.error or "") for r in probes), \
+        probes[0].error
+    assert not any("planted-token" in (r.error or "") for r in records)
