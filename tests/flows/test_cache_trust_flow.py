@@ -59,10 +59,15 @@ def _comparable(report: EvalReport) -> dict[str, Any]:
     return data
 
 
-def test_a_hit_reports_what_the_miss_reported(prefect_server, tmp_path):
-    request = EvalRequest.build(
+def _raise_on_step(tmp_path: Any, isolation: str) -> EvalRequest:
+    """40 episodes of an env that raises on some seeds (env errors, deterministic per seed)."""
+    return EvalRequest.build(
         env=faulty_envs.env_id("RaiseOnStep"), policy="tests.sandbox.faulty_envs:balance",
-        episodes=40, concurrency=20, output=tmp_path / "out", isolation="inprocess")
+        episodes=40, concurrency=20, output=tmp_path / "out", isolation=isolation)
+
+
+def test_a_hit_reports_what_the_miss_reported(prefect_server, tmp_path):
+    request = _raise_on_step(tmp_path, "inprocess")
     miss = evaluate(request)
     hit = evaluate(request.model_copy(update={"request_id": "second"}))
     assert (miss.cache["status"], hit.cache["status"]) == ("miss", "hit")
@@ -76,9 +81,7 @@ def test_a_hit_reports_what_the_miss_reported(prefect_server, tmp_path):
 def test_env_errors_raised_in_sandboxes_run_again_and_report_the_same(prefect_server, tmp_path):
     # In a sandbox an env error may be the confinement's (a refused file or socket): it is not
     # cached, so the second request runs exactly those episodes again, and says so.
-    request = EvalRequest.build(
-        env=faulty_envs.env_id("RaiseOnStep"), policy="tests.sandbox.faulty_envs:balance",
-        episodes=40, concurrency=20, output=tmp_path / "out", isolation="process")
+    request = _raise_on_step(tmp_path, "process")
     miss = evaluate(request)
     again = evaluate(request.model_copy(update={"request_id": "second"}))
     errors = miss.failures.get("env_error", 0)
