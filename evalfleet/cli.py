@@ -434,6 +434,11 @@ def _run_eval(evaluate: Callable[[EvalRequest], EvalReport], args: argparse.Name
     try:
         with stop_on_sigterm():
             request = request_from_args(args)
+            if args.gate and (request.training_run_id is None or request.step is None):
+                raise RequestError(
+                    "--gate compares this evaluation with the best earlier checkpoint of its "
+                    "training run: it needs --training-run-id and --step (got "
+                    f"{request.training_run_id!r}, {request.step!r}). Pass both, or drop --gate.")
             check_report_path(args.report)
             report = evaluate(request)
     except EvalfleetError as err:
@@ -484,10 +489,6 @@ def gate(report: EvalReport) -> int:
     exits ``EXIT_GATE_UNDECIDED``: it fails closed.
     """
     history = report.history or {}
-    if report.training_run_id is None or report.step is None:
-        print("evalfleet: --gate needs --training-run-id and --step: there is no best checkpoint "
-              "to compare with", file=sys.stderr)
-        return EXIT_BAD_REQUEST
     verdict = history.get("verdict")
     # Pairs the comparison left out (no row of the best checkpoint, or the harness failed on a
     # side) may be exactly where the two differ: a pass resting on the rest is no pass.

@@ -230,9 +230,7 @@ class EvalRequest(_Frozen):
             raise RequestError(
                 f"'max_episodes' ({self.max_episodes}) must be >= 'episodes' ({self.episodes})."
             )
-        for name in ("record_trajectories", "record_video"):
-            if getattr(self, name) < 0:
-                raise RequestError(f"'{name}' must be >= 0 (got {getattr(self, name)!r}).")
+        self._check_asked_for()
         if self.step_timeout_s <= 0:
             raise RequestError(f"'step_timeout_s' must be > 0 seconds (got {self.step_timeout_s!r}).")
         if not self.policy_timeout_s > 0:
@@ -261,6 +259,33 @@ class EvalRequest(_Frozen):
                 f"(got {self.training_run_id!r}): the history finds evaluations by it in MLflow."
             )
         return self
+
+    def _check_asked_for(self) -> None:
+        """Options that would do nothing, or give less than they ask for, refused before any run."""
+        if self.max_episodes is not None and self.target_ci_halfwidth is None:
+            raise RequestError(
+                f"'max_episodes' ({self.max_episodes}) caps an adaptive evaluation and does nothing "
+                "alone: pass --target-ci-halfwidth H with it (rounds of episodes until the 95% CI "
+                "half-width is at most H), or drop it and set --episodes.")
+        if self.baseline_factory is not None and self.baseline is None:
+            raise RequestError(
+                f"'baseline_factory' ({self.baseline_factory!r}) builds the module of a state_dict "
+                "baseline, but no baseline was given: pass --baseline FILE with it, or drop it.")
+        if self.outcome_metric is not None and (self.training_run_id is None or self.step is None):
+            raise RequestError(
+                f"'outcome_metric' ({self.outcome_metric!r}) names what the reward-hacking alarm "
+                "watches across a training run's checkpoints, and this evaluation is on none "
+                f"(training_run_id {self.training_run_id!r}, step {self.step!r}): pass "
+                "--training-run-id and --step with it, or drop it.")
+        cap = self.max_episodes if self.max_episodes is not None else self.episodes
+        for name in ("record_trajectories", "record_video"):
+            k = getattr(self, name)
+            if k < 0:
+                raise RequestError(f"'{name}' must be >= 0 (got {k!r}).")
+            if k > cap:
+                raise RequestError(
+                    f"'{name}' asks for {k} recorded episodes, but this evaluation runs at most "
+                    f"{cap}: ask for at most {cap}, or run more episodes.")
 
     @model_validator(mode="after")
     def _check_retries(self) -> EvalRequest:

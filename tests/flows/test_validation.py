@@ -180,3 +180,54 @@ def test_a_report_path_that_cannot_be_written_fails_before_anything_runs(tmp_pat
 
     run_cli(stop, ["--policy", example_policy, "--episodes", "4", "--report", str(report)])
     assert seen and report.parent.is_dir() and not report.exists()
+
+
+@pytest.mark.parametrize(
+    "fields,message",
+    [
+        (dict(max_episodes=1000),
+         r"'max_episodes' \(1000\) caps an adaptive evaluation and does nothing alone: pass "
+         r"--target-ci-halfwidth"),
+        (dict(baseline_factory="my_pkg.nets:build_mlp"),
+         r"'baseline_factory' \('my_pkg.nets:build_mlp'\) .* no baseline was given: pass --baseline"),
+        (dict(outcome_metric="profit", training_run_id="run-1"),
+         r"'outcome_metric' \('profit'\) names what the reward-hacking alarm watches .* "
+         r"\(training_run_id 'run-1', step None\): pass --training-run-id and --step"),
+        (dict(outcome_metric="profit", step=3),
+         r"\(training_run_id None, step 3\)"),
+        (dict(episodes=10, record_video=20),
+         r"'record_video' asks for 20 recorded episodes, but this evaluation runs at most 10"),
+        (dict(episodes=10, record_trajectories=11, target_ci_halfwidth=1.0, max_episodes=10),
+         r"'record_trajectories' asks for 11 recorded episodes, but this evaluation runs at most 10"),
+    ],
+)
+def test_options_that_would_do_nothing_or_less_are_refused(fields, message, example_policy):
+    """Each of these used to be accepted and then silently ignored (or, for recordings, to fail
+    only after the whole run): a result asked for is produced, or the request is refused."""
+    with pytest.raises(RequestError, match=message):
+        EvalRequest.build(policy=example_policy, **fields)
+
+
+def test_the_same_options_where_they_take_effect_are_accepted(example_policy):
+    EvalRequest.build(policy=example_policy, episodes=10, target_ci_halfwidth=1.0, max_episodes=40,
+                      record_video=20, record_trajectories=40)
+    EvalRequest.build(policy=example_policy, baseline=example_policy, baseline_factory="m:f")
+    EvalRequest.build(policy=example_policy, outcome_metric="profit", training_run_id="r", step=0)
+
+
+def test_a_gate_without_a_training_run_fails_before_anything_runs(tmp_path, capsys, example_policy):
+    """``--gate`` without ``--training-run-id``/``--step`` has nothing to compare with: exit 2
+    before the evaluation, not after it."""
+    from evalfleet.cli import EXIT_BAD_REQUEST, run_cli
+
+    def refuse(request):
+        raise AssertionError("the evaluation ran with a --gate that cannot decide")
+
+    for extra in ([], ["--training-run-id", "run-1"], ["--step", "5"]):
+        code = run_cli(refuse, ["--policy", example_policy, "--episodes", "4", "--gate",
+                                "--output", str(tmp_path / "out"), *extra])
+        assert code == EXIT_BAD_REQUEST
+        err = capsys.readouterr().err
+        assert "--gate compares this evaluation with the best earlier checkpoint" in err
+        assert "it needs --training-run-id and --step" in err
+    assert not (tmp_path / "out").exists()
