@@ -5,8 +5,9 @@ or sdist copied into site-packages). An editable install (``pip install -e``), a
 (``pip install ./dir``, PEP 610 ``direct_url.json`` with ``dir_info``), a module imported from a
 folder on ``sys.path`` that no distribution installed (this repository's ``envs/``, a user's
 ``my_envs.py``), or a module that shadows the installed copy all keep their version while their
-code changes. Those are identified by the sha256 of the source of every ``.py`` file of their
-top-level package instead, so an edit to any helper module changes the answer.
+code changes. Those are identified by the sha256 of every file of their top-level package instead
+(a single-file module: its own file and the data files beside it), so an edit to any helper module
+or data file changes the answer.
 
 Code reaches other packages through its imports (a factory's ``from netlib import Net``, a
 callable's ``import helpers``): ``imported_code`` follows them through the source of every package
@@ -23,17 +24,22 @@ import importlib.util
 import json
 import logging
 import os
+import site
 import sys
+import sysconfig
 import threading
 import time
 from collections import deque
 from collections.abc import Iterable, Mapping
+from functools import cache
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
 #: Prefix of a code version given by source rather than by a distribution's version.
 SOURCE_PREFIX = "source-sha256:"
+#: Between a single-file module's code digest and that of the data files beside it.
+DATA_MARK = "+data-sha256:"
 #: Most modules whose source ``imported_code`` reads: a bound on the walk (it is logged when hit).
 MAX_IMPORTED_MODULES = 500
 
@@ -150,30 +156,92 @@ def file_sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+#: Suffixes of compiled caches, never keyed (``__pycache__`` folders neither): written by imports.
+COMPILED_SUFFIXES = (".pyc", ".pyo")
+
+
 def tree_files(root: Path) -> list[tuple[str, Path]]:
     """Every regular file under ``root`` by relative name, sorted; compiled caches left out."""
     return sorted((str(p.relative_to(root)), p) for p in root.rglob("*")
                   if p.is_file() and "__pycache__" not in p.parts
-                  and p.suffix not in (".pyc", ".pyo"))
+                  and p.suffix not in COMPILED_SUFFIXES)
+
+
+def beside_data(module: Path) -> list[tuple[str, Path]]:
+    """The data files beside single-file module ``module``, by name, sorted.
+
+    The regular files directly in its folder (no subfolder), less ``.py`` files (modules of their
+    own, keyed when imported), compiled caches and dotfiles. A module in the standard library's or
+    an install folder (``_install_folder``) has none: those folders are code that distributions
+    and the interpreter's version identify, not one module's data. Listing the folder is one
+    ``scandir``; past ``DATA_FILES_LIMIT`` files or ``DATA_BYTES_LIMIT`` bytes ``tree_digest``
+    keys them by size and modification time.
+    """
+    if _install_folder(module.parent):
+        return []
+    try:
+        with os.scandir(module.parent) as entries:
+            return sorted((e.name, Path(e.path)) for e in entries
+                          if not e.name.startswith(".") and not e.name.endswith(".py")
+                          and not e.name.endswith(COMPILED_SUFFIXES) and e.is_file())
+    except OSError:  # not a folder this process can list (a zip archive's member, a removed one)
+        return []
+
+
+@cache
+def _install_folders() -> frozenset[str]:
+    """The standard library's and site-packages folders of this interpreter, resolved."""
+    paths = sysconfig.get_paths()
+    found = {paths.get(k) for k in ("stdlib", "platstdlib", "purelib", "platlib")}
+    found.update(getattr(site, "getsitepackages", list)())
+    found.add(getattr(site, "getusersitepackages", str)())
+    return frozenset(os.path.realpath(p) for p in found if p)
+
+
+def _install_folder(folder: Path) -> bool:
+    """True for the standard library's folder and a site-packages (or Debian dist-packages) one."""
+    real = os.path.realpath(folder)
+    return real in _install_folders() or os.path.basename(real) in ("site-packages", "dist-packages")
+
+
+def _file_key(path: Path, by_content: bool) -> str:
+    """A file's part of ``tree_digest``: its sha256, or ``stat:size:mtime``, or ``missing``.
+
+    A file that cannot be read (another user's, beside a module in a shared folder) is keyed by
+    its stat; one that vanished since it was listed, as missing.
+    """
+    if by_content or path.suffix == ".py":
+        try:
+            return file_sha256(path)
+        except OSError:
+            pass
+    try:
+        st = path.stat()
+    except OSError:
+        return "missing"
+    return f"stat:{st.st_size}:{st.st_mtime_ns}"
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
 
 
 def tree_digest(files: list[tuple[str, Path]]) -> str:
     """sha256 (hex) over named files, each by its name and bytes.
 
     ``.py`` files always by their bytes; the others by theirs within ``DATA_FILES_LIMIT`` and
-    ``DATA_BYTES_LIMIT``, else by size and modification time.
+    ``DATA_BYTES_LIMIT``, else by size and modification time (so is a file that cannot be read).
     """
     data = [path for _, path in files if path.suffix != ".py"]
     by_content = (len(data) <= DATA_FILES_LIMIT
-                  and sum(p.stat().st_size for p in data) <= DATA_BYTES_LIMIT)
+                  and sum(_size(p) for p in data) <= DATA_BYTES_LIMIT)
     h = hashlib.sha256()
     for name, path in files:
         h.update(name.encode() + b"\0")
-        if by_content or path.suffix == ".py":
-            h.update(file_sha256(path).encode())
-        else:
-            st = path.stat()
-            h.update(f"stat:{st.st_size}:{st.st_mtime_ns}".encode())
+        h.update(_file_key(path, by_content).encode())
         h.update(b"\0")
     return h.hexdigest()
 
@@ -182,7 +250,8 @@ def _source_files(top: str) -> list[tuple[str, Path]]:
     """Every file of top-level module or package ``top`` as imported here, by relative name.
 
     A package's whole tree, data files included (a level map or a table beside the code shapes
-    returns as the code does); a single module's own ``.py`` file.
+    returns as the code does); a single module's own ``.py`` file (the data files beside it are
+    keyed apart: ``source_digest``).
     """
     spec = importlib.util.find_spec(top)
     if spec is None:
@@ -197,15 +266,28 @@ def _source_files(top: str) -> list[tuple[str, Path]]:
     return []
 
 
+def _single_file(top: str) -> Path | None:
+    """The source file of ``top`` when it is a module of one ``.py`` file, else None."""
+    spec = importlib.util.find_spec(top)
+    if spec is None or spec.submodule_search_locations or not (spec.origin or "").endswith(".py"):
+        return None
+    return Path(str(spec.origin))
+
+
 def source_digest(top: str) -> str | None:
     """sha256 (hex, first 16) over the relative names and bytes of ``top``'s files (``tree_digest``).
 
-    None when ``top`` has no Python source here (a compiled extension, a frozen module).
+    None when ``top`` has no Python source here (a compiled extension, a frozen module). A
+    single-file module with data files beside it (``beside_data``) gets their digest after
+    ``DATA_MARK``: they shape returns, so they are in every key its code version is in.
     """
     files = _source_files(top)
     if not any(path.suffix == ".py" for _, path in files):
         return None
-    return tree_digest(files)[:16]
+    module = _single_file(top)
+    data = beside_data(module) if module is not None else []
+    code = tree_digest(files)[:16]
+    return f"{code}{DATA_MARK}{tree_digest(data)[:16]}" if data else code
 
 
 def _installed_from_directory(dist: importlib.metadata.Distribution) -> bool:
@@ -629,7 +711,9 @@ def stale_code(expected: Mapping[str, str]) -> dict[str, tuple[str, str]]:
                 continue
             with _seen_lock:
                 have = _seen.setdefault(top, have)
-        if have != want:
+        # The data beside a single-file module is in the key, not in what a worker runs: a log
+        # a training script writes beside itself must not restart the workers at every step.
+        if have.split(DATA_MARK)[0] != want.split(DATA_MARK)[0]:
             out[top] = (have, want)
         elif SOURCE_PREFIX in want and _edited_since_import(top):
             # Imported before its files changed, first checked after: the version read then is
