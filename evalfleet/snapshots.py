@@ -10,6 +10,7 @@ module compiled to TorchScript.
 from __future__ import annotations
 
 import copy
+import enum
 import hashlib
 import io
 import os
@@ -81,12 +82,26 @@ class WeightSnapshot:
         return self.state
 
 
-def _plain(value: Any) -> bool:
-    """A value TorchScript keeps as a module attribute, compared and copied by value here."""
+def _scalar(value: Any) -> bool:
+    """An immutable value TorchScript keeps as a module attribute, compared with ``==``."""
     import torch
 
-    if value is None or isinstance(value, bool | int | float | str | torch.Tensor):
+    return value is None or isinstance(
+        value, bool | int | float | complex | str | enum.Enum | torch.device | torch.dtype | torch.layout)
+
+
+def _plain(value: Any) -> bool:
+    """A value TorchScript keeps as a module attribute, compared and copied by value here.
+
+    Scalars (``_scalar``), tensors, and lists, tuples and dicts (keys str, int, float or bool)
+    of them, nested to any depth.
+    """
+    import torch
+
+    if _scalar(value) or isinstance(value, torch.Tensor):
         return True
+    if isinstance(value, dict):
+        return all(isinstance(k, str | int | float | bool) and _plain(v) for k, v in value.items())
     return isinstance(value, list | tuple) and all(_plain(v) for v in value)
 
 
@@ -95,6 +110,10 @@ def _copied(value: Any) -> Any:
 
     if isinstance(value, torch.Tensor):
         return value.detach().to("cpu").clone()
+    if isinstance(value, dict):
+        return {k: _copied(v) for k, v in value.items()}
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # a NamedTuple
+        return type(value)(*(_copied(v) for v in value))
     if isinstance(value, list | tuple):
         return type(value)(_copied(v) for v in value)
     return value
@@ -103,9 +122,11 @@ def _copied(value: Any) -> Any:
 def module_extras(module: torch.nn.Module) -> dict[str, Any]:
     """What of ``module``'s state its ``state_dict`` leaves out, by dotted name, copied to CPU.
 
-    Non-persistent buffers and plain attributes (numbers, strings, tensors not registered, lists
-    and tuples of them): an observation normaliser's running mean kept as a plain tensor, an
-    action scale, a temperature. A compiled copy keeps them as they were when it was compiled.
+    Non-persistent buffers and plain attributes (numbers, strings, tensors not registered, lists,
+    tuples and dicts of them; see ``_plain``): an observation normaliser's running mean kept as a
+    plain tensor, an action scale, a dict of per-key scales, a temperature. A compiled copy keeps
+    them as they were when it was compiled. Attributes of other kinds are left out here;
+    ``PolicyWriter`` refuses a module whose compiled copy keeps one (``_check_kept``).
     """
     out: dict[str, Any] = {}
     for prefix, sub in module.named_modules():
@@ -128,6 +149,11 @@ def _same(a: dict[str, Any], b: dict[str, Any] | None) -> bool:
                     and x.dtype == y.dtype and x.shape == y.shape and bool(torch.equal(x, y)))
         if isinstance(x, list | tuple) and isinstance(y, list | tuple):
             return len(x) == len(y) and all(eq(u, v) for u, v in zip(x, y, strict=True))
+        if isinstance(x, dict) or isinstance(y, dict):
+            # Same keys in the same order (a compiled dict keeps its order), same values.
+            return (isinstance(x, dict) and isinstance(y, dict)
+                    and [(type(k), k) for k in x] == [(type(k), k) for k in y]
+                    and all(eq(x[k], y[k]) for k in x))
         return type(x) is type(y) and bool(x == y)
 
     return b is not None and a.keys() == b.keys() and all(eq(a[k], b[k]) for k in a)
@@ -142,6 +168,35 @@ def _with_extras(module: torch.nn.Module, extras: dict[str, Any]) -> None:
             sub._buffers[name] = _copied(value)
         else:
             setattr(sub, name, _copied(value))
+
+
+def _check_kept(template: torch.nn.Module, scripted: Any) -> None:
+    """Refuse an attribute the compiled copy keeps but ``module_extras`` cannot carry over.
+
+    Such a value would stay in the compiled copy as it was at its compile while the weights move
+    on: later snapshots would be evaluated with it, silently (and, unchanged weights aside, as a
+    file identical to an earlier one). Attributes TorchScript leaves out (it cannot type them)
+    are no concern: a forward that used one would not have compiled.
+    """
+    compiled = dict(scripted.named_modules())
+    for prefix, sub in template.named_modules():
+        twin = compiled.get(prefix)
+        if twin is None:
+            continue
+        for name, value in vars(sub).items():
+            if name.startswith("_") or name == "training" or _plain(value):
+                continue
+            if twin._c.hasattr(name):
+                path = f"{prefix}.{name}" if prefix else name
+                raise PolicyError(
+                    f"attribute {path!r} of {type(template).__name__} holds a "
+                    f"{type(value).__module__}.{type(value).__qualname__}, which the compiled "
+                    "policy keeps as it was at its compile but evalfleet cannot compare or copy "
+                    "from later snapshots (it carries numbers, strings, tensors, torch.device/"
+                    "dtype, enums, and lists, tuples and dicts of them); keep that state in a "
+                    "buffer or parameter (register_buffer), or pass policy_factory="
+                    "'module:function' so the weights travel as a state_dict instead."
+                )
 
 
 def snapshot_weights(weights: Any, extras: bool = True) -> WeightSnapshot:
@@ -189,7 +244,8 @@ class PolicyWriter:
     With a factory the file is the state_dict (``torch.save``); without one, the module is
     compiled to TorchScript once and each snapshot is loaded into the compiled copy; it is
     compiled again when a snapshot's ``extras`` (non-persistent buffers, plain attributes) differ
-    from those it was compiled with.
+    from those it was compiled with. A module whose compiled copy keeps an attribute of another
+    kind is refused (``PolicyError``) rather than written with that attribute's first value.
     """
 
     def __init__(self, folder: Path, factory: str | None) -> None:
@@ -241,13 +297,15 @@ class PolicyWriter:
             template = copy.deepcopy(module).to("cpu").eval()
             _with_extras(template, extras)
             try:
-                self._scripted = torch.jit.script(template)
+                scripted = torch.jit.script(template)
             except Exception as err:
                 raise PolicyError(
                     f"cannot compile {type(module).__name__} to TorchScript ({type(err).__name__}: "
                     f"{str(err).splitlines()[0] if str(err) else ''}); pass policy_factory="
                     "'module:function' so the weights travel as a state_dict instead."
                 ) from err
+            _check_kept(template, scripted)
+            self._scripted = scripted
             self._scripted_for = id(module)
             self._extras = extras
             # A compiled module lists its non-persistent buffers in its state_dict too.

@@ -9,10 +9,12 @@ as it was at the first compile: later checkpoints were evaluated with stale valu
 from __future__ import annotations
 
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 import torch
 
+from evalfleet.errors import PolicyError
 from evalfleet.snapshots import PolicyWriter, module_extras, snapshot_weights
 
 
@@ -72,3 +74,83 @@ def test_with_a_factory_the_training_thread_copies_no_extras():
     module = Normalised()
     assert snapshot_weights(module, extras=False).extras == {}
     assert set(snapshot_weights(module).extras) >= {"mean", "scale", "offset"}
+
+
+class Scaled(torch.nn.Module):
+    """Scales kept in dicts, which TorchScript compiles as module attributes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(2, 2)
+        self.scales = {"obs": 1.0}  # Dict[str, float] and Dict[str, List[Tensor]] once compiled
+        self.shifts = {"obs": [torch.zeros(2)]}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x * self.scales["obs"] + self.shifts["obs"][0])
+
+
+def test_a_dict_attribute_changed_between_triggers_is_written_with_its_new_values(tmp_path):
+    # Dicts were neither compared nor copied: the second trigger wrote the first one's file
+    # again (same sha256, so the first step's episodes were reused for the new step).
+    module, x = Scaled(), torch.tensor([[1.0, -2.0]])
+    writer = PolicyWriter(tmp_path, None)
+    first = writer.write(snapshot_weights(module))
+    module.scales["obs"] = 100.0  # mutated in place, as training does
+    snap = snapshot_weights(module)
+    module.scales["obs"] = 7.0  # after the trigger: not this snapshot's
+    module.shifts["obs"][0].fill_(7.0)
+    second = writer.write(snap)
+    module.scales["obs"] = 100.0
+    module.shifts["obs"][0].zero_()
+    with torch.no_grad():
+        assert second != first
+        assert torch.equal(_out(second, x), module(x))
+        assert not torch.equal(_out(second, x), _out(first, x))
+        module.shifts["obs"][0].fill_(0.5)  # a tensor inside a dict, changed in place
+        third = writer.write(snapshot_weights(module))
+        assert third != second
+        assert torch.equal(_out(third, x), module(x))
+    compiled = writer._scripted
+    writer.write(snapshot_weights(module))  # nothing changed: the compiled copy is reused
+    assert writer._scripted is compiled
+    assert {"scales", "shifts"} <= set(module_extras(module))
+
+
+@torch.jit.script
+class Counter:
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+
+class Bounds(NamedTuple):
+    low: float
+    high: float
+
+
+class Keeps(torch.nn.Module):
+    def __init__(self, value: object) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(2, 2)
+        self.kept = value
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x)
+
+
+@pytest.mark.parametrize("value", [{torch.zeros(1): 1.0}, Counter(1)], ids=["tensor-keyed dict", "object"])
+def test_an_attribute_the_compiled_copy_keeps_but_cannot_be_carried_over_is_refused(tmp_path, value):
+    # TorchScript keeps these as module attributes; a later snapshot could not update them.
+    with pytest.raises(PolicyError, match=r"'kept' of Keeps holds .*register_buffer.*policy_factory"):
+        PolicyWriter(tmp_path, None).write(snapshot_weights(Keeps(value)))
+
+
+def test_other_attributes_are_still_carried_over_or_ignored(tmp_path):
+    module, x = Keeps(None), torch.tensor([[1.0, 2.0]])
+    module.opaque = object()  # TorchScript cannot type it: left out of the compiled copy
+    module.device, module.dtype = torch.device("cpu"), torch.float32
+    module.bounds = Bounds(-1.0, 1.0)  # copying a NamedTuple used to raise a TypeError
+    writer = PolicyWriter(tmp_path, None)
+    with torch.no_grad():
+        assert torch.equal(_out(writer.write(snapshot_weights(module)), x), module(x))
+    assert {"kept", "device", "dtype", "bounds"} <= set(module_extras(module))
+    assert "opaque" not in module_extras(module)
