@@ -19,3 +19,8 @@ MAIN_ENV = "EVALFLEET_FORK_MAIN"
 _path = os.environ.pop(MAIN_ENV, None)
 if _path and not getattr(sys.modules["__main__"], "__file__", None):
     sys.modules["__main__"].__file__ = _path
+
+# The workers forked from this server each seed numpy's global state anew (``seeds``).
+from evalfleet.seeds import fresh_global_rng  # noqa: E402
+
+os.register_at_fork(after_in_child=fresh_global_rng)

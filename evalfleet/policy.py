@@ -216,13 +216,24 @@ class LoadedPolicy:
             check_logits(out)
             if self.deterministic or rngs is None:
                 return np.asarray(out.argmax(axis=1), dtype=np.int64) + int(space.start)
-            z = out - out.max(axis=1, keepdims=True)
-            p = np.exp(z)
-            p /= p.sum(axis=1, keepdims=True)
-            u = np.array([g.random() for g in rngs])
-            idx = (p.cumsum(axis=1) < u[:, None]).sum(axis=1)
-            return np.asarray(np.minimum(idx, int(space.n) - 1), dtype=np.int64) + int(space.start)
+            return sample_actions(out, rngs) + int(space.start)
         return np.asarray(out)
+
+
+def sample_actions(logits: npt.NDArray[Any], rngs: list[np.random.Generator]) -> npt.NDArray[np.int64]:
+    """One action per row, drawn from the softmax of its logits with that row's generator.
+
+    In float64, by the inverse CDF over unnormalised weights (``c[i] > u * total``): a masked
+    action (``-inf``, weight 0) is never drawn. The float32 CDF that it replaces ended short of 1
+    (by up to ~5e-6 for hundreds of actions), and a draw past its end became the last action,
+    masked or not.
+    """
+    w = np.exp(logits.astype(np.float64) - logits.max(axis=1, keepdims=True))
+    c = w.cumsum(axis=1)
+    u = np.array([g.random() for g in rngs]) * c[:, -1]
+    idx = (c <= u[:, None]).sum(axis=1)
+    last = w.shape[1] - 1 - np.argmax(w[:, ::-1] > 0, axis=1)  # u * total rounded up to total
+    return np.asarray(np.minimum(idx, last), dtype=np.int64)
 
 
 def check_logits(out: npt.NDArray[Any]) -> None:

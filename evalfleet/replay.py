@@ -39,6 +39,7 @@ from evalfleet.policy import LoadedPolicy
 from evalfleet.runner import _invalid_actions, _to_env_action
 from evalfleet.sandbox.base import EnvSlots, SlotOutcome, error_text, open_slots, scalar_info
 from evalfleet.sandbox.limits import SandboxLimits
+from evalfleet.seeds import action_rng
 
 # The video writer lived here: its names stay importable from this module (``X as X`` re-exports).
 from evalfleet.video import DEFAULT_FPS as DEFAULT_FPS
@@ -344,7 +345,7 @@ def _replay_loop(
     return and length as in the runner.
     """
     space = policy.action_space
-    rng = None if policy.deterministic else np.random.default_rng(ep.seed)
+    rng = None if policy.deterministic else action_rng(ep.seed)
     first = reset()
     if first is None:
         return

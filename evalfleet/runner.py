@@ -28,6 +28,7 @@ from evalfleet.policy import LoadedPolicy
 from evalfleet.records import MAX_COUNTED_ACTIONS, EpisodeRecord
 from evalfleet.redaction import Redactor
 from evalfleet.sandbox.slots import BatchEnvSlots, EnvSlots, SlotOutcome, error_text, is_finite
+from evalfleet.seeds import action_rng
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +98,8 @@ def _invalid_actions(space: spaces.Space[Any], actions: npt.NDArray[Any]) -> npt
         low = np.broadcast_to(space.low, space.shape).reshape(-1)
         high = np.broadcast_to(space.high, space.shape).reshape(-1)
         ok = np.isfinite(flat).all(axis=1) & (flat >= low).all(axis=1) & (flat <= high).all(axis=1)
+        if np.issubdtype(space.dtype, np.integer):  # 2.7 in an integer Box is no action of it
+            ok &= (flat == np.round(flat)).all(axis=1)
         return np.asarray(~ok, dtype=bool)
     return np.array([not space.contains(x) for x in actions], dtype=bool)
 
@@ -402,7 +405,7 @@ class ShardRun:
                 index, seed, retried = pending.popleft()
                 slot = free.pop()
                 self.ep_index[slot], self.ep_seed[slot], self.ep_retried[slot] = index, seed, retried
-                self.ep_rng[slot] = None if self.deterministic else np.random.default_rng(seed)
+                self.ep_rng[slot] = None if self.deterministic else action_rng(seed)
                 self.ep_started[slot] = time.perf_counter()
                 self.ret[slot] = 0.0
                 self.length[slot] = 0

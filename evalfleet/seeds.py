@@ -56,3 +56,34 @@ class SeedLedger:
 def ledger(base_seed: int, index: int) -> int:
     """Shorthand for ``SeedLedger(base_seed).seed(index)``."""
     return SeedLedger(base_seed).seed(index)
+
+
+#: The second word of an episode's action-sampling seed: ``[seed, ACTION_STREAM]`` is another
+#: SeedSequence than gymnasium's ``np_random`` (``SeedSequence(seed)``), so the draws that pick
+#: sampled actions are not the env's own random numbers.
+ACTION_STREAM = 0xAC7
+
+#: The rule above, named in the cache key: a change of it changes the sampled episodes.
+ACTION_SAMPLER = "pcg64([seed, 0xAC7]) float64 inverse-cdf"
+
+
+def action_rng(seed: int) -> np.random.Generator:
+    """The generator that samples episode ``seed``'s actions under ``--stochastic``.
+
+    ``np.random.default_rng(seed)`` is bit for bit the generator gymnasium seeds an env's
+    ``np_random`` with on ``reset(seed=seed)``: a policy's uniform draws would then be the env's,
+    and a sampled action correlated with the env's noise (a coin-flip env matched every time).
+    """
+    return np.random.default_rng([seed, ACTION_STREAM])
+
+
+def fresh_global_rng() -> None:
+    """Seed numpy's global ``np.random`` state from the OS, as a freshly started process has it.
+
+    Processes forked from one server (the local workers, ``process`` sandboxes) inherit its
+    state: an env drawing from ``np.random`` rather than the ``np_random`` that ``reset(seed=)``
+    seeds got the same numbers in every sandbox, and a spread of zero. Python's ``random`` is
+    reseeded at fork by CPython itself; numpy's is not. Unseeded draws stay what they are in a
+    plain loop, unreproducible, which the determinism audit reports.
+    """
+    np.random.seed()

@@ -59,6 +59,7 @@ from evalfleet.sandbox import limits as lim
 from evalfleet.sandbox import wire
 from evalfleet.sandbox.bwrap import SYSTEM_PATHS, jail_binds, package_paths
 from evalfleet.sandbox.slots import error_text, scalar_info
+from evalfleet.seeds import fresh_global_rng
 
 #: Added to a PermissionError of a Landlock-confined sandbox: what it may open, and how to widen it.
 CONFINED_HINT = (" [process sandboxes open only what running the env needs; grant a path with "
@@ -466,6 +467,7 @@ def _sandbox_main(fd: int, maker: Callable[[], Any], k: int, limits: lim.Sandbox
     if netns or own_user:  # a user namespace of its own may make a network namespace too
         lim.unshare_network()
     os.chdir(folder)
+    fresh_global_rng()  # not the server's numpy state (while /dev/urandom is still open to it)
     # Exactly the allow-listed environment the worker prepared (evalfleet.sandbox.environment).
     os.environ.clear()
     os.environ.update(environment, HOME=folder, TMPDIR=folder)

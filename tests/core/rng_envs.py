@@ -1,0 +1,81 @@
+"""Envs whose returns show how the runner draws random numbers and converts actions.
+
+``module:id`` forms (``env_id``) import in any process, sandboxes included.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+
+STEPS = 100
+
+
+def env_id(name: str) -> str:
+    """``module:evalfleet-test/Name-v0``: importable in any process."""
+    return f"{__name__}:evalfleet-test/{name}-v0"
+
+
+class CoinFlip(gym.Env[np.ndarray, int]):
+    """Each step flips a coin with the env's own ``np_random``; reward 1 when the action matches."""
+
+    observation_space = gym.spaces.Box(-1.0, 1.0, (2,), np.float32)
+    action_space = gym.spaces.Discrete(2)
+
+    def reset(self, *, seed: int | None = None, options: Any = None) -> tuple[np.ndarray, dict[str, Any]]:
+        super().reset(seed=seed)
+        return np.zeros(2, np.float32), {}
+
+    def step(self, action: int) -> tuple[np.ndarray, float, bool, bool, dict[str, Any]]:
+        coin = int(self.np_random.random() >= 0.5)
+        return np.zeros(2, np.float32), float(int(action) == coin), False, False, {}
+
+
+class GlobalNoise(gym.Env[np.ndarray, int]):
+    """An old-style env: its rewards come from numpy's global RNG, which ``reset(seed=)`` leaves be."""
+
+    observation_space = gym.spaces.Box(-1.0, 1.0, (2,), np.float32)
+    action_space = gym.spaces.Discrete(2)
+
+    def reset(self, *, seed: int | None = None, options: Any = None) -> tuple[np.ndarray, dict[str, Any]]:
+        super().reset(seed=seed)
+        return np.zeros(2, np.float32), {}
+
+    def step(self, action: int) -> tuple[np.ndarray, float, bool, bool, dict[str, Any]]:
+        return np.zeros(2, np.float32), float(np.random.uniform()), False, False, {}
+
+
+class IntegerBox(gym.Env[np.ndarray, np.ndarray]):
+    """An integer ``Box`` action; the reward is the action it gets."""
+
+    observation_space = gym.spaces.Box(-1.0, 1.0, (2,), np.float32)
+    action_space = gym.spaces.Box(0, 3, (1,), np.int64)
+
+    def reset(self, *, seed: int | None = None, options: Any = None) -> tuple[np.ndarray, dict[str, Any]]:
+        super().reset(seed=seed)
+        return np.zeros(2, np.float32), {}
+
+    def step(self, action: np.ndarray) -> tuple[np.ndarray, float, bool, bool, dict[str, Any]]:
+        return np.zeros(2, np.float32), float(np.asarray(action).sum()), False, False, {}
+
+
+for _name, _steps in (("CoinFlip", STEPS), ("GlobalNoise", 5), ("IntegerBox", 5)):
+    gym.register(id=f"evalfleet-test/{_name}-v0", entry_point=f"{__name__}:{_name}",
+                 max_episode_steps=_steps)
+
+
+def uniform_logits(obs: np.ndarray) -> np.ndarray:
+    """Logits of a coin: sampled, it matches an independent coin half the time."""
+    return np.zeros((len(obs), 2), np.float32)
+
+
+def fractional(obs: np.ndarray) -> np.ndarray:
+    """2.7 for an integer Box: no action of it."""
+    return np.full((len(obs), 1), 2.7)
+
+
+def whole(obs: np.ndarray) -> np.ndarray:
+    """2.0 for an integer Box, as floats: an action of it."""
+    return np.full((len(obs), 1), 2.0)
