@@ -13,7 +13,8 @@ back with MLflow's client (``checkpoints``), they give:
   interval of the paired differences under the headline rules of ``scoring``). ``new_best``
   when the 95% CI of the paired difference of returns is above 0, ``regression`` when below,
   else ``not_distinguishable``; ``first`` for the first checkpoint of a run;
-  ``no_paired_episodes`` when the best checkpoint's episodes are gone (not whole in the cache,
+  ``no_paired_episodes`` when every earlier checkpoint was a harness fault (none is trusted to
+  compare with), or when the best checkpoint's episodes are gone (not whole in the cache,
   which keeps no episode the policy's runtime or the infrastructure ended, and no artifact) or
   fewer than ``stats.MIN_PAIRS`` pairs remain: an alarm line (``alarm_lines``), and ``--gate``
   does not pass it.
@@ -522,8 +523,13 @@ def assess(
 
     comparison: dict[str, Any] | None = None
     note = None
-    if best is None:
-        verdict, note = "first", "every earlier checkpoint was a harness fault"
+    if best is None:  # earlier checkpoints, none trusted: nothing to compare with, no pass
+        steps = sorted(c.step for c in earlier)
+        listed = ", ".join(str(s) for s in steps[:5]) + (", ..." if len(steps) > 5 else "")
+        verdict = "no_paired_episodes"
+        note = (f"every earlier checkpoint of this training run (steps {listed}) was a harness "
+                "fault (more than 5% of its episodes failed in the harness), so none is trusted "
+                "to compare with")
     else:
         best_table = table_of(best)
         if best_table is None or best_table.num_rows == 0:
@@ -540,8 +546,8 @@ def assess(
     is_best = verdict in ("first", "new_best")
     out.update(
         verdict=verdict,
-        best_step=step if is_best or best is None else best.step,
-        best_policy_sha256=policy_sha256 if is_best or best is None else best.policy_sha256,
+        best_step=step if is_best else None if best is None else best.step,
+        best_policy_sha256=policy_sha256 if is_best else None if best is None else best.policy_sha256,
         compared_with=None if best is None else {"step": best.step, "policy_sha256": best.policy_sha256,
                                                  "mlflow_run_id": best.mlflow_run_id},
         comparison=comparison,

@@ -550,3 +550,26 @@ def test_a_sha256_baseline_that_also_names_the_evaluated_policy_is_refused(store
     assert same_policy(whole, received)  # type: ignore[arg-type]
     other = request.model_copy(update={"baseline": "sha256:" + cached[:20]})
     assert not same_policy(other, received)  # type: ignore[arg-type]
+
+
+def test_earlier_checkpoints_that_were_all_harness_faults_give_no_pass(store, capsys):
+    """Step 10's evaluation lost 3 of 40 episodes to the harness (a harness fault) but its 37
+    scored ones beat step 20 on every seed. Step 20 was the run's 'first' checkpoint, and the
+    gate passed it: no comparison, no alarm. Now: no verdict, an alarm, and the gate fails closed."""
+    import pyarrow as pa
+
+    careful = _table("careful")
+    reasons = careful.column("end_reason").to_pylist()
+    reasons[:3] = ["env_error"] * 3
+    faulty = careful.set_column(careful.schema.get_field_index("end_reason"), "end_reason",
+                                pa.array(reasons, careful.schema.field("end_reason").type))
+    earlier = evaluate_checkpoint(store, "careful", 10, run="faulty-first", table=faulty)
+    assert earlier.harness_fault
+    later = evaluate_checkpoint(store, "careless", 20, run="faulty-first")
+    assert later.verdict == "no_paired_episodes" and later.history["best_step"] is None
+    assert "every earlier checkpoint of this training run (steps 10) was a harness fault" in (
+        later.history["note"])
+    assert any(a.startswith("history_not_compared: no verdict against the best checkpoint: every "
+                            "earlier checkpoint") for a in later.alarms), later.alarms
+    assert gate(later) == EXIT_GATE_UNDECIDED
+    assert "could not be compared with the best earlier checkpoint" in capsys.readouterr().err
