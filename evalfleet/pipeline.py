@@ -947,7 +947,10 @@ def mlflow_params(request: EvalRequest, report: EvalReport) -> dict[str, Any]:
         "max_steps": request.max_steps,
         "deterministic": request.deterministic,
         "isolation": report.isolation,
-        "device": request.device,
+        # Where inference ran (as isolation: resolved), beside what was asked for: a CUDA run
+        # that fell back to CPU must not read 'auto' or 'cuda' in MLflow.
+        "device": (report.manifest.get("execution") or {}).get("device", request.device),
+        "device_requested": request.device,
         "episode_timeout_s": request.episode_timeout_s,
         "outcome_metric": request.outcome_metric,
     }

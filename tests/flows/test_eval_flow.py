@@ -58,6 +58,9 @@ def test_flow_end_to_end(prefect_server, tmp_path):
     assert run.data.tags["evalfleet.training_run_id"] == "trainer-42"
     assert run.data.tags["evalfleet.step"] == "7"
     assert run.data.params["seed"] == "0"
+    # Where inference ran, as the report says, beside what was asked ('auto' read as a device before)
+    assert run.data.params["device"] == report.manifest["execution"]["device"] != "auto"
+    assert run.data.params["device_requested"] == "auto"
     names = {a.path for a in client.list_artifacts(run.info.run_id)}
     assert {"episodes.parquet", "report.json", "report.html", "returns_hist.png",
             "lengths_hist.png", "return_by_episode.png", "actions.png"} <= names
