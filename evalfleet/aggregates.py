@@ -26,7 +26,9 @@ Two things differ from rliable on purpose. The random numbers come from one
 RNG). And tasks may have different numbers of runs (a task's harness failures are left out, or the
 suite gives tasks different episode budgets): pass a sequence of 1-D arrays, one per task, instead
 of a matrix. The mean and median stay means of task means; the IQM, the optimality gap and the
-profile pool all scores, which for equal run counts is exactly the matrix definition.
+profile pool all scores, which for equal run counts is exactly the matrix definition. With
+ragged counts every task still weighs the same (each of its scores ``1 / (tasks x its runs)``):
+pooled unweighted, a task with ten times the episodes of another would decide the IQM alone.
 
 Scores produced anywhere aggregate the same way::
 
@@ -162,16 +164,45 @@ def _stratified(tasks: list[FloatArray], rng: np.random.Generator, reps: int
         done += k
 
 
+def _task_weights(sizes: Sequence[int]) -> FloatArray | None:
+    """Each pooled score's weight, every task weighing ``1 / tasks``; None when run counts are equal.
+
+    With equal counts the pooled scores already weigh each task equally (the matrix definition);
+    with ragged ones, pooling unweighted would let the task with the most episodes decide the IQM,
+    the optimality gap and the profile.
+    """
+    if len(set(sizes)) <= 1:
+        return None
+    return np.concatenate([np.full(n, 1.0 / (len(sizes) * n)) for n in sizes])
+
+
+def _weighted_iqm(pooled: FloatArray, weights: FloatArray) -> FloatArray:
+    """The interquartile mean of each row of ``pooled``: the middle half of the weight, averaged.
+
+    Scores sorted per row carry their weights; the weight below 25% and above 75% is trimmed, a
+    score straddling a boundary counting with the part of its weight inside.
+    """
+    order = np.argsort(pooled, axis=1, kind="stable")
+    values = np.take_along_axis(pooled, order, axis=1)
+    w = weights[order]
+    upper = np.cumsum(w, axis=1)
+    inside = np.clip(np.minimum(upper, 0.75) - np.maximum(upper - w, 0.25), 0.0, None)
+    return np.asarray((values * inside).sum(axis=1) / inside.sum(axis=1), dtype=np.float64)
+
+
 def _metrics(resampled: list[FloatArray], gamma: float) -> dict[str, FloatArray]:
     """The four aggregates of each row of a batch of resamples (rows = bootstrap replicates)."""
     task_means = np.stack([r.mean(axis=1) for r in resampled], axis=1)
     pooled = np.concatenate(resampled, axis=1)
-    return {
-        "mean": task_means.mean(axis=1),
-        "median": np.median(task_means, axis=1),
-        "iqm": np.asarray(_scipy_stats().trim_mean(pooled, 0.25, axis=1), dtype=np.float64),
-        "optimality_gap": gamma - np.minimum(pooled, gamma).mean(axis=1),
-    }
+    weights = _task_weights([r.shape[1] for r in resampled])
+    if weights is None:
+        iqm = np.asarray(_scipy_stats().trim_mean(pooled, 0.25, axis=1), dtype=np.float64)
+        gap = gamma - np.minimum(pooled, gamma).mean(axis=1)
+    else:
+        iqm = _weighted_iqm(pooled, weights)
+        gap = gamma - np.minimum(pooled, gamma) @ weights
+    return {"mean": task_means.mean(axis=1), "median": np.median(task_means, axis=1),
+            "iqm": iqm, "optimality_gap": gap}
 
 
 def point_estimates(scores: Scores, *, gamma: float = 1.0) -> dict[str, float]:
@@ -270,15 +301,22 @@ def performance_profile(scores: Scores, taus: ArrayLike, *, seed: int = 0, reps:
     if grid.size == 0 or not np.all(np.isfinite(grid)):
         raise SuiteError(f"'taus' must be a non-empty list of finite thresholds (got {grid.tolist()!r}).")
     pooled = np.concatenate(tasks)
-    point = (pooled[:, None] > grid[None, :]).mean(axis=0)
+    weights = _task_weights([t.size for t in tasks])
     rng = np.random.default_rng(seed)
     draws: list[FloatArray] = []
-    for resampled in _stratified(tasks, rng, reps):
-        sample = np.sort(np.concatenate(resampled, axis=1), axis=1)
-        # Scores > tau = n - (scores <= tau), counted on each sorted row.
-        n = sample.shape[1]
-        above = np.stack([n - _count_at_most(row, grid) for row in sample])
-        draws.append(above / n)
+    if weights is None:
+        point = (pooled[:, None] > grid[None, :]).mean(axis=0)
+        for resampled in _stratified(tasks, rng, reps):
+            sample = np.sort(np.concatenate(resampled, axis=1), axis=1)
+            # Scores > tau = n - (scores <= tau), counted on each sorted row.
+            n = sample.shape[1]
+            above = np.stack([n - _count_at_most(row, grid) for row in sample])
+            draws.append(above / n)
+    else:  # each task's scores weigh 1 / tasks in all (``_task_weights``)
+        point = weights @ (pooled[:, None] > grid[None, :])
+        for resampled in _stratified(tasks, rng, reps):
+            sample = np.concatenate(resampled, axis=1)
+            draws.append(np.stack([weights @ (row[:, None] > grid[None, :]) for row in sample]))
     band = np.concatenate(draws)
     tail = 100 * (1 - CONFIDENCE) / 2
     low, high = np.percentile(band, [tail, 100 - tail], axis=0)

@@ -182,3 +182,22 @@ def test_probability_of_improvement_needs_the_same_tasks() -> None:
         probability_of_improvement(np.zeros((4, 3)), np.zeros((4, 2)))
     with pytest.raises(SuiteError, match="'reps' must be a positive integer"):
         aggregate(SMALL, reps=0)
+
+
+def test_ragged_tasks_weigh_the_same_in_the_pooled_aggregates() -> None:
+    """A suite with 1,000 episodes on one task and 100 on another: pooled unweighted, the IQM
+    (the suite's headline, ``eval/reward``) was the big task's alone (0.99 for tasks at ~1 and
+    ~0). Each task now weighs the same: the task of 1,000 episodes that repeat 100 scores ten
+    times aggregates exactly as its 100 scores do."""
+    rng = np.random.default_rng(0)
+    a, b = rng.normal(1.0, 0.1, 100), rng.normal(0.0, 0.1, 100)
+    ragged, even = point_estimates([np.repeat(a, 10), b]), point_estimates([a, b])
+    for k in ("iqm", "optimality_gap", "mean", "median"):
+        assert ragged[k] == pytest.approx(even[k], rel=1e-12, abs=1e-12), k
+    assert even["iqm"] == pytest.approx(stats.trim_mean(np.concatenate([a, b]), 0.25), rel=1e-12)
+    assert 0.4 < ragged["iqm"] < 0.6
+    taus = [-0.5, 0.5, 1.5]
+    assert performance_profile([np.repeat(a, 10), b], taus, reps=20)["point"] == pytest.approx(
+        performance_profile([a, b], taus, reps=20)["point"], abs=1e-12)
+    lo, hi = aggregate([np.repeat(a, 10), b], seed=1, reps=300)["iqm"]["ci"]
+    assert lo < ragged["iqm"] < hi and hi - lo < 0.2
