@@ -43,17 +43,26 @@ file lock per key makes concurrent identical requests compute once: the second w
 hits.
 
 Episodes persist as their shard finishes, before the evaluation ends: each finished shard's
-cacheable rows go to ``<entry>/shards/<first-index>-<id>-<sha256>.parquet``, written to a
-temporary name, fsynced, renamed, and the folder fsynced, so a file under its final name is always
-whole (a killed writer leaves at most a ``.tmp`` file, which readers never open and the next
-holder of the lock sweeps). The sha256 of its bytes is in its name: a shard file whose bytes no
-longer match (a disk fault; Parquet reads many flipped bits back as other numbers without error)
-is corrupt like an entry: its episodes are missing and recomputed, and the holder of the lock
-removes it. Shard files without a sha256 in their name (written before they had one) are never
-read; their episodes are recomputed. A lookup reads the entry and every shard file: a request
-re-run after its driver was killed runs only the episodes no finished shard holds, and says how
-many it took from shard files (``Lookup.resumed``). The evaluation's final ``store`` folds the shard
-files into the entry, also when they held every episode asked for.
+cacheable rows go to ``<entry>/shards/<first-index>-<written>-<sha256>.parquet`` (``<written>``:
+the time it was written, in ns, and a random tail), written to a temporary name, fsynced,
+renamed, and the folder fsynced, so a file under its final name is always whole (a killed writer
+leaves at most a ``.tmp`` file, which readers never open and the next holder of the lock sweeps).
+The sha256 of its bytes is in its name: a shard file whose bytes no longer match (a disk fault;
+Parquet reads many flipped bits back as other numbers without error) is corrupt like an entry:
+its episodes are missing and recomputed, and the holder of the lock removes it. Shard files
+without a sha256 in their name (written before they had one) are never read; their episodes are
+recomputed. A lookup reads the entry and every shard file: a request re-run after its driver was
+killed runs only the episodes no finished shard holds, and says how many it took from shard files
+(``Lookup.resumed``). The evaluation's final ``store`` folds the shard files into the entry, also
+when they held every episode asked for.
+
+Lookups and stores rank rows by one rule (``_precedence``), so what a lookup reports is what a
+later store keeps: an index the entry holds is answered by the entry alone, and shard files only
+add the indices it lacks. A resumed evaluation never overlaps the entry (it ran only what the entry
+lacked); shard rows that do are a ``--refresh`` killed before its store replaced the entry, and the
+entry, which that refresh did not replace, stays whole: they are never read, and the next store of
+the key deletes them with the other shard files. Among shard files holding one index, the one
+written last (the time in its name) wins.
 """
 
 from __future__ import annotations
@@ -79,6 +88,7 @@ import pyarrow.parquet as pq
 
 from evalfleet.errors import CacheCorruptError, CacheLockTimeout
 from evalfleet.records import EPISODE_SCHEMA, SCHEMA_VERSION, empty_episodes
+from evalfleet.seeds import ACTION_SAMPLER
 from evalfleet.storage import write_json
 
 logger = logging.getLogger(__name__)
@@ -102,7 +112,9 @@ def key_ingredients(
         "policy": {k: policy[k] for k in ("sha256", "format", "factory", "output_kind",
                                           "factory_sha256", "code")},
         "env": env,
-        "protocol": {"seed": seed, "max_steps": max_steps, "deterministic": deterministic},
+        # A stochastic protocol names its sampler: a new way of drawing actions is new episodes.
+        "protocol": {"seed": seed, "max_steps": max_steps, "deterministic": deterministic,
+                     **({} if deterministic else {"sampler": ACTION_SAMPLER})},
         "inference": {"device": inference["device"], "dtype": inference["dtype"]},
         "versions": {k: versions[k] for k in ("evalfleet", "gymnasium", "numpy", "torch")},
         "episode_schema": SCHEMA_VERSION,
@@ -152,6 +164,9 @@ _FOLLOW = 5
 #: Temporary files older than this are a killed writer's, swept by the lock's holder.
 _STALE_TMP_S = 60.0
 
+#: Digits of the write time (ns) that starts the middle part of a shard file's name.
+_STAMP = 20
+
 #: Keys whose lock this process holds, as (resolved cache root, key); set by ``exclusive``.
 _HELD: set[tuple[str, str]] = set()
 
@@ -196,6 +211,38 @@ def _named_sha256(path: Path) -> str | None:
     """The sha256 a shard file's name ends with (None: a file written before names held one)."""
     tail = path.name.removesuffix(".parquet").rsplit("-", 1)[-1]
     return tail if len(tail) == 64 and all(c in "0123456789abcdef" for c in tail) else None
+
+
+def _written_ns(path: Path) -> int:
+    """When a shard file was written: the time in its name, else (an older name) its mtime.
+
+    The name's time survives a copy that resets mtimes; 0 if the file is gone.
+    """
+    parts = path.name.split("-")
+    stamp = parts[1][:_STAMP] if len(parts) == 3 else ""
+    if len(stamp) == _STAMP and stamp.isdigit() and len(parts[1]) > _STAMP:
+        return int(stamp)
+    try:
+        return path.stat().st_mtime_ns
+    except OSError:
+        return 0
+
+
+def _precedence(entry: pa.Table | None, shards: pa.Table | None) -> tuple[pa.Table | None, int]:
+    """The one rule ranking an entry's rows and shard rows, for lookups and stores alike.
+
+    Returns the rows a request may take (None if neither holds any) and how many came from shard
+    files. The entry wins every index it holds; shard rows only add indices it lacks (a resumed
+    evaluation's). A shard row at an index the entry holds is a killed ``--refresh``'s: the
+    entry it did not replace stays whole, and the row is dropped, never mixed in.
+    """
+    if shards is not None and entry is not None:
+        shards = shards.filter(pc.invert(pc.is_in(shards.column("episode_index"),
+                                                  value_set=entry.column("episode_index"))))
+    parts = [t.cast(EPISODE_SCHEMA) for t in (entry, shards) if t is not None]
+    if not parts:
+        return None, 0
+    return pa.concat_tables(parts), shards.num_rows if shards is not None else 0
 
 
 def _sweep_tmp(folder: Path) -> None:
@@ -357,18 +404,12 @@ class EpisodeCache:
             else:
                 logger.info("%s (seen without the key's lock: a miss here; the lock's holder "
                             "removes and recomputes it)", err)
-        if table is None and shards is None:
-            return Lookup(key, empty_episodes(), list(indices), corrupt=corrupt)
         wanted = pa.array(np.asarray(indices, dtype=np.int64))
-        resumed = 0
         if shards is not None:
             shards = shards.filter(pc.is_in(shards.column("episode_index"), value_set=wanted))
-            if table is not None:  # the entry's rows win: shard rows only add indices it lacks
-                shards = shards.filter(pc.invert(pc.is_in(
-                    shards.column("episode_index"), value_set=table.column("episode_index"))))
-            resumed = shards.num_rows
-        parts = [t.cast(EPISODE_SCHEMA) for t in (table, shards) if t is not None]
-        merged = pa.concat_tables(parts)
+        merged, resumed = _precedence(table, shards)  # the rule a later store keeps to
+        if merged is None:
+            return Lookup(key, empty_episodes(), list(indices), corrupt=corrupt)
         stored = merged.filter(pc.is_in(merged.column("episode_index"), value_set=wanted))
         have = set(stored.column("episode_index").to_pylist())
         return Lookup(key, stored.sort_by("episode_index"), [i for i in indices if i not in have],
@@ -385,7 +426,8 @@ class EpisodeCache:
         keep = keep.sort_by("episode_index")
         folder = self.entry(key) / SHARDS
         folder.mkdir(parents=True, exist_ok=True)
-        stem = f"{int(keep.column('episode_index')[0].as_py()):010d}-{uuid.uuid4().hex[:12]}"
+        written = f"{time.time_ns():0{_STAMP}d}{uuid.uuid4().hex[:8]}"  # orders overlapping files
+        stem = f"{int(keep.column('episode_index')[0].as_py()):010d}-{written}"
         _durable_parquet(keep, folder, lambda sha: f"{stem}-{sha}.parquet")
         return int(keep.num_rows)
 
@@ -396,10 +438,11 @@ class EpisodeCache:
     def _read_shards(self, key: str, *, judge: bool) -> tuple[pa.Table | None, list[Path], bool]:
         """Rows of the verified shard files, the files listed, and whether one failed verification.
 
-        A later file wins an index. A file whose bytes do not match the sha256 in its name, or
-        that cannot be read, is damaged (renamed files are whole): its episodes are missing.
-        ``judge`` (the key's lock is held) also deletes it and sweeps a killed writer's temporary
-        files.
+        Where files overlap, the one written last (``_written_ns``; then the greater name) wins
+        an index, whatever order the names sort in. A file whose bytes do not match the sha256 in
+        its name, or that cannot be read, is damaged (renamed files are whole): its episodes are
+        missing. ``judge`` (the key's lock is held) also deletes it and sweeps a killed writer's
+        temporary files.
         """
         folder = self.entry(key) / SHARDS
         if not folder.is_dir():
@@ -408,7 +451,7 @@ class EpisodeCache:
             _sweep_tmp(folder)
         listed = self.shard_files(key)
         tables, damaged = [], False
-        for path in listed:
+        for path in sorted(listed, key=lambda p: (_written_ns(p), p.name), reverse=True):
             sha = _named_sha256(path)
             if sha is None:
                 logger.info("shard file %s has no sha256 in its name (written by an earlier "
@@ -429,7 +472,7 @@ class EpisodeCache:
                                 path, err)
         if not tables:
             return None, listed, damaged
-        merged = pa.concat_tables(tables[::-1])  # newest first, so its row is the one kept
+        merged = pa.concat_tables(tables)  # newest first, so its row is the one kept
         _, first = np.unique(merged.column("episode_index").to_numpy(), return_index=True)
         return merged.take(pa.array(np.sort(first))), listed, damaged
 
@@ -456,8 +499,9 @@ class EpisodeCache:
 
         The caller holds the key's lock (``exclusive``). Verified shard files are folded in (a
         damaged one is removed); the manifest's rename commits the new table, and only then are
-        the table it replaced and the shard files deleted. ``audit`` is the determinism audit
-        that passed for these rows, reported again on a hit.
+        the table it replaced and the shard files deleted. Entry and shard rows rank as in
+        ``lookup`` (``_precedence``); rows of ``table`` win over both. ``audit`` is the determinism
+        audit that passed for these rows, reported again on a hit.
         """
         keep = _cacheable(table)
         old = None
@@ -468,11 +512,8 @@ class EpisodeCache:
             except CacheCorruptError as err:
                 logger.warning("%s; replacing it with the rows being stored", err)
                 old = None
-            if shards is not None:  # episodes persisted by shards (this or an interrupted run)
-                old = shards if old is None else pa.concat_tables([
-                    old.filter(pc.invert(pc.is_in(old.column("episode_index"),
-                                                  value_set=shards.column("episode_index")))),
-                    shards.cast(EPISODE_SCHEMA)])
+            # episodes persisted by shards (this or an interrupted run), ranked as lookups do
+            old, _ = _precedence(old, shards)
         if old is not None and old.num_rows:
             new_idx = pa.array(keep.column("episode_index").to_numpy())
             old = old.filter(pc.invert(pc.is_in(old.column("episode_index"), value_set=new_idx)))

@@ -319,3 +319,63 @@ def test_request_answered_from_shard_files_alone_leaves_an_entry(example_policy,
     assert cache.shard_files(key) == [] and (cache.entry(key) / "manifest.json").exists()
     again = cache.lookup(key, range(6))
     assert (again.status, again.resumed, again.stored.num_rows) == ("hit", 0, 6)
+
+
+def _returns(indices, value):
+    """Rows of ``indices`` that all have return ``value`` (which run wrote them)."""
+    return records_to_table([
+        EpisodeRecord("r", "sha", "env", "spec", i, 1000 + i, value, 10, "terminated", None, None,
+                      0.1, "w", "s", "inprocess") for i in indices])
+
+
+def _answer(found):
+    return dict(zip(found.stored.column("episode_index").to_pylist(),
+                    found.stored.column("return").to_pylist(), strict=True))
+
+
+def test_an_interrupted_refresh_never_mixes_into_the_entry(tmp_path):
+    """A --refresh killed before its store leaves shard files over the entry's episodes.
+
+    Lookups and the stores after them rank rows alike: every answer holds the same row for an
+    index, the entry's where it has one, never half the refresh's and half the entry's.
+    """
+    cache = EpisodeCache(tmp_path)
+    key = "a1" * 32
+    with cache.exclusive(key):
+        cache.store(key, _returns(range(10), 1.0), {})
+        cache.persist_shard(key, _returns(range(5), 2.0))  # the refresh's shards, then a kill
+        cache.persist_shard(key, _returns(range(8, 12), 2.0))
+    answers = []
+    with cache.exclusive(key):
+        normal = cache.lookup(key, range(10))
+        answers.append(_answer(normal))
+        assert (normal.status, normal.resumed) == ("hit", 0)
+        assert set(answers[0].values()) == {1.0}  # the entry the refresh did not replace, whole
+    with cache.exclusive(key):
+        top_up = cache.lookup(key, range(14))
+        answers.append(_answer(top_up))
+        assert (top_up.missing, top_up.resumed) == ([12, 13], 2)  # 10, 11: indices it lacked
+        cache.store(key, _returns([12, 13], 1.0), {})
+        assert cache.shard_files(key) == []
+    for wanted in (10, 14):
+        again = cache.lookup(key, range(wanted))
+        assert (again.status, again.resumed) == ("hit", 0)
+        answers.append(_answer(again))
+    for answer in answers:  # one row per index, whichever request asked
+        assert answer == {i: answers[-1][i] for i in answer}
+    assert answers[-1] == {**{i: 1.0 for i in range(10)}, 10: 2.0, 11: 2.0, 12: 1.0, 13: 1.0}
+
+
+def test_the_shard_file_written_last_wins_an_index(tmp_path):
+    """Overlapping shard files (two killed refreshes): the newer one's rows, not the name order."""
+    cache = EpisodeCache(tmp_path)
+    key = "b2" * 32
+    cache.persist_shard(key, _returns([2, 3, 4, 5], 2.0))
+    cache.persist_shard(key, _returns([0, 1, 2, 3], 3.0))  # written later, its name sorts first
+    assert cache.shard_files(key)[0].name.startswith("0000000000-")
+    found = cache.lookup(key, range(6))
+    assert _answer(found) == {0: 3.0, 1: 3.0, 2: 3.0, 3: 3.0, 4: 2.0, 5: 2.0}
+    assert found.resumed == 6
+    with cache.exclusive(key):
+        cache.store(key, _returns([], 1.0), {})
+    assert _answer(cache.lookup(key, range(6))) == _answer(found)
