@@ -37,10 +37,15 @@ class SlotOutcome:
 
 
 def scalar_info(info: dict[str, Any]) -> dict[str, float]:
-    """The scalar (bool/int/float) entries of an ``info`` dict, as floats."""
+    """The scalar (bool/int/float) entries of an ``info`` dict, as floats.
+
+    A 0-d numpy array of a number (``flag.numpy()`` of a 0-d torch tensor, ``np.asarray(x)``) is
+    a scalar too: left out, an env's ``is_success`` of that form read as no answer.
+    """
     out: dict[str, float] = {}
     for key, value in info.items():
-        if isinstance(value, bool | int | float | np.bool_ | np.integer | np.floating):
+        if isinstance(value, bool | int | float | np.bool_ | np.integer | np.floating) or (
+                isinstance(value, np.ndarray) and value.ndim == 0 and value.dtype.kind in "biuf"):
             out[key] = float(value)
     return out
 

@@ -135,3 +135,11 @@ def test_a_fraction_in_an_integer_box_is_an_invalid_action_not_a_truncated_one()
     assert "2.7" in (bad[0].error or "")
     good = _run("IntegerBox", rng_envs.whole, box, 4)
     assert [(r.end_reason, r.episode_return) for r in good] == [("truncated", 10.0)] * 4
+
+
+def test_a_success_flag_given_as_a_0_d_array_is_read():
+    """``info["is_success"] = done.numpy()`` (a 0-d tensor's) is a 0-d array, not a numpy
+    scalar: it was dropped, and every episode's success read as no answer."""
+    (record,) = _run("ArrayInfo", rng_envs.uniform_logits, spaces.Discrete(2), 1, is_torch=True)
+    assert record.success is True
+    assert record.metrics == {"score": 2.5}  # a vector is no scalar metric
