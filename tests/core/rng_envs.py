@@ -9,6 +9,7 @@ from typing import Any
 
 import gymnasium as gym
 import numpy as np
+from gymnasium.envs.registration import WrapperSpec
 
 STEPS = 100
 
@@ -61,7 +62,23 @@ class IntegerBox(gym.Env[np.ndarray, np.ndarray]):
         return np.zeros(2, np.float32), float(np.asarray(action).sum()), False, False, {}
 
 
-for _name, _steps in (("CoinFlip", STEPS), ("GlobalNoise", 5), ("IntegerBox", 5)):
+class ArrayInfo(gym.Env[np.ndarray, int]):
+    """Ends at its first step, its final info's numbers as 0-d arrays (a 0-d tensor's ``.numpy()``)."""
+
+    observation_space = gym.spaces.Box(-1.0, 1.0, (2,), np.float32)
+    action_space = gym.spaces.Discrete(2)
+
+    def reset(self, *, seed: int | None = None, options: Any = None) -> tuple[np.ndarray, dict[str, Any]]:
+        super().reset(seed=seed)
+        return np.zeros(2, np.float32), {}
+
+    def step(self, action: int) -> tuple[np.ndarray, float, bool, bool, dict[str, Any]]:
+        info = {"is_success": np.array(True), "score": np.array(2.5),
+                "vector": np.array([1.0, 2.0])}
+        return np.zeros(2, np.float32), 1.0, True, False, info
+
+
+for _name, _steps in (("CoinFlip", STEPS), ("GlobalNoise", 5), ("IntegerBox", 5), ("ArrayInfo", 5)):
     gym.register(id=f"evalfleet-test/{_name}-v0", entry_point=f"{__name__}:{_name}",
                  max_episode_steps=_steps)
 
@@ -79,3 +96,20 @@ def fractional(obs: np.ndarray) -> np.ndarray:
 def whole(obs: np.ndarray) -> np.ndarray:
     """2.0 for an integer Box, as floats: an action of it."""
     return np.full((len(obs), 1), 2.0)
+
+
+# CartPole behind a NormalizeObservation wrapper registered with the spec: the wrapper's running
+# statistics live in the env instance, so an episode's observations depend on the episodes that
+# instance ran before it.
+gym.register(id="evalfleet-test/NormalizedCartPole-v0",
+             entry_point="gymnasium.envs.classic_control.cartpole:CartPoleEnv",
+             max_episode_steps=500,
+             additional_wrappers=(WrapperSpec("NormalizeObservation",
+                                              "gymnasium.wrappers:NormalizeObservation",
+                                              {"epsilon": 1e-8}),))
+
+
+def normalized_threshold(obs: np.ndarray) -> np.ndarray:
+    """Acts on the scale of the normalised observation: its returns follow the running statistics."""
+    obs = np.asarray(obs)
+    return (obs[:, 2] + 0.3 * obs[:, 3] + 0.2 * obs[:, 0] > 0.05).astype(np.int64)
