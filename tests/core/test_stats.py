@@ -255,13 +255,79 @@ def test_constant_sample_with_declared_bounds_gets_the_exact_one_sided_bound() -
     assert top.high == 500.0 and top.low == pytest.approx(500 - ci.high, rel=1e-12)
 
 
-def test_two_valued_returns_get_the_clopper_pearson_interval() -> None:
-    # Reference: scipy.stats.binomtest(1, 16).proportion_ci(method="exact").
-    ci = mean_ci([0.0] * 15 + [1.0], seed=0)
+def test_two_valued_returns_get_the_hull_of_clopper_pearson_and_t() -> None:
+    # Clopper-Pearson reference: scipy.stats.binomtest(1, 16).proportion_ci(method="exact") is
+    # (0.0015811117227692, 0.3023207384345610); it reaches further up, the t interval further down.
+    x = [0.0] * 15 + [1.0]
+    ci, t = mean_ci(x, seed=0), mean_ci(x, seed=0, method="t")
     assert ci.method == stats.METHOD_TWO_VALUES
-    assert (ci.low, ci.high) == pytest.approx((0.0015811117227692, 0.3023207384345610), rel=1e-9)
+    assert ci.low == t.low < 0.0015811117227692
+    assert ci.high == pytest.approx(0.3023207384345610, rel=1e-9)
     scaled = mean_ci([10.0] * 15 + [510.0], seed=0)
     assert (scaled.low, scaled.high) == pytest.approx((10 + 500 * ci.low, 10 + 500 * ci.high))
+    # Declared bounds clip the t side: 0/1 successes keep the Clopper-Pearson interval's width.
+    bounded = mean_ci(x, seed=0, bounds=(0, 1))
+    assert bounded.low == 0.0 and bounded.high == ci.high
+
+
+def _coverage(draw: Callable[[np.random.Generator], np.ndarray], mu: float, sims: int) -> float:
+    rng = np.random.default_rng(2024)
+    hits = 0
+    for i in range(sims):
+        ci = mean_ci(draw(rng), seed=i)
+        hits += ci.low <= mu <= ci.high
+    return hits / sims
+
+
+def test_a_sample_showing_two_of_three_possible_returns_keeps_the_level() -> None:
+    # Win/draw/loss returns (+1/0/-1): 31 draws and one win used to get Clopper-Pearson mapped
+    # onto [0, 1], which excludes every mean below 0.0008 although losses are possible.
+    ci = mean_ci([0.0] * 31 + [1.0], seed=0)
+    assert ci.low < 0.0 < ci.high
+    # P = (0.05, 0.9, 0.05), n = 16: the reported interval covered 49.5% (two-valued samples,
+    # 50% of them, almost never covered the true mean 0).
+    probs = (0.05, 0.9, 0.05)
+    coverage = _coverage(lambda g: g.choice([1.0, 0.0, -1.0], size=16, p=probs), 0.0, 3000)
+    assert coverage >= 0.93, coverage
+
+
+def test_two_episodes_of_a_continuous_return_keep_the_level() -> None:
+    # Any two distinct returns went to the two-values branch: an interval inside [min, max],
+    # which covers the mean of two normal returns 50% of the time. Student t with 1 df: 95%.
+    ci = mean_ci([95.0, 112.0], seed=0)
+    assert (ci.low, ci.high) == pytest.approx((-4.5031, 211.5031), abs=1e-3)
+    coverage = _coverage(lambda g: g.normal(100.0, 20.0, 2), 100.0, 3000)
+    assert coverage >= 0.93, coverage
+
+
+def test_success_rates_stay_narrow_under_the_two_values_hull() -> None:
+    # 3 successes in 32: Clopper-Pearson [0.0198, 0.2502]; the hull adds t's lower side only.
+    x = [0.0] * 29 + [1.0] * 3
+    low, high = intervals.clopper_pearson(3, 32, 0.95)
+    free, bounded = mean_ci(x, seed=0), mean_ci(x, seed=0, bounds=(0, 1))
+    assert free.high == bounded.high == pytest.approx(high, rel=1e-12)
+    assert free.low == pytest.approx(-0.01297, abs=1e-4) and bounded.low == 0.0
+    assert free.high - free.low < 1.15 * (high - low)
+    assert bounded.high - bounded.low < 1.1 * (high - low)
+
+
+def test_returns_equal_up_to_rounding_are_a_constant_sample() -> None:
+    # 0.1 + 0.2 == 0.30000000000000004: the sample was "two-valued" with a 3e-17-wide interval.
+    exact = mean_ci([0.3] * 16, seed=0)
+    jitter = mean_ci([0.3] * 15 + [0.1 + 0.2], seed=0)
+    assert jitter.method == exact.method == stats.METHOD_CONSTANT_UNIT
+    assert (jitter.low, jitter.high) == pytest.approx((exact.low, exact.high), rel=1e-12)
+    bounded = mean_ci([0.3] * 15 + [0.1 + 0.2], seed=0, bounds=(0, 1))
+    assert bounded.method == stats.METHOD_CONSTANT_BOUNDED and bounded.halfwidth > 0.1
+    # The tolerance is relative to the sample's magnitude: small returns that differ are distinct.
+    assert intervals.distinct_values(np.array([1e-9, 2e-9])) == 2
+    assert intervals.distinct_values(np.array([1e-9, 1.5e-9, 2e-9])) == 3
+    assert intervals.distinct_values(np.array([0.0, 1e-300])) == 2
+    assert intervals.distinct_values(np.array([0.0, 0.0])) == 1
+    assert intervals.distinct_values(np.sort(np.array([0.3, 0.1 + 0.2, 1.0, 1.0]))) == 2
+    assert mean_ci([1e-9] * 15 + [2e-9], seed=0).method == stats.METHOD_TWO_VALUES
+    assert not stats.has_spread(np.array([0.3, 0.1 + 0.2, 0.3]))
+    assert stats.has_spread(np.array([2e-9, 1e-9])) and not stats.has_spread(np.array([5.0]))
 
 
 def test_skew_corrected_t_is_the_t_interval_on_symmetric_returns() -> None:
@@ -354,13 +420,41 @@ def test_paired_comparison_of_constant_samples_is_degenerate() -> None:
     assert cmp.verdict == "better"
 
 
-def test_paired_ci_is_the_headline_interval_of_the_differences() -> None:
+def test_paired_ci_is_the_hull_of_the_headline_and_the_t_interval() -> None:
     rng = np.random.default_rng(5)
     base = rng.normal(size=30)
     new = base + rng.normal(0.2, 0.5, size=30)
     cmp = paired_comparison(new, base, seed=9)
-    assert cmp.ci == mean_ci(new - base, seed=9, method="auto")
-    assert cmp.ci.method == stats.METHOD_SKEW_T
+    auto = mean_ci(new - base, seed=9, method="auto")
+    t = mean_ci(new - base, seed=9, method="t")
+    assert auto.method == stats.METHOD_SKEW_T
+    assert (cmp.ci.low, cmp.ci.high) == (min(auto.low, t.low), max(auto.high, t.high))
+    assert cmp.ci.method == stats.METHOD_SKEW_T_OR_T
+
+
+def test_sparse_disagreements_need_the_t_interval_too_for_a_verdict() -> None:
+    # 0/1 returns, 500 pairs: 10 where only the new policy succeeds, 3 where only the baseline
+    # does. The exact sign test gives p = 0.092; the skew-corrected t alone said "better".
+    base = np.zeros(500)
+    base[10:13] = 1.0
+    new = base.copy()
+    new[:10], new[10:13] = 1.0, 0.0
+    cmp = paired_comparison(new, base, seed=0)
+    assert cmp.verdict == "not distinguishable", cmp.ci
+    assert cmp.ci.low < 0.0 < cmp.ci.high
+
+
+def test_identical_policies_with_sparse_disagreements_get_few_false_verdicts() -> None:
+    # Two identical 0/1 policies on 500 shared seeds, 2% of pairs discordant (either way): the
+    # skew-corrected t alone gave 6.8% false "better"/"worse" verdicts at a nominal 5%.
+    rng = np.random.default_rng(0)
+    sims, wrong = 2000, 0
+    for s in range(sims):
+        base = (rng.random(500) < 0.5).astype(float)
+        new = np.where(rng.random(500) < 0.02, 1.0 - base, base)
+        cmp = paired_comparison(new, base, seed=s, n_boot=100)
+        wrong += cmp.verdict in ("better", "worse")
+    assert wrong / sims <= 0.055, wrong / sims
 
 
 def test_paired_verdict_needs_min_pairs() -> None:
@@ -676,8 +770,12 @@ def test_paired_comparison_properties(
         expected = "too few pairs"
     assert cmp.verdict == expected
     diffs = np.asarray(new) - np.asarray(base)
-    method = "auto" if len(np.unique(diffs)) >= 3 else "t"
-    assert cmp.ci == mean_ci(diffs, seed=seed, n_boot=N_BOOT, method=method)
+    t = mean_ci(diffs, seed=seed, n_boot=N_BOOT, method="t")
+    if intervals.distinct_values(np.sort(diffs)) < 3:
+        assert cmp.ci == t
+    else:
+        auto = mean_ci(diffs, seed=seed, n_boot=N_BOOT, method="auto")
+        assert cmp.ci == intervals.hull(auto, t, stats.METHOD_SKEW_T_OR_T)
     # Reordering the episode pairs changes nothing.
     order = data.draw(st.permutations(range(len(new))))
     reordered = paired_comparison(

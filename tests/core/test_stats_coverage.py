@@ -47,6 +47,11 @@ SHAPES: dict[str, tuple[Draw, float, tuple[float, float] | None, float]] = {
     "normal(100,20)": (lambda g, n: g.normal(100.0, 20.0, n), 100.0, None, 3.0),
 }
 CASES = [(shape, first) for shape in SHAPES for first in (16, 32)]
+#: Most a fixed-n interval may cover ("not absurdly wide"). Two-valued samples get the hull of
+#: Clopper-Pearson and the t interval, which stays valid when a sample shows two values of a wider
+#: support; on returns that really are 0/1 at p = 0.1 that costs width on the lower side: exact
+#: binomial coverage 99.67% at n = 16 and 32 (Clopper-Pearson alone 98.3% and 98.8%).
+MAX_FIXED_COVERAGE: dict[str, float] = {"bernoulli-0.1": 0.999, "bimodal-0/500-p0.1": 0.999}
 
 
 def wilson_lower(covered: int, n: int, z: float = Z99) -> float:
@@ -100,7 +105,7 @@ def test_fixed_n_interval_covers_at_least_94_percent(shape: str, n: int) -> None
     coverage = fixed_coverage(shape, n)
     check(coverage, f"fixed n={n} {shape}")
     # Not absurdly wide either.
-    assert coverage <= 0.995, f"fixed n={n} {shape}: coverage {coverage:.4f}"
+    assert coverage <= MAX_FIXED_COVERAGE.get(shape, 0.995), f"fixed n={n} {shape}: coverage {coverage:.4f}"
 
 
 @pytest.mark.slow
