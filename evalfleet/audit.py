@@ -8,7 +8,7 @@
   ``K = 1 + ceil(log2(max_episodes / episodes))``, and every look uses the interval at level
   ``1 - 0.05 / K`` (Bonferroni): the reported interval, the one of the look that stopped, then
   misses the true mean with probability at most 5% whatever the stopping rule did. A look whose
-  returns have no spread (all equal) never stops early.
+  returns have no spread (all equal, up to float rounding) never stops early.
 - Determinism audit: a seeded sample of episodes (2%, at least 2) runs a second time on the
   cluster; any difference in return or length flags ``non_deterministic_env`` with the seeds.
 - Reward integrity: identical returns across episodes of varying length flag a constant or gamed
@@ -21,6 +21,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,7 +29,7 @@ import numpy as np
 import pyarrow as pa
 
 from evalfleet import stats
-from evalfleet.models import EndReason, EvalRequest
+from evalfleet.models import EndReason, EvalRequest, Shard
 from evalfleet.report import FAILURE_ALARM_RATE
 from evalfleet.scoring import outcomes, row_kinds, scored_returns
 
@@ -112,7 +113,8 @@ class RoundSchedule:
         interval = (
             stats.mean_ci(returns, seed=r.seed, level=level) if returns.size else None
         )
-        spread = returns.size >= 2 and bool(returns.min() < returns.max())
+        # Values equal up to float rounding (0.1 + 0.2 among 0.3s) are no spread either.
+        spread = stats.has_spread(returns)
         halfwidth = interval.halfwidth if interval is not None else math.inf
         self.rounds.append({
             "round": len(self.rounds) + 1, "episodes": n, "scored": int(returns.size),
@@ -166,13 +168,39 @@ class RoundSchedule:
         }
 
 
-def audit_sample(indices: list[int], seed: int) -> list[int]:
-    """The episodes the determinism audit re-runs: 2% of them, at least 2, seeded."""
+def audit_size(episodes: int) -> int:
+    """How many of ``episodes`` the determinism audit re-runs: 2%, at least 2 (all, of fewer)."""
+    return min(episodes, max(AUDIT_MIN, math.ceil(AUDIT_FRACTION * episodes)))
+
+
+def audit_sample(indices: list[int], seed: int, reused: Sequence[int] = ()) -> list[int]:
+    """The episodes the determinism audit re-runs: ``audit_size`` of them, seeded.
+
+    ``reused``: episodes that ran on an env instance an earlier episode of their shard had used
+    (``reused_instances``). At least one of them is among those re-run, each on a fresh instance:
+    an env that carries state from one episode to the next (a ``NormalizeObservation`` wrapper's
+    running statistics) gives returns that depend on which episodes shared its instance, so on
+    the concurrency and worker count, and that audit pair tells. A sample drawn from all indices
+    alone missed them with a probability of up to 1 in 20.
+    """
     if not indices:
         return []
-    k = min(len(indices), max(AUDIT_MIN, math.ceil(AUDIT_FRACTION * len(indices))))
     rng = np.random.default_rng([seed, 0xA0D17])
-    return sorted(int(i) for i in rng.choice(np.asarray(indices), size=k, replace=False))
+    picked = [int(i) for i in rng.choice(np.asarray(indices), size=audit_size(len(indices)),
+                                         replace=False)]
+    late = sorted(set(reused).intersection(indices))
+    if late and not set(late).intersection(picked):
+        picked[-1] = int(rng.choice(np.asarray(late)))
+    return sorted(picked)
+
+
+def reused_instances(shards: Sequence[Shard]) -> list[int]:
+    """Episodes of ``shards`` that start on an env instance an earlier episode used.
+
+    A shard's ``slots`` instances take its first ``slots`` episodes; each later one takes the
+    instance an ended episode freed.
+    """
+    return [i for shard in shards for i in shard.episode_indices[shard.slots:]]
 
 
 def _timing_dependent(reason: str) -> bool:

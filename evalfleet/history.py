@@ -524,8 +524,8 @@ def assess(
     comparison: dict[str, Any] | None = None
     note = None
     if best is None:  # earlier checkpoints, none trusted: nothing to compare with, no pass
-        steps = sorted(c.step for c in earlier)
-        listed = ", ".join(str(s) for s in steps[:5]) + (", ..." if len(steps) > 5 else "")
+        faulty = sorted(c.step for c in earlier)
+        listed = ", ".join(str(s) for s in faulty[:5]) + (", ..." if len(faulty) > 5 else "")
         verdict = "no_paired_episodes"
         note = (f"every earlier checkpoint of this training run (steps {listed}) was a harness "
                 "fault (more than 5% of its episodes failed in the harness), so none is trusted "

@@ -19,8 +19,10 @@ from evalfleet import cluster
 from evalfleet.audit import (
     RoundSchedule,
     audit_sample,
+    audit_size,
     compare_with_baseline,
     determinism_audit,
+    reused_instances,
     reward_integrity,
     step_rewards,
 )
@@ -305,9 +307,9 @@ def plan(
     round_indices = sorted(set(found.missing) | set(found.stored.column("episode_index").to_pylist()))
     # Audit rounds that run something, and rows from shard files (an interrupted evaluation's,
     # never audited); a full hit of the entry was audited when it was stored.
-    audit = (audit_sample(round_indices, request.seed)
-             if request.audit and (found.missing or found.resumed) else [])
-    work = len(found.missing) + len(audit)
+    audited = (audit_size(len(round_indices))
+               if request.audit and (found.missing or found.resumed) else 0)
+    work = len(found.missing) + audited
     slots = cluster.worker_slots(address) if work and address else 1
     slots = min(slots, max_shards) if max_shards else slots
     if work and address is None:
@@ -317,6 +319,8 @@ def plan(
         total_episodes=episodes,
     ), request)
     shards = list(shard_plan.shards)
+    audit = (audit_sample(round_indices, request.seed, reused=reused_instances(shards))
+             if audited else [])
     if audit:
         ledger = SeedLedger(request.seed)
         shards.append(Shard(shard_id=len(shards), episode_indices=audit,
