@@ -7,8 +7,14 @@ The reported interval of the mean (``"auto"``) must hold its level at the small 
 adaptive round (16-32 episodes) and for 0/1-type returns, where bootstrap percentile intervals
 cover only 91-93% and a sample with no success gives ``[0, 0]``:
 
-* three or more distinct values: Student t with Hall's (1992) skewness correction, the skewness
-  bias-adjusted (``G1``); analytic, so it needs no resamples and no seed;
+* three or more distinct values: the hull of Student t with Hall's (1992) skewness correction,
+  the skewness bias-adjusted (``G1``), and the plain Student t interval; analytic, so it needs no
+  resamples and no seed. The correction alone holds the level on skewed returns (50 +
+  Exponential(40) at n = 16: 94.5%, against 90.2% for a percentile bootstrap), but its sample
+  skewness swings with chance imbalances of rare outcomes: sparse win/draw/loss returns (a 5%
+  win, a 5% loss) covered 93.1% at n = 100, and paired -1/0/+1 differences gave identical
+  policies 6-7.5% false verdicts. The hull covers 95-96% on both kinds and on the coverage
+  suite (``tests/core/test_stats_coverage.py``);
 * two distinct values ``a < b``: the hull (union) of the Clopper-Pearson interval of the share
   at ``b``, mapped onto ``[a, b]``, and the Student t interval, clipped to declared ``bounds``.
   Clopper-Pearson alone is exact only when ``a`` and ``b`` are the only possible returns; a
@@ -61,7 +67,6 @@ __all__ = [
     "METHOD_CONSTANT_BOUNDED",
     "METHOD_CONSTANT_UNIT",
     "METHOD_PERCENTILE",
-    "METHOD_SKEW_T",
     "METHOD_SKEW_T_OR_T",
     "METHOD_T",
     "METHOD_TWO_VALUES",
@@ -74,7 +79,6 @@ __all__ = [
     "containing",
     "distinct_values",
     "has_spread",
-    "hull",
     "normal_quantile",
     "percentile_interval",
     "t_interval",
@@ -92,10 +96,8 @@ METHOD_BCA: Final = "bootstrap-bca"
 METHOD_BCA_FALLBACK: Final = "bootstrap-percentile (bca degenerate)"
 METHOD_WILSON: Final = "wilson"
 METHOD_T: Final = "t"
-#: ``method="auto"`` on three or more distinct values.
-METHOD_SKEW_T: Final = "skew-corrected t (Hall)"
-#: Paired comparisons on three or more distinct differences: the hull of the skew-corrected and
-#: the plain t interval (see :func:`evalfleet.stats.paired_comparison`).
+#: ``method="auto"`` on three or more distinct values (the headline, and paired differences): the
+#: hull of the skew-corrected and the plain t interval (see the module docstring).
 METHOD_SKEW_T_OR_T: Final = "hull of skew-corrected t (Hall) and t"
 #: ``method="auto"`` on exactly two distinct values.
 METHOD_TWO_VALUES: Final = "hull of clopper-pearson and t (two values)"
@@ -147,7 +149,7 @@ class Interval:
     """Confidence level, e.g. ``0.95``."""
     method: str
     """How it was computed: one of the ``METHOD_*`` names of this module, e.g.
-    ``"skew-corrected t (Hall)"``, ``"bootstrap-percentile"``, ``"wilson"``, ``"t"``, or
+    ``"hull of skew-corrected t (Hall) and t"``, ``"bootstrap-percentile"``, ``"wilson"``, ``"t"``, or
     ``"bootstrap-percentile (bca degenerate)"`` when BCa fell back."""
 
     def __post_init__(self) -> None:
@@ -179,14 +181,6 @@ def containing(low: float, high: float, estimate: float, level: float, method: s
     """
     return Interval(
         low=min(float(low), estimate), high=max(float(high), estimate), level=level, method=method
-    )
-
-
-def hull(first: Interval, second: Interval, method: str) -> Interval:
-    """The smallest interval containing both (same level): valid wherever either one is."""
-    return Interval(
-        low=min(first.low, second.low), high=max(first.high, second.high), level=first.level,
-        method=method,
     )
 
 
@@ -317,9 +311,11 @@ def auto_interval(
             low, high = max(low, bounds[0]), min(high, bounds[1])
         return containing(low, high, mean, level, METHOD_TWO_VALUES)
     low, high = _skew_t_bounds(x, mean, std, level)
+    t = t_interval(x, mean, std, level)
+    low, high = min(low, t.low), max(high, t.high)
     if bounds is not None:
         low, high = max(low, bounds[0]), min(high, bounds[1])
-    return containing(low, high, mean, level, METHOD_SKEW_T)
+    return containing(low, high, mean, level, METHOD_SKEW_T_OR_T)
 
 
 def _skew_t_bounds(x: FloatArray, mean: float, std: float, level: float) -> tuple[float, float]:

@@ -30,7 +30,6 @@ from evalfleet.intervals import (
     METHOD_CONSTANT_BOUNDED,
     METHOD_CONSTANT_UNIT,
     METHOD_PERCENTILE,
-    METHOD_SKEW_T,
     METHOD_SKEW_T_OR_T,
     METHOD_T,
     METHOD_TWO_VALUES,
@@ -43,7 +42,6 @@ from evalfleet.intervals import (
     check_level,
     distinct_values,
     has_spread,
-    hull,
     normal_quantile,
     percentile_interval,
     t_interval,
@@ -56,7 +54,6 @@ __all__ = [
     "METHOD_CONSTANT_BOUNDED",
     "METHOD_CONSTANT_UNIT",
     "METHOD_PERCENTILE",
-    "METHOD_SKEW_T",
     "METHOD_SKEW_T_OR_T",
     "METHOD_T",
     "METHOD_TWO_VALUES",
@@ -245,11 +242,12 @@ def mean_ci(
         level: Confidence level in (0, 1).
         n_boot: Number of bootstrap resamples (at least 100).
         bounds: Declared ``(low, high)`` range of a return, used by ``"auto"`` only.
-        method: ``"auto"`` (the reported interval: skewness-corrected t, the hull of
-            Clopper-Pearson and t for two-valued returns, an exact bound for a constant sample; see
-            :mod:`evalfleet.intervals`), ``"percentile"`` (bootstrap percentile), ``"bca"``
-            (bias-corrected and accelerated bootstrap; falls back to percentile, and says so in
-            ``method``, when the bootstrap distribution is degenerate) or ``"t"`` (Student t, no resampling).
+        method: ``"auto"`` (the reported interval: the hull of skewness-corrected and plain t,
+            the hull of Clopper-Pearson and t for two-valued returns, an exact bound for a
+            constant sample; see :mod:`evalfleet.intervals`), ``"percentile"`` (bootstrap
+            percentile), ``"bca"`` (bias-corrected and accelerated bootstrap; falls back to
+            percentile, and says so in ``method``, when the bootstrap distribution is
+            degenerate) or ``"t"`` (Student t, no resampling).
     """
     x = _sorted_returns(values, "returns")
     check_level(level)
@@ -307,9 +305,9 @@ def paired_comparison(
     policy. The interval of the differences keeps the correlation the shared seeds induce, so
     ``ci`` is usually much narrower than ``unpaired_ci``.
 
-    When the differences take three or more values, ``ci`` is the hull of the headline's
-    interval of the mean, ``mean_ci(new - baseline, method="auto")`` (skew-corrected t), and the
-    Student t interval (``method="t"``), so a verdict needs both to exclude 0. On -1/0/+1
+    When the differences take three or more values, ``ci`` is the headline's interval of the
+    mean, ``mean_ci(new - baseline, method="auto")``: the hull of the skew-corrected and the
+    Student t interval, so a verdict needs both to exclude 0. On -1/0/+1
     differences where most pairs tie, the sample skewness follows the sign of the mean
     difference and the skew correction pushes the interval away from 0: for two identical
     policies with 0/1 returns it alone gave 5.6-7.5% false verdicts at a nominal 5% (100 pairs,
@@ -585,15 +583,14 @@ def _is_constant(x: FloatArray) -> bool:
 
 
 def _paired_interval(diffs: FloatArray, mean: float, level: float) -> Interval:
-    """Interval of the mean difference: hull of ``"auto"`` and t on 3+ values, else t.
+    """Interval of the mean difference: ``"auto"`` on 3+ values, else t.
 
-    See :func:`paired_comparison` for why.
+    ``"auto"`` is there the hull of the skew-corrected and the plain t interval; see
+    :func:`paired_comparison` for why.
     """
-    t = _mean_interval(diffs, mean, np.empty(0), level, "t")
     if distinct_values(diffs) < 3:
-        return t
-    auto = _mean_interval(diffs, mean, np.empty(0), level, "auto")
-    return hull(auto, t, METHOD_SKEW_T_OR_T)
+        return _mean_interval(diffs, mean, np.empty(0), level, "t")
+    return _mean_interval(diffs, mean, np.empty(0), level, "auto")
 
 
 def _mean_interval(
