@@ -19,58 +19,43 @@ def env_id(name: str) -> str:
     return f"{__name__}:evalfleet-test/{name}-v0"
 
 
-class CoinFlip(gym.Env[np.ndarray, int]):
-    """Each step flips a coin with the env's own ``np_random``; reward 1 when the action matches."""
+class _Blank(gym.Env[np.ndarray, Any]):
+    """Two zero observations, reset by seed: what differs is each subclass's ``step``."""
 
     observation_space = gym.spaces.Box(-1.0, 1.0, (2,), np.float32)
-    action_space = gym.spaces.Discrete(2)
+    action_space: gym.spaces.Space[Any] = gym.spaces.Discrete(2)
 
     def reset(self, *, seed: int | None = None, options: Any = None) -> tuple[np.ndarray, dict[str, Any]]:
         super().reset(seed=seed)
         return np.zeros(2, np.float32), {}
+
+
+class CoinFlip(_Blank):
+    """Each step flips a coin with the env's own ``np_random``; reward 1 when the action matches."""
 
     def step(self, action: int) -> tuple[np.ndarray, float, bool, bool, dict[str, Any]]:
         coin = int(self.np_random.random() >= 0.5)
         return np.zeros(2, np.float32), float(int(action) == coin), False, False, {}
 
 
-class GlobalNoise(gym.Env[np.ndarray, int]):
+class GlobalNoise(_Blank):
     """An old-style env: its rewards come from numpy's global RNG, which ``reset(seed=)`` leaves be."""
-
-    observation_space = gym.spaces.Box(-1.0, 1.0, (2,), np.float32)
-    action_space = gym.spaces.Discrete(2)
-
-    def reset(self, *, seed: int | None = None, options: Any = None) -> tuple[np.ndarray, dict[str, Any]]:
-        super().reset(seed=seed)
-        return np.zeros(2, np.float32), {}
 
     def step(self, action: int) -> tuple[np.ndarray, float, bool, bool, dict[str, Any]]:
         return np.zeros(2, np.float32), float(np.random.uniform()), False, False, {}
 
 
-class IntegerBox(gym.Env[np.ndarray, np.ndarray]):
+class IntegerBox(_Blank):
     """An integer ``Box`` action; the reward is the action it gets."""
 
-    observation_space = gym.spaces.Box(-1.0, 1.0, (2,), np.float32)
     action_space = gym.spaces.Box(0, 3, (1,), np.int64)
-
-    def reset(self, *, seed: int | None = None, options: Any = None) -> tuple[np.ndarray, dict[str, Any]]:
-        super().reset(seed=seed)
-        return np.zeros(2, np.float32), {}
 
     def step(self, action: np.ndarray) -> tuple[np.ndarray, float, bool, bool, dict[str, Any]]:
         return np.zeros(2, np.float32), float(np.asarray(action).sum()), False, False, {}
 
 
-class ArrayInfo(gym.Env[np.ndarray, int]):
+class ArrayInfo(_Blank):
     """Ends at its first step, its final info's numbers as 0-d arrays (a 0-d tensor's ``.numpy()``)."""
-
-    observation_space = gym.spaces.Box(-1.0, 1.0, (2,), np.float32)
-    action_space = gym.spaces.Discrete(2)
-
-    def reset(self, *, seed: int | None = None, options: Any = None) -> tuple[np.ndarray, dict[str, Any]]:
-        super().reset(seed=seed)
-        return np.zeros(2, np.float32), {}
 
     def step(self, action: int) -> tuple[np.ndarray, float, bool, bool, dict[str, Any]]:
         info = {"is_success": np.array(True), "score": np.array(2.5),
