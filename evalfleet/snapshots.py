@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import copy
 import enum
+import functools
 import hashlib
 import io
 import os
 import sys
 import tempfile
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -134,10 +135,34 @@ def module_extras(module: torch.nn.Module) -> dict[str, Any]:
         for name, buf in sub._buffers.items():
             if buf is not None and name in sub._non_persistent_buffers_set:
                 out[f"{dot}{name}"] = _copied(buf)
-        for name, value in vars(sub).items():
-            if not name.startswith("_") and name != "training" and _plain(value):
+        for name, value in _attributes(sub):
+            if _plain(value):
                 out[f"{dot}{name}"] = _copied(value)
     return out
+
+
+def _attributes(sub: torch.nn.Module) -> Iterator[tuple[str, Any]]:
+    """The attributes of ``sub`` its forward may read besides parameters, buffers and submodules.
+
+    ``nn.Module``'s own bookkeeping is left out, and so are the private attributes of torch's own
+    modules (an LSTM's ``_flat_weights`` are its parameters). A private attribute of a module of
+    the user's (``self._scale``, ``self._mean``) counts like a public one: a compiled copy keeps it
+    the same way.
+    """
+    internal = _module_internals()
+    own = not type(sub).__module__.startswith("torch.")
+    for name, value in vars(sub).items():
+        if name in internal or (name.startswith("_") and not own):
+            continue
+        yield name, value
+
+
+@functools.cache
+def _module_internals() -> frozenset[str]:
+    """The attributes every ``nn.Module`` sets on itself (``training``, ``_parameters``, hooks...)."""
+    import torch
+
+    return frozenset(vars(torch.nn.Module()))
 
 
 def _same(a: dict[str, Any], b: dict[str, Any] | None) -> bool:
@@ -183,8 +208,8 @@ def _check_kept(template: torch.nn.Module, scripted: Any) -> None:
         twin = compiled.get(prefix)
         if twin is None:
             continue
-        for name, value in vars(sub).items():
-            if name.startswith("_") or name == "training" or _plain(value):
+        for name, value in _attributes(sub):
+            if _plain(value):
                 continue
             if twin._c.hasattr(name):
                 path = f"{prefix}.{name}" if prefix else name

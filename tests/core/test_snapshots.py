@@ -154,3 +154,35 @@ def test_other_attributes_are_still_carried_over_or_ignored(tmp_path):
         assert torch.equal(_out(writer.write(snapshot_weights(module)), x), module(x))
     assert {"kept", "device", "dtype", "bounds"} <= set(module_extras(module))
     assert "opaque" not in module_extras(module)
+
+
+class Private(torch.nn.Module):
+    """An action scale and a normaliser's mean kept under private names."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(2, 2)
+        self._scale = 1.0
+        self._mean = torch.zeros(2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear((x - self._mean) * self._scale)
+
+
+def test_private_attributes_of_the_users_module_are_carried_over(tmp_path):
+    """``self._scale``/``self._mean`` were skipped like ``nn.Module``'s own bookkeeping: the
+    second trigger wrote the first one's file (same sha256: a cache hit on step 1's episodes,
+    labelled step 2)."""
+    module, x = Private(), torch.tensor([[1.0, 2.0]])
+    writer = PolicyWriter(tmp_path, None)
+    first = writer.write(snapshot_weights(module))
+    module._scale, module._mean = 5.0, torch.tensor([3.0, -3.0])
+    second = writer.write(snapshot_weights(module))
+    with torch.no_grad():
+        assert second != first
+        assert torch.equal(_out(second, x), module(x))
+    assert {"_scale", "_mean"} <= set(module_extras(module))
+    # torch's own modules keep their private bookkeeping to themselves: an LSTM still writes.
+    lstm = torch.nn.LSTM(2, 3)
+    assert not any(k.split(".")[-1].startswith("_") for k in module_extras(lstm))
+    PolicyWriter(tmp_path / "lstm", None).write(snapshot_weights(lstm))
