@@ -31,7 +31,7 @@ from prefect import flow
 from evalfleet.audit import RoundSchedule
 from evalfleet.cluster import WorkersWatch, client_for, installed, lost_workers
 from evalfleet.errors import ClusterLost, OutputsMissing
-from evalfleet.models import EvalReport, EvalRequest
+from evalfleet.models import OUTPUT_MISSING, EvalReport, EvalRequest
 from evalfleet.pipeline import (
     Collected,
     Received,
@@ -201,7 +201,7 @@ class FeedBackLane:
         context = contextvars.copy_context()
         future = self._pool.submit(context.run, recorded_feed_back, request)
         self._futures[request.request_id] = future
-        future.add_done_callback(lambda f: self._check(request, f))
+        future.add_done_callback(lambda f: self._check(request, report, f))
         return future
 
     def result(self, request_id: str) -> Future[EvalReport] | None:
@@ -220,15 +220,16 @@ class FeedBackLane:
         """Wait until every queued stage 7 has finished, at most ``timeout`` seconds in all.
 
         Raises ``TimeoutError`` when some are still running after it, and ``OutputsMissing``
-        naming each evaluation whose stage 7 failed or could not produce an output asked for
-        (each is raised once: a later drain raises only new ones).
+        naming each evaluation whose stage 7 failed, could not produce an output asked for, or
+        found an alarm (a harness fault) its returned result lacked (each is raised once: a
+        later drain raises only new ones).
         """
         self.wait(timeout)
         with self._problems_lock:
             problems, self._problems = self._problems, []
         if problems:
-            raise OutputsMissing("results were returned, but not everything asked for with them "
-                                 "was produced: " + "; ".join(problems))
+            raise OutputsMissing("results were returned, but their stage 7 did not end as they "
+                                 "said: " + "; ".join(problems))
 
     def close(self) -> None:
         """Finish what is queued, then stop the thread; raises what ``drain`` raises."""
@@ -237,18 +238,30 @@ class FeedBackLane:
         finally:
             self._pool.shutdown(wait=True)
 
-    def _check(self, request: EvalRequest, future: Future[EvalReport]) -> None:
-        """Note a failed stage 7, or one missing an output, for the next ``drain()`` to raise."""
+    def _check(self, request: EvalRequest, returned: EvalReport, future: Future[EvalReport]) -> None:
+        """Note what the next ``drain()`` raises: a failed stage 7, or what its result lacked.
+
+        An output it could not produce, an alarm or a harness fault it found that the
+        ``returned`` result did not carry. Stage 7 replays episodes: ``recording_incomplete``
+        (a harness fault) and ``replay_nondeterminism`` come from there, after the numbers.
+        """
         err = future.exception()
         folder = Path(run_dir(request.output, request.request_id))
         if err is not None:
             logger.error("feed back of %s failed: %s; the episodes are in %s", request.request_id,
                          err, folder)
-            problem = f"{request.request_id}: stage 7 failed ({type(err).__name__}: {err}; the " \
-                      f"episodes are in {folder})"
-        elif future.result().missing_outputs:
-            problem = f"{request.request_id}: {'; '.join(future.result().missing_outputs)}"
+            problems = [f"stage 7 failed ({type(err).__name__}: {err}; the episodes are in "
+                        f"{folder})"]
         else:
-            return
-        with self._problems_lock:
-            self._problems.append(problem)
+            final = future.result()
+            problems = list(final.missing_outputs)
+            had = {a.split(":", 1)[0] for a in returned.alarms}
+            late = [a for a in final.alarms
+                    if a.split(":", 1)[0] not in had and a.split(":", 1)[0] != OUTPUT_MISSING]
+            if late:
+                problems.append("alarms the returned result did not carry: " + "; ".join(late))
+            if final.harness_fault and not returned.harness_fault:
+                problems.append("the evaluation is a harness fault (the returned result said not)")
+        if problems:
+            with self._problems_lock:
+                self._problems.append(f"{request.request_id}: {'; '.join(problems)}")

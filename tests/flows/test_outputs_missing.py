@@ -117,3 +117,27 @@ def test_flush_and_shutdown_raise_what_the_fast_path_could_not_produce(prefect_s
         ev.shutdown()
     assert f"{second.request_id}: the callback to the trainer" in str(raised.value)
     assert "on_result raised for step 2" in str(raised.value)
+
+
+def test_flush_raises_an_alarm_stage_7_found_after_the_numbers_went_back(prefect_server, tmp_path):
+    """Videos asked for, and the renderer breaks in stage 7's replays: the full flow says
+    ``recording_incomplete`` and a harness fault; the fast path returned neither, and ``flush()``
+    raised nothing, so the trainer never heard of it."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    runner = LocalFlowRunner(workers=1)
+    ev = Evaluator(env="tests.flows.render_envs:RenderDiesLater-v0", num_episodes=6,
+                   concurrency=6, record_video=2, output=tmp_path / "out", runner=runner)
+    try:
+        fast = ev.evaluate(net, step=1)
+        assert fast["eval/harness_fault"] is False  # what the trainer got first
+        with pytest.raises(OutputsMissing) as raised:
+            ev.flush(timeout=300)
+        text = str(raised.value)
+        assert f"{fast['report'].request_id}: alarms the returned result did not carry: " \
+               "recording_incomplete: wrote" in text
+        assert "the evaluation is a harness fault (the returned result said not)" in text
+        final = ev.final_report(fast["report"].request_id).result()
+        assert final.harness_fault
+    finally:
+        ev.shutdown(wait=False)
