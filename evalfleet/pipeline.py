@@ -627,9 +627,10 @@ def review(
         result = replays.placed(folder)
         logger.info("replayed %d episodes on %s in %.2f s%s", len(result.episodes), device,
                     replays.seconds, " on a worker" if collected_replays is not None else "")
-        if result.trajectories is not None and result.trajectories.num_rows:
+        if request.record_trajectories and result.trajectories is not None:
             files.append(write_table(result.trajectories, folder / "trajectories.parquet"))
-            trajectories = len(set(result.trajectories.column("episode_index").to_pylist()))
+            # Replayed for it, rows or not: a failure at an episode's first step leaves none.
+            trajectories = len(result.trajectory_episodes)
         videos = dict(result.videos)
         files += list(videos.values())
         actions = dict(result.actions, note="replayed: worst, best, failed, then a seeded sample")

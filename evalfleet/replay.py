@@ -141,6 +141,9 @@ class ReplayResult:
     """Episodes not replayed at all, with why."""
     video_skipped: dict[int, str] = field(default_factory=dict)
     """Episodes replayed without a video, with why (env cannot render, writer failed, ...)."""
+    trajectory_episodes: tuple[int, ...] = ()
+    """Episodes replayed for their trajectory, a 0-step one (a failure at its first step) too:
+    it has no rows and is no shortfall."""
 
     @property
     def reproducible(self) -> bool:
@@ -469,10 +472,15 @@ def _finish_video(ep: _Episode, sink: VideoSink | None) -> tuple[_Episode, Path 
         return ep, None, f"writing the video failed: {error_text(err)}"
 
 
+#: End reasons set by a clock (a sandbox's wall-clock limits, a hung policy forward) or by the
+#: infrastructure: a replay runs until its own limits, so its length says nothing of determinism.
+CLOCKED = frozenset({*UNSAFE_TO_REPLAY, EndReason.POLICY_TIMEOUT.value})
+
+
 def _compare(
     ep: _Episode, expected: tuple[float, int] | None, recorded_reason: str | None
 ) -> tuple[bool | None, str | None]:
-    if expected is None:
+    if expected is None or recorded_reason in CLOCKED:  # not compared: see ``CLOCKED``
         return None, None
     ret, length = expected
     same = ep.ret == ret and ep.length == length  # exact: returns are replayable bit for bit
@@ -606,7 +614,9 @@ def record_episodes(
     - ``expected``: recorded ``(return, length)`` by index; every replay is compared exactly and
       differences are listed in ``result.mismatches``. ``end_reasons`` (recorded end reason by
       index) adds the end reason to the comparison and skips episodes recorded as ``timeout``,
-      ``crashed`` or ``oom`` (replaying those could hang or kill this process).
+      ``crashed`` or ``oom`` (replaying those could hang or kill this process) and
+      ``policy_timeout`` (the policy's forward hung); episodes a clock ended (``CLOCKED``) are
+      not compared.
     - ``video_format``: ``"auto"``, ``"mp4"`` or ``"gif"``.
     - ``video_for`` / ``trajectories_for``: the episode indices that get a video / trajectory
       rows (default: all of ``episodes``), so ``--record-video 3 --record-trajectories 10`` is
@@ -633,6 +643,10 @@ def record_episodes(
     todo: list[tuple[int, int]] = []
     for index, seed in episodes:
         reason = end_reasons.get(index)
+        if reason == EndReason.POLICY_TIMEOUT.value:  # the policy runs here: it would hang here
+            skipped[index] = ("recorded as policy_timeout: its policy forward did not return; "
+                              "not replayed (the forward would hang this process too)")
+            continue
         # A sandbox contains a hang or a crash, but replaying one costs its whole timeout: only
         # for an episode whose video or trajectory was asked for.
         recorded = (video_for is not None and index in video_for) or (
@@ -714,4 +728,6 @@ def record_episodes(
         mismatches=tuple(mismatches),
         skipped=skipped,
         video_skipped=video_skipped,
+        trajectory_episodes=tuple(e.episode_index for e in replayed
+                                  if trajectories and e.episode_index in wants_rows),
     )

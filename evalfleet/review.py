@@ -154,7 +154,8 @@ def choose_episodes(table: pa.Table, k: int, seed: int) -> list[int]:
 
     1. the worst completed episode (lowest return; ties go to the lowest index),
     2. the best completed episode (highest return; ties go to the lowest index),
-    3. every failed episode that ran (a row without a return never started), in index order,
+    3. every failed episode that ran (a row without a return never started; a ``policy_timeout``
+       is not replayable), in index order,
     4. a uniform sample without replacement of the remaining completed episodes, drawn with
        ``np.random.default_rng(seed)`` and listed in index order.
 
@@ -179,7 +180,10 @@ def choose_episodes(table: pa.Table, k: int, seed: int) -> list[int]:
         # argmin/argmax return the first extreme, i.e. the lowest index, as rows are index-sorted.
         add(int(indices[completed[np.argmin(returns[completed])]]))
         add(int(indices[completed[np.argmax(returns[completed])]]))
-    for index in indices[failed & np.isfinite(returns)]:  # not the never-run (NaN, length 0)
+    # Not the never-run (NaN, length 0), nor a policy_timeout: its forward hung, and a replay
+    # would hang on it again (``replay.record_episodes`` skips it).
+    reasons = np.asarray(ordered.column("end_reason").to_pylist(), dtype=object)
+    for index in indices[failed & np.isfinite(returns) & (reasons != EndReason.POLICY_TIMEOUT.value)]:
         add(int(index))
     rest = [int(i) for i in indices[completed] if int(i) not in chosen]
     room = k - len(chosen)
