@@ -50,12 +50,20 @@ def scalar_info(info: dict[str, Any]) -> dict[str, float]:
     return out
 
 
+#: Most characters of an error text in a row.
+ERROR_CHARS = 500
+
+
 def error_text(err: BaseException) -> str:
     """``Type: message (at file:line)`` — short and groupable by signature."""
     tb = traceback.extract_tb(err.__traceback__)
-    where = f" (at {tb[-1].filename.rsplit('/', 1)[-1]}:{tb[-1].lineno})" if tb else ""
-    # Scrubbed before it is cut: a secret cut in half would no longer match.
-    return redact(f"{type(err).__name__}: {err}{where}")[:500]
+    where = redact(f" (at {tb[-1].filename.rsplit('/', 1)[-1]}:{tb[-1].lineno})") if tb else ""
+    # Scrubbed before it is cut: a secret cut in half would no longer match. The message is cut,
+    # never the location: failure clusters group by type and location, and a long message (an
+    # array's repr) cut at the end lost it, so one bug became a cluster per episode.
+    text = redact(f"{type(err).__name__}: {err}")
+    room = ERROR_CHARS - len(where)
+    return (text if len(text) <= room else f"{text[:room - 3]}...") + where
 
 
 def is_finite(x: float) -> bool:

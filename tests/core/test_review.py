@@ -239,3 +239,24 @@ def test_report_page_escapes_every_user_value(tmp_path):
     assert text.count(escaped) == 10, text.count(escaped)
     assert "training run <code>" in text and " · step 7</p>" in text
     assert "<strong>ALARM</strong> alarm &lt;script&gt;" in text
+
+
+def test_a_long_error_message_keeps_its_location_and_its_cluster():
+    """An env raising with an array's repr in its message: the text was cut at 500 characters
+    after the location was appended, so the location was lost and every episode's numbers made
+    a cluster of its own."""
+    from evalfleet.sandbox.slots import ERROR_CHARS, error_text
+
+    def fail(state: np.ndarray) -> None:
+        raise ValueError(f"invalid state {state!r}")
+
+    texts = []
+    for seed in range(5):
+        try:
+            fail(np.random.default_rng(seed).normal(size=64))
+        except ValueError as err:
+            texts.append(error_text(err))
+    assert all(len(t) <= ERROR_CHARS and t.endswith(")") and "(at test_review.py:" in t
+               for t in texts), texts[0][-80:]
+    assert {error_signature(t) for t in texts} == {error_signature(texts[0])}
+    assert error_signature(texts[0]).startswith("ValueError at test_review.py:")
