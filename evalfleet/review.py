@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import base64
 import functools
-import html
 import json
 import os
 import re
@@ -28,7 +27,7 @@ import numpy as np
 import pyarrow as pa
 
 from evalfleet.models import EndReason, EvalReport
-from evalfleet.summary import percent, summary_markdown, summary_rows
+from evalfleet.summary import markdown_cell, percent, summary_markdown, summary_rows
 
 __all__ = [
     "choose_episodes",
@@ -198,9 +197,7 @@ def choose_episodes(table: pa.Table, k: int, seed: int) -> list[int]:
 # Report page and markdown
 
 
-def _md(text: object) -> str:
-    # Error texts are user data: no raw HTML or table breaks in the rendered markdown.
-    return html.escape(str(text), quote=False).replace("|", "/").replace("\n", " ")
+_md = markdown_cell  # error texts are user data
 
 
 def _md_code(text: object) -> str:

@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pyarrow as pa
 
 from evalfleet.models import EvalReport, EvalRequest, with_missing
@@ -30,6 +29,7 @@ from evalfleet.suite import (
     task_row,
     task_scores,
 )
+from evalfleet.summary import number
 from evalfleet.tracking import default_tracking_uri, log_suite
 
 __all__ = ["Aggregated", "aggregate_and_draw", "build_suite_report", "suite_feed_back",
@@ -124,12 +124,10 @@ def build_suite_report(
     )
 
 
-def _fmt(x: float | None) -> str:
-    return "n/a" if x is None or not np.isfinite(x) else f"{x:.3f}"
 
 
 def _estimate(est: Mapping[str, Any]) -> str:
-    return f"{_fmt(est['point'])} [{_fmt(est['ci'][0])}, {_fmt(est['ci'][1])}]"
+    return f"{number(est['point'])} [{number(est['ci'][0])}, {number(est['ci'][1])}]"
 
 
 def suite_markdown(report: SuiteReport, *, pictures: bool = False) -> str:
@@ -149,8 +147,8 @@ def suite_markdown(report: SuiteReport, *, pictures: bool = False) -> str:
     lines += ["", "| task | episodes | mean return [95% CI] | mean score | cache |",
               "|---|---:|---|---:|---|"]
     for t in report.tasks:
-        lines.append(f"| {t['name']} | {t['episodes']} | {_fmt(t['mean_return'])} [{_fmt(t['ci'][0])}, "
-                     f"{_fmt(t['ci'][1])}] | {_fmt(t['score_mean'])} | {t['cache']} |")
+        lines.append(f"| {t['name']} | {t['episodes']} | {number(t['mean_return'])} [{number(t['ci'][0])}, "
+                     f"{number(t['ci'][1])}] | {number(t['score_mean'])} | {t['cache']} |")
     lines += [f"- ALARM {a}" for a in report.alarms]
     if pictures:
         for key, caption in _CAPTIONS.items():
@@ -165,8 +163,8 @@ def suite_page(report: SuiteReport, plots: Mapping[str, Path], out_path: Path) -
     rows = [("policy", report.aggregates)] + (
         [("baseline", report.baseline["aggregates"])] if report.baseline else [])
     tasks = [{"name": t["name"], "env": t["env"], "kwargs": t["env_kwargs"], "episodes": t["episodes"],
-              "returns": f"{_fmt(t['mean_return'])} [{_fmt(t['ci'][0])}, {_fmt(t['ci'][1])}]",
-              "score": f"{_fmt(t['score_mean'])} [{_fmt(t['score_ci'][0])}, {_fmt(t['score_ci'][1])}]",
+              "returns": f"{number(t['mean_return'])} [{number(t['ci'][0])}, {number(t['ci'][1])}]",
+              "score": f"{number(t['score_mean'])} [{number(t['score_ci'][0])}, {number(t['score_ci'][1])}]",
               "cache": t["cache"], "report": t["report"]} for t in report.tasks]
     page = _templates().get_template("suite.html.j2").render(
         title=f"evalfleet suite — {report.suite}", report=report,

@@ -2,11 +2,23 @@
 
 from __future__ import annotations
 
+import html
+import math
+
 from evalfleet.models import EvalReport
 
 
-def _fmt(x: float) -> str:
+def number(x: float | None) -> str:
+    """A reported number with 4 significant digits: a small one never reads as 0.000.
+
+    ``n/a`` for a missing or non-finite one (the suite's tables have those).
+    """
+    if x is None or not math.isfinite(x):
+        return "n/a"
     return f"{x:.4g}" if abs(x) < 1e5 else f"{x:.3e}"
+
+
+_fmt = number
 
 
 def _dropped(comparison: dict[str, object]) -> str:
@@ -57,6 +69,20 @@ def percent(share: float, digits: int = 2) -> str:
     return text
 
 
+def _episodes_line(report: EvalReport) -> str:
+    """Planned, scored (completed + policy failures with a return), and what is left out.
+
+    A policy failure without a return (a forward that never returned before the episode began)
+    is no scored episode: the parts add up to the scored count.
+    """
+    scored_failures = report.scored - report.completed
+    unscored = report.policy_failures - scored_failures
+    return (f"{report.episodes} planned, {report.scored} scored ({report.completed} completed + "
+            f"{scored_failures} ended by the policy), {report.harness_failures} harness failures"
+            + (f" and {unscored} policy failures without a return" if unscored > 0 else "")
+            + " left out")
+
+
 def summary_rows(report: EvalReport) -> list[dict[str, str]]:
     """The summary as (metric, value) rows."""
     r = report.returns
@@ -67,9 +93,7 @@ def summary_rows(report: EvalReport) -> list[dict[str, str]]:
         ("policy sha256", report.policy_sha256[:16]),
         ("isolation", report.isolation),
         ("device", _device(report)),
-        ("episodes", f"{report.episodes} planned, {report.scored} scored ({report.completed} "
-                     f"completed + {report.policy_failures} ended by the policy), "
-                     f"{report.harness_failures} harness failures left out"),
+        ("episodes", _episodes_line(report)),
         ("coverage", f"{percent(report.coverage)} ({report.scored}/{report.episodes} episodes scored)"),
         ("mean return ± 95% CI", f"{_fmt(r['mean'])}  [{_fmt(low)}, {_fmt(high)}]"),
         ("std", _fmt(r["std"])),
@@ -82,7 +106,9 @@ def summary_rows(report: EvalReport) -> list[dict[str, str]]:
     ]
     if report.success:
         s = report.success
-        rows.append(("success rate", f"{s['rate']:.3f}  [{s['ci']['low']:.3f}, {s['ci']['high']:.3f}]"))
+        # As coverage: 1 success in 3,000 read "0.000  [0.000, 0.002]", 2,999 read "1.000".
+        rows.append(("success rate", f"{percent(s['rate'])}  [{percent(s['ci']['low'])}, "
+                                     f"{percent(s['ci']['high'])}]"))
     if report.adaptive:
         a = report.adaptive
         rows.append(("adaptive", f"{len(a['rounds'])} rounds, CI half-width {_fmt(a['achieved_halfwidth'])} "
@@ -130,8 +156,16 @@ def summary_text(report: EvalReport) -> str:
     return "\n".join(f"{r['metric']:<{width}}  {r['value']}" for r in rows)
 
 
+def markdown_cell(text: object) -> str:
+    """``text`` safe in a markdown table cell: no raw HTML, no table or line breaks.
+
+    Env ids, alarms and error texts are user data (an env's render error reaches an alarm).
+    """
+    return html.escape(str(text), quote=False).replace("|", "/").replace("\n", " ")
+
+
 def summary_markdown(report: EvalReport) -> str:
     """The summary as a markdown table (Prefect artifact, report page)."""
-    lines = [f"# evalfleet: {report.env_id}", "", "| metric | value |", "|---|---|"]
-    lines += [f"| {r['metric']} | {r['value'].replace('|', '/')} |" for r in summary_rows(report)]
+    lines = [f"# evalfleet: {markdown_cell(report.env_id)}", "", "| metric | value |", "|---|---|"]
+    lines += [f"| {r['metric']} | {markdown_cell(r['value'])} |" for r in summary_rows(report)]
     return "\n".join(lines) + "\n"

@@ -302,3 +302,29 @@ def test_coverage_short_of_all_never_reads_100_percent():
     rows = {row["metric"]: row["value"] for row in summary_rows(tiny)}
     assert rows["coverage"].startswith(">99.99% ")
     assert "rate <0.01%: policy 0.00%, harness <0.01%" in rows["failures"]
+
+
+def test_summary_numbers_never_read_as_something_else():
+    """1 success in 3,000 read "0.000  [0.000, 0.002]" (none), 2,999 read "1.000"; the
+    episodes line said "18 scored (17 completed + 3 ended by the policy)" with two of the three
+    without a return; an alarm's HTML went raw into the Prefect artifact's table."""
+    def value(report: EvalReport, metric: str) -> str:
+        return next(r["value"] for r in summary_rows(report) if r["metric"] == metric)
+
+    rare = _report(records_to_table([_row(i, 1.0, success=i == 0) for i in range(3000)]))
+    assert value(rare, "success rate").startswith("0.03%  [0.01%, 0.19%]")
+    common = _report(records_to_table([_row(i, 1.0, success=i != 0) for i in range(3000)]))
+    assert value(common, "success rate").startswith("99.97%  [99.81%, 99.99%]")
+    rows = [_row(i, float(i)) for i in range(17)] + [_row(17, 2.0, "policy_error")]
+    rows += [_row(18, math.nan, "policy_error"), _row(19, math.nan, "policy_error")]
+    line = value(_report(records_to_table(rows)), "episodes")
+    assert line == ("20 planned, 18 scored (17 completed + 1 ended by the policy), 0 harness "
+                    "failures and 2 policy failures without a return left out")
+    from evalfleet.summary import summary_markdown
+
+    hostile = rare.model_copy(update={"alarms": ["recording_incomplete: <img src=x onerror=alert(1)>"]})
+    text = summary_markdown(hostile)
+    assert "<img" not in text and "&lt;img src=x onerror=alert(1)&gt;" in text
+    from evalfleet.suite_report import number
+
+    assert number(2.5e-4) == "0.00025" and number(None) == "n/a" and number(0.731) == "0.731"
