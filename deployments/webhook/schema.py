@@ -66,7 +66,7 @@ class EvaluationCreate(_Strict):
 
 
 def idempotency_key(body: EvaluationCreate) -> str:
-    """sha256 over what the trainer said fixes an evaluation and its feed-back (episodes included).
+    """sha256 over what the trainer said fixes an evaluation and where its results go.
 
     Two deliveries with the same key are the same evaluation. It is computed from the body
     alone, so the receiver needs neither torch nor the env's package. ``evalfleet.cache``'s key
@@ -95,6 +95,13 @@ def idempotency_key(body: EvaluationCreate) -> str:
         doc["step"] = body.step
     if body.suite is not None:  # only then: the keys of single evaluations stay as they were
         doc["suite"] = body.suite
+    # Where the result goes is part of what was asked: a redelivery naming another callback (a
+    # listener restarted on a new port) or MLflow experiment was answered "duplicate", and its
+    # callback never came. Absent, they leave the key as it was.
+    if body.callback_url is not None:
+        doc["callback_url"] = body.callback_url
+    if body.experiment is not None:
+        doc["experiment"] = body.experiment
     return hashlib.sha256(canonical_json(doc)).hexdigest()
 
 

@@ -40,3 +40,13 @@ def test_a_body_without_training_fields_keeps_its_key() -> None:
     assert key(body()) == hashlib.sha256(canonical_json(before)).hexdigest()
     assert key(body()) != key(body(step=0))
     assert key(body(callback_url=None)) == key(body())
+
+
+def test_a_delivery_naming_another_callback_or_experiment_is_another_evaluation() -> None:
+    """Answered "duplicate", a redelivery with a new callback URL (the trainer's listener came
+    back on another port) never got its callback, and one naming another experiment logged
+    nowhere new. The flow's cache still answers its episodes."""
+    first = key(body(callback_url="http://127.0.0.1:9001/cb", experiment="exp-A"))
+    assert key(body(callback_url="http://127.0.0.1:9001/cb", experiment="exp-A")) == first
+    assert key(body(callback_url="http://127.0.0.1:9002/cb", experiment="exp-A")) != first
+    assert key(body(callback_url="http://127.0.0.1:9001/cb", experiment="exp-B")) != first
