@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -254,14 +255,21 @@ def log_evaluation(
     flat = flatten_metrics(report)
     metrics = [Metric(k, v, ts, step) for k, v in flat.items()]
     str_params = [Param(k, str(v)[:6000]) for k, v in params.items()]
-    client.log_batch(run_id, metrics=metrics, params=str_params)
     try:
+        client.log_batch(run_id, metrics=metrics, params=str_params)
+        _log_files(client, run, artifacts)
+        client.set_terminated(run_id, "FAILED" if report["harness_fault"] else "FINISHED")
+    except BaseException:
+        # A retry (``log_or_queue``) or the queue makes the run anew: a half-logged one left
+        # RUNNING would be another evaluation of this step to the history's reader.
+        with contextlib.suppress(Exception):
+            client.delete_run(run_id)
+        raise
+    try:  # last, once per logged evaluation: a retry above never logs the trainer's point twice
         log_into_trainer_run(client, report, flat, ts)
     except Exception as err:  # the trainer's run may be deleted or read-only: never fatal
         logger.warning("could not log eval metrics into training run %s: %s",
                        report.get("training_run_id"), err)
-    _log_files(client, run, artifacts)
-    client.set_terminated(run_id, "FAILED" if report["harness_fault"] else "FINISHED")
     return run_id
 
 

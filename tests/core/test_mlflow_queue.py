@@ -75,3 +75,30 @@ def test_a_reachable_store_logs_at_once(tmp_path: Path, attempts: int) -> None:
                        attempts=attempts)
     assert set(out) == {"mlflow_uri", "mlflow_run_id"}
     assert not pending_dir(tmp_path).exists()
+
+
+def test_a_retried_log_leaves_no_half_logged_runs_nor_repeated_trainer_points(tmp_path: Path) -> None:
+    """An artifact the store cannot take fails the log after its run was created: each of the
+    three attempts left a RUNNING evaluation run of step 7 (to the history's reader, three more
+    evaluations of that checkpoint) and logged eval/reward into the trainer's run again."""
+    from evalfleet.tracking import mlflow_client
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = mlflow_client(uri)
+    trainer = client.create_run(client.create_experiment("trainer")).info.run_id
+    report = dict(REPORT, training_run_id=trainer, step=7, request_id="r-half")
+    gone = tmp_path / "gone.parquet"  # listed, never written: its upload fails
+    out = log_or_queue(tmp_path, uri, "evalfleet", report, {"episodes": 4}, [gone], "run",
+                       attempts=3, wait_s=(0.01, 0.02))
+    assert "mlflow_queued" in out
+    runs = client.search_runs([e.experiment_id for e in client.search_experiments()],
+                              f"tags.`evalfleet.training_run_id` = '{trainer}'")
+    assert runs == []
+    assert client.get_metric_history(trainer, "eval/reward") == []
+    gone.write_bytes(b"now it exists")
+    [flushed] = flush_pending(tmp_path, uri)
+    assert "mlflow_run_id" in flushed, flushed
+    runs = client.search_runs([e.experiment_id for e in client.search_experiments()],
+                              f"tags.`evalfleet.training_run_id` = '{trainer}'")
+    assert [r.info.status for r in runs] == ["FINISHED"]
+    assert [(m.step, m.value) for m in client.get_metric_history(trainer, "eval/reward")] == [(7, 1.0)]
