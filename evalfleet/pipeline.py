@@ -8,7 +8,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -557,6 +557,14 @@ def cross_device(result: ReplayResult, device: str, received: Received) -> tuple
     """
     if not result.mismatches:
         return [], []
+    spec = received.env_spec
+    changed = edited_since({**(spec.get("code") or {}),
+                            **({spec["package"]: spec["package_version"]}
+                               if spec.get("package") and spec.get("package_version") else {})})
+    if changed:  # stage 7 runs after the numbers (the fast path): the env's files moved on
+        return [], [f"{len(result.mismatches)} replayed episodes differ from their rows, but the "
+                     f"env's code changed since they ran ({', '.join(changed)}): replays ran the "
+                     "new code; not a determinism finding"]
     if device == received.device:
         return [f"replay_nondeterminism: {len(result.mismatches)} replayed episodes differ from "
                 "their rows"], []
@@ -567,6 +575,24 @@ def cross_device(result: ReplayResult, device: str, received: Received) -> tuple
             f"{len(result.episodes)} replays differ beyond the cross-device tolerance "
             f"(rtol {CROSS_DEVICE_RTOL:g}); not a determinism alarm")
     return [], [note]
+
+
+def edited_since(recorded: Mapping[str, str]) -> list[str]:
+    """The modules of ``recorded`` whose files now say another version: edited since then.
+
+    ``recorded``: ``{top: code version}`` of an env's fingerprint, as its episodes ran.
+    """
+    changed = []
+    for top, version in sorted(recorded.items()):
+        if version == "unknown":
+            continue
+        try:
+            now = code_version(top)[1]
+        except ValueError:  # a spec-less module: nothing identifies it
+            continue
+        if now != version:
+            changed.append(top)
+    return changed
 
 
 def recording_shortfall(request: EvalRequest, table: pa.Table, videos: int, trajectories: int,
