@@ -590,7 +590,9 @@ def edited_since(recorded: Mapping[str, str]) -> list[str]:
             now = code_version(top)[1]
         except ValueError:  # a spec-less module: nothing identifies it
             continue
-        if now != version:
+        # "unknown" now (a distribution's name that is no module, e.g. 'my-pkg') says nothing:
+        # counted as an edit, it would turn a real replay_nondeterminism into a note.
+        if now not in (version, "unknown"):
             changed.append(top)
     return changed
 

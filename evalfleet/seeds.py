@@ -64,7 +64,7 @@ def ledger(base_seed: int, index: int) -> int:
 ACTION_STREAM = 0xAC7
 
 #: The rule above, named in the cache key: a change of it changes the sampled episodes.
-ACTION_SAMPLER = "pcg64([seed, 0xAC7]) float64 inverse-cdf"
+ACTION_SAMPLER = f"pcg64([seed, 0x{ACTION_STREAM:X}]) float64 inverse-cdf"
 
 
 def action_rng(seed: int) -> np.random.Generator:

@@ -18,8 +18,6 @@ def number(x: float | None) -> str:
     return f"{x:.4g}" if abs(x) < 1e5 else f"{x:.3e}"
 
 
-_fmt = number
-
 
 def _dropped(comparison: dict[str, object]) -> str:
     harness = comparison.get("dropped_harness_failures", 0)
@@ -42,7 +40,7 @@ def _history(h: dict[str, object]) -> str:
     if h.get("error"):
         text = f"not compared: history could not be read ({h['error']})"
     elif isinstance(c, dict) and "ci" in c:
-        text += (f": {_fmt(c['mean_diff'])}  [{_fmt(c['ci']['low'])}, {_fmt(c['ci']['high'])}] "
+        text += (f": {number(c['mean_diff'])}  [{number(c['ci']['low'])}, {number(c['ci']['high'])}] "
                  f"paired over {c['n']} episodes against step {c['baseline'].removeprefix('step ')}; "
                  f"P(improvement) {c['p_improvement']:.3f}{_dropped(c)}")
         if h.get("note"):
@@ -95,11 +93,11 @@ def summary_rows(report: EvalReport) -> list[dict[str, str]]:
         ("device", _device(report)),
         ("episodes", _episodes_line(report)),
         ("coverage", f"{percent(report.coverage)} ({report.scored}/{report.episodes} episodes scored)"),
-        ("mean return ± 95% CI", f"{_fmt(r['mean'])}  [{_fmt(low)}, {_fmt(high)}]"),
-        ("std", _fmt(r["std"])),
-        ("IQM", f"{_fmt(r['iqm'])}  [{_fmt(r['iqm_ci']['low'])}, {_fmt(r['iqm_ci']['high'])}]"),
-        ("min / median / max", f"{_fmt(r['min'])} / {_fmt(r['median'])} / {_fmt(r['max'])}"),
-        ("episode length mean", _fmt(report.lengths["mean"])),
+        ("mean return ± 95% CI", f"{number(r['mean'])}  [{number(low)}, {number(high)}]"),
+        ("std", number(r["std"])),
+        ("IQM", f"{number(r['iqm'])}  [{number(r['iqm_ci']['low'])}, {number(r['iqm_ci']['high'])}]"),
+        ("min / median / max", f"{number(r['min'])} / {number(r['median'])} / {number(r['max'])}"),
+        ("episode length mean", number(report.lengths["mean"])),
         ("failures", f"{failures} (rate {percent(report.failure_rate)}: policy "
                      f"{percent(report.policy_failure_rate)}, harness "
                      f"{percent(report.harness_failure_rate)})"),
@@ -111,13 +109,14 @@ def summary_rows(report: EvalReport) -> list[dict[str, str]]:
                                      f"{percent(s['ci']['high'])}]"))
     if report.adaptive:
         a = report.adaptive
-        rows.append(("adaptive", f"{len(a['rounds'])} rounds, CI half-width {_fmt(a['achieved_halfwidth'])} "
-                                 f"(target {_fmt(a['target_halfwidth'])}): {a['stop_reason']}"))
+        rows.append(("adaptive", f"{len(a['rounds'])} rounds, CI half-width "
+                                 f"{number(a['achieved_halfwidth'])} (target "
+                                 f"{number(a['target_halfwidth'])}): {a['stop_reason']}"))
     if report.comparison:
         c = report.comparison
         if "ci" in c:
-            rows.append(("vs baseline", f"{_fmt(c['mean_diff'])}  [{_fmt(c['ci']['low'])}, "
-                                        f"{_fmt(c['ci']['high'])}] paired over {c['n']} episodes: "
+            rows.append(("vs baseline", f"{number(c['mean_diff'])}  [{number(c['ci']['low'])}, "
+                                        f"{number(c['ci']['high'])}] paired over {c['n']} episodes: "
                                         f"{c['verdict']}; P(new > baseline) {c['p_improvement']:.3f}"
                                         f"{_dropped(c)}"))
         else:
@@ -132,7 +131,7 @@ def summary_rows(report: EvalReport) -> list[dict[str, str]]:
                                              if skipped else "")))
     if report.step_rewards:
         w = report.step_rewards
-        rows.append(("step rewards", f"{_fmt(w['min'])} .. {_fmt(w['max'])}; on min "
+        rows.append(("step rewards", f"{number(w['min'])} .. {number(w['max'])}; on min "
                                      f"{w['at_min_fraction']:.1%}, on max {w['at_max_fraction']:.1%} "
                                      f"of {w['steps']} non-final steps"))
     if report.alarms:

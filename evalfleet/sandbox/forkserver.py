@@ -467,7 +467,7 @@ def _sandbox_main(fd: int, maker: Callable[[], Any], k: int, limits: lim.Sandbox
     if netns or own_user:  # a user namespace of its own may make a network namespace too
         lim.unshare_network()
     os.chdir(folder)
-    fresh_global_rng()  # not the server's numpy state (while /dev/urandom is still open to it)
+    fresh_global_rng()  # not the server's numpy state; before Landlock and seccomp below
     # Exactly the allow-listed environment the worker prepared (evalfleet.sandbox.environment).
     os.environ.clear()
     os.environ.update(environment, HOME=folder, TMPDIR=folder)

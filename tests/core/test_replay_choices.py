@@ -92,3 +92,14 @@ def test_a_failure_at_an_episodes_first_step_is_no_recording_shortfall():
     assert sorted(result.trajectory_episodes) == sorted(chosen) and result.reproducible
     request = EvalRequest(env=ENV, policy="x:y", episodes=50, record_trajectories=3)
     assert recording_shortfall(request, table, 0, len(result.trajectory_episodes), []) is None
+
+
+def test_only_a_module_whose_files_now_say_another_version_counts_as_edited():
+    """A distribution's name that is no module (``my-pkg``) reads "unknown" now: counted as an
+    edit, it would turn a real ``replay_nondeterminism`` into a note."""
+    from evalfleet.pipeline import edited_since
+    from evalfleet.provenance import code_version
+
+    gym_now = code_version("gymnasium")[1]
+    assert edited_since({"my-pkg": "1.0", "gymnasium": gym_now, "numpy": "unknown"}) == []
+    assert edited_since({"gymnasium": "0.0.1"}) == ["gymnasium"]
