@@ -411,6 +411,9 @@ class EvalReport(_Frozen):
     comparison: dict[str, Any] | None = None
     failure_clusters: list[dict[str, Any]] = []
     step_rewards: dict[str, Any] | None = None
+    endings: dict[str, Any] | None = None
+    """How completed episodes ended: ``terminated``, ``truncated``, of those ``at_step_cap``
+    (length at ``step_cap``, the effective ``max_episode_steps``)."""
     history: dict[str, Any] | None = None
     suite_task: str | None = None
     """The suite task this evaluation is (``EvalRequest.suite_task``); None on its own."""

@@ -10,7 +10,7 @@ import numpy as np
 import pyarrow as pa
 
 from evalfleet import stats
-from evalfleet.models import EvalReport, EvalRequest
+from evalfleet.models import EndReason, EvalReport, EvalRequest
 from evalfleet.sandbox.isolation import isolation_manifest
 from evalfleet.sandbox.limits import sandbox_limits
 from evalfleet.scoring import Outcomes, outcomes
@@ -207,6 +207,7 @@ def aggregate(
             )
     steps = int(lengths.sum())
     wall = max(run_seconds, 1e-9)
+    endings = _endings(reasons, lengths, env_spec.get("max_episode_steps"))
     manifest = {
         "versions": versions(),
         "env": env_spec,
@@ -256,6 +257,7 @@ def aggregate(
         alarms=alarms,
         returns=summary,
         lengths=length_summary,
+        endings=endings,
         success=success,
         env_steps=steps,
         steps_per_second=steps / wall,
@@ -265,6 +267,22 @@ def aggregate(
         outputs={},
         manifest=manifest,
     )
+
+
+def _endings(reasons: np.ndarray, lengths: np.ndarray, step_cap: Any) -> dict[str, Any]:
+    """How the completed episodes ended: terminated, or truncated (and how many at the step cap).
+
+    A mean over episodes the step cap cut short measures the cap as much as the policy: the
+    summary says how many there were, so a capped return is never read as a policy's own.
+    """
+    truncated = reasons == EndReason.TRUNCATED.value
+    cap = int(step_cap) if isinstance(step_cap, int | float) and step_cap else None
+    return {
+        "terminated": int((reasons == EndReason.TERMINATED.value).sum()),
+        "truncated": int(truncated.sum()),
+        "at_step_cap": int((truncated & (lengths >= cap)).sum()) if cap else 0,
+        "step_cap": cap,
+    }
 
 
 def curve_so_far(report: EvalReport) -> list[dict[str, Any]]:

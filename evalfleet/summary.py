@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import html
 import math
+from typing import Any
 
 from evalfleet.models import EvalReport
 
@@ -18,13 +19,20 @@ def number(x: float | None) -> str:
     return f"{x:.4g}" if abs(x) < 1e5 else f"{x:.3e}"
 
 
-
 def _dropped(comparison: dict[str, object]) -> str:
     harness = comparison.get("dropped_harness_failures", 0)
     unmatched = comparison.get("dropped_unmatched", 0)
     parts = ([f"{harness} (harness failure on a side)"] if harness else []) + (
         [f"{unmatched} unmatched (no baseline row on the same index and seed)"] if unmatched else [])
     return f"; pairs dropped: {', '.join(parts)}" if parts else ""
+
+
+def _endings(endings: dict[str, Any]) -> str:
+    """``12 terminated, 488 truncated (480 at the step cap 500)``: a capped mean is visible."""
+    text = f"{endings['terminated']:,} terminated, {endings['truncated']:,} truncated"
+    if endings.get("step_cap"):
+        text += f" ({endings['at_step_cap']:,} at the step cap {endings['step_cap']:,})"
+    return text
 
 
 def _device(report: EvalReport) -> str:
@@ -98,6 +106,7 @@ def summary_rows(report: EvalReport) -> list[dict[str, str]]:
         ("IQM", f"{number(r['iqm'])}  [{number(r['iqm_ci']['low'])}, {number(r['iqm_ci']['high'])}]"),
         ("min / median / max", f"{number(r['min'])} / {number(r['median'])} / {number(r['max'])}"),
         ("episode length mean", number(report.lengths["mean"])),
+        *([("endings", _endings(report.endings))] if report.endings else []),
         ("failures", f"{failures} (rate {percent(report.failure_rate)}: policy "
                      f"{percent(report.policy_failure_rate)}, harness "
                      f"{percent(report.harness_failure_rate)})"),

@@ -92,6 +92,10 @@ def flatten_metrics(report: dict[str, Any]) -> dict[str, float]:
     }
     for reason, count in report["failures"].items():
         m[f"eval/failures/{reason}"] = count
+    endings = report.get("endings") or {}
+    for key in ("terminated", "truncated", "at_step_cap"):
+        if key in endings:
+            m[f"eval/endings/{key}"] = endings[key]
     if report.get("success"):
         m["eval/success_rate"] = report["success"]["rate"]
         m["eval/success_ci_low"] = report["success"]["ci"]["low"]

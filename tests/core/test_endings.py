@@ -1,0 +1,61 @@
+"""A mean the step cap cut short is visible: the report counts how completed episodes ended.
+
+Planted case: CartPole-v1 under the bundled example policy, capped at 40 steps (every episode
+reaches the cap) and at 500 steps with a policy that always pushes left (every episode falls).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+
+from evalfleet.cli import EXAMPLE_POLICY
+from evalfleet.envspec import env_thunk, resolve_env
+from evalfleet.models import EvalReport, EvalRequest
+from evalfleet.policy import load_policy, receive_policy
+from evalfleet.records import records_to_table
+from evalfleet.report import aggregate
+from evalfleet.runner import EpisodeContext, run_shard
+from evalfleet.sandbox.base import InProcessSlots
+from evalfleet.seeds import SeedLedger
+from evalfleet.summary import summary_text
+from evalfleet.tracking import flatten_metrics
+
+ENV = "CartPole-v1"
+
+
+def always_left(obs: np.ndarray) -> np.ndarray:
+    return np.zeros(len(obs), dtype=np.int64)
+
+
+def _report(policy_ref: str, cap: int | None, n: int = 30) -> tuple[pa.Table, EvalReport]:
+    resolved = resolve_env(ENV, {}, cap)
+    art = receive_policy(policy_ref, None, resolved.observation_space, resolved.action_space)
+    policy = load_policy(art.format, art.payload, None, art.source, resolved.action_space)
+    ledger = SeedLedger(0)
+    records = run_shard([(i, ledger.seed(i)) for i in range(n)],
+                        InProcessSlots(env_thunk(ENV, {}, cap), 8), policy,
+                        EpisodeContext("r", art.sha256, ENV, "s", "w"))
+    table = records_to_table(records).sort_by("episode_index")
+    request = EvalRequest(env=ENV, policy=policy_ref, episodes=n, seed=0, max_steps=cap)
+    report = aggregate(request, table, env_spec={"env_id": ENV, "max_episode_steps": cap or 500},
+                       env_spec_hash="spec", policy={"sha256": "ab" * 32}, isolation="inprocess",
+                       timings={"run": 1.0}, cache={"status": "miss"}, run_seconds=1.0)
+    return table, report
+
+
+def test_every_episode_cut_by_the_step_cap_is_counted_and_printed():
+    table, report = _report(EXAMPLE_POLICY, cap=40)
+    assert set(table.column("length").to_pylist()) == {40}
+    assert report.endings == {"terminated": 0, "truncated": 30, "at_step_cap": 30, "step_cap": 40}
+    assert "0 terminated, 30 truncated (30 at the step cap 40)" in summary_text(report)
+    assert report.model_dump(mode="json")["endings"]["at_step_cap"] == 30
+    metrics = flatten_metrics(report.model_dump(mode="json"))
+    assert (metrics["eval/endings/truncated"], metrics["eval/endings/at_step_cap"]) == (30, 30)
+
+
+def test_episodes_that_end_on_their_own_are_terminated_not_capped():
+    table, report = _report(f"{__name__}:always_left", cap=None)
+    assert max(table.column("length").to_pylist()) < 20
+    assert report.endings == {"terminated": 30, "truncated": 0, "at_step_cap": 0, "step_cap": 500}
+    assert "30 terminated, 0 truncated (0 at the step cap 500)" in summary_text(report)
