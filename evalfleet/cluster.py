@@ -415,7 +415,9 @@ def _start_fork_server(modules: tuple[str, ...]) -> None:
     import distributed.utils
 
     distributed.utils._forkserver_preload_set = True  # Dask's own list imports pandas here
-    multiprocessing.forkserver.set_forkserver_preload(["evalfleet.fork_main", *modules])
+    # ``preloaded`` last: it freezes what the others imported out of the workers' GC passes.
+    multiprocessing.forkserver.set_forkserver_preload(
+        ["evalfleet.fork_main", *modules, "evalfleet.preloaded"])
     with exported(worker_environment() | _main_script()):
         multiprocessing.forkserver.ensure_running()
 
