@@ -6,6 +6,7 @@ Each function takes and returns small typed values; the Prefect layer only wires
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -792,7 +793,18 @@ def with_history(request: EvalRequest, report: EvalReport, table: pa.Table) -> E
     from evalfleet.history import alarm_lines, feed_back_history
 
     uri = request.mlflow_uri or default_tracking_uri(request.output)
+    # An earlier checkpoint whose MLflow run was queued (the store was down) is history too: it
+    # is logged first, or the verdict fails closed. Read without it, a regression against it was
+    # "first" (or judged against a worse checkpoint) and the gate passed.
+    flush_queued(request.output)
+    waiting = queued_checkpoints(request.output, uri, request.training_run_id)
     try:
+        if waiting:
+            raise HistoryIncomplete(
+                f"{len(waiting)} earlier evaluation(s) of training run {request.training_run_id!r} "
+                f"(step {', '.join(waiting)}) are queued in {pending_dir(request.output)}, "
+                "not logged: the store did not take them. Run 'evalfleet mlflow flush --output "
+                f"{request.output}' once it answers; the verdict is not decided without them")
         history = feed_back_history(report.model_dump(mode="json"), table, uri,
                                     episode_cache(request), request.outcome_metric)
     except Exception as err:  # like every other sink: logged and stated, never fatal
@@ -800,6 +812,29 @@ def with_history(request: EvalRequest, report: EvalReport, table: pa.Table) -> E
         history = {"error": f"{type(err).__name__}: {err}", "verdict": None, "alarms": []}
     return report.model_copy(update={"history": history,
                                      "alarms": [*report.alarms, *alarm_lines(history)]})
+
+
+class HistoryIncomplete(RuntimeError):
+    """Earlier checkpoints of the training run are queued for MLflow, not in the store."""
+
+
+def queued_checkpoints(output: Path, tracking_uri: str, training_run_id: str) -> list[str]:
+    """Steps of ``training_run_id`` whose runs for ``tracking_uri`` wait in ``output``'s queue.
+
+    A pending file that cannot be read counts (as its name): it may be one of them.
+    """
+    steps = []
+    for path in sorted(pending_dir(output).glob("*.json")):
+        try:
+            entry = json.loads(path.read_text())
+            report = entry["report"]
+            mine = (entry.get("tracking_uri") == tracking_uri
+                    and report.get("training_run_id") == training_run_id)
+            if mine and report.get("step") is not None:
+                steps.append(str(int(report["step"])))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            steps.append(f"unreadable {path.name}")
+    return steps
 
 
 def flush_queued(output: Path) -> str | None:

@@ -429,10 +429,7 @@ def log_or_queue(
     the next evaluation writing to ``output``, or ``evalfleet mlflow flush``). The Parquet and the
     cache were written before this runs, so nothing of the result depends on it.
     """
-    # MLflow's own HTTP retries (7, backoff factor 2: minutes) would multiply with ours; bounded
-    # here unless the operator chose other values.
-    for name, value in MLFLOW_HTTP_BOUNDS.items():
-        os.environ.setdefault(name, value)
+    _bound_http()
     try:
         for attempt in _attempts(attempts, wait_s):
             with attempt:
@@ -456,6 +453,15 @@ def log_or_queue(
     return {"mlflow_error": error, "mlflow_queued": str(path.resolve())}
 
 
+def _bound_http() -> None:
+    """Bound MLflow's own HTTP retries while evalfleet logs, unless the operator set them.
+
+    Its defaults (7 retries, backoff factor 2: minutes) would multiply with evalfleet's attempts.
+    """
+    for name, value in MLFLOW_HTTP_BOUNDS.items():
+        os.environ.setdefault(name, value)
+
+
 def flush_pending(output: Path, tracking_uri: str | None = None) -> list[dict[str, str]]:
     """Log every queued run of ``output`` once; returns one outcome per pending file.
 
@@ -463,6 +469,7 @@ def flush_pending(output: Path, tracking_uri: str | None = None) -> list[dict[st
     ``mlflow_run_id``; one that fails again stays queued. ``tracking_uri`` overrides the URI a
     run was queued with (a store that moved).
     """
+    _bound_http()
     results = []
     for path in sorted(pending_dir(output).glob("*.json")):
         try:
