@@ -443,7 +443,9 @@ def env_facts(env_id: str, kwargs: dict[str, Any], max_steps: int | None) -> dic
             "Check --env-kwargs against the env's constructor."
         ) from err
     try:
-        effective_max = max_steps if max_steps is not None else spec.max_episode_steps
+        # The made env's own spec: a cap given as the env kwarg 'max_episode_steps' is there.
+        made = getattr(env, "spec", None) or spec
+        effective_max = max_steps if max_steps is not None else made.max_episode_steps
         if effective_max is None:
             raise EnvSpecError(
                 f"env {env_id!r} registers no max_episode_steps, so an episode might never end; "

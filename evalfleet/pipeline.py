@@ -744,6 +744,10 @@ def feed_back(
         asked = " and the recordings asked for" if (request.record_trajectories or
                                                     request.record_video) else ""
         missing.append(f"the review (plots, report.html{asked}): {outputs['review_error']}")
+    # The review's shortfall is known now: report.json and the MLflow run (its alarm tags, its
+    # copy of report.json) carry it as the final report does.
+    report = report.model_copy(update={"alarms": with_missing(report.alarms, missing)})
+    logged_missing = len(missing)
     report_path = folder / "report.json"
     write_json(report.model_dump(mode="json"), report_path)
     outputs["report"] = str(report_path.resolve())
@@ -768,7 +772,8 @@ def feed_back(
             outputs["mlflow_flushed"] = flushed
     timings = dict(report.timings, feed_back=time.perf_counter() - t0)
     final = scrubbed(report.model_copy(update={"outputs": outputs, "timings": timings,
-                                               "alarms": with_missing(report.alarms, missing)}))
+                                               "alarms": with_missing(report.alarms,
+                                                                      missing[logged_missing:])}))
     write_json(final.model_dump(mode="json"), report_path)
     if request.callback_url:  # last, so the trainer gets the MLflow run id; never raises
         from evalfleet.callback import send_report_callback

@@ -28,17 +28,19 @@ def always_left(obs: np.ndarray) -> np.ndarray:
     return np.zeros(len(obs), dtype=np.int64)
 
 
-def _report(policy_ref: str, cap: int | None, n: int = 30) -> tuple[pa.Table, EvalReport]:
-    resolved = resolve_env(ENV, {}, cap)
+def _report(policy_ref: str, cap: int | None, n: int = 30, kwargs: dict[str, int] | None = None
+            ) -> tuple[pa.Table, EvalReport]:
+    kwargs = kwargs or {}
+    resolved = resolve_env(ENV, kwargs, cap)
     art = receive_policy(policy_ref, None, resolved.observation_space, resolved.action_space)
     policy = load_policy(art.format, art.payload, None, art.source, resolved.action_space)
     ledger = SeedLedger(0)
     records = run_shard([(i, ledger.seed(i)) for i in range(n)],
-                        InProcessSlots(env_thunk(ENV, {}, cap), 8), policy,
+                        InProcessSlots(env_thunk(ENV, kwargs, cap), 8), policy,
                         EpisodeContext("r", art.sha256, ENV, "s", "w"))
     table = records_to_table(records).sort_by("episode_index")
     request = EvalRequest(env=ENV, policy=policy_ref, episodes=n, seed=0, max_steps=cap)
-    report = aggregate(request, table, env_spec={"env_id": ENV, "max_episode_steps": cap or 500},
+    report = aggregate(request, table, env_spec=resolved.fingerprint.as_dict(),
                        env_spec_hash="spec", policy={"sha256": "ab" * 32}, isolation="inprocess",
                        timings={"run": 1.0}, cache={"status": "miss"}, run_seconds=1.0)
     return table, report
@@ -59,3 +61,13 @@ def test_episodes_that_end_on_their_own_are_terminated_not_capped():
     assert max(table.column("length").to_pylist()) < 20
     assert report.endings == {"terminated": 30, "truncated": 0, "at_step_cap": 0, "step_cap": 500}
     assert "30 terminated, 0 truncated (0 at the step cap 500)" in summary_text(report)
+
+
+def test_a_step_cap_given_as_an_env_kwarg_is_the_cap_the_report_names():
+    # gym.make applies the kwarg 'max_episode_steps' (the episodes end at 40); the manifest and
+    # the endings named the registered 500, so no episode read as cut by the cap.
+    assert resolve_env(ENV, {"max_episode_steps": 91}, None).fingerprint.as_dict()[
+        "max_episode_steps"] == 91
+    table, report = _report(EXAMPLE_POLICY, cap=None, kwargs={"max_episode_steps": 40})
+    assert set(table.column("length").to_pylist()) == {40}
+    assert report.endings == {"terminated": 0, "truncated": 30, "at_step_cap": 30, "step_cap": 40}

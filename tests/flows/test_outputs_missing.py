@@ -141,3 +141,26 @@ def test_flush_raises_an_alarm_stage_7_found_after_the_numbers_went_back(prefect
         assert final.harness_fault
     finally:
         ev.shutdown(wait=False)
+
+
+def test_a_failed_review_is_an_alarm_in_the_mlflow_run_as_in_report_json(prefect_server, tmp_path):
+    # Before, report.json and the exit code said the review's outputs were missing, while the
+    # MLflow run (its alarm tags and its copy of report.json) said nothing: `evalfleet history`
+    # and any dashboard on the store showed a clean evaluation.
+    from mlflow.tracking import MlflowClient
+
+    out, rid = tmp_path / "out", "reviewfails0001"
+    (out / "runs" / rid).mkdir(parents=True)
+    (out / "runs" / rid / "plots").write_text("a file where the plots folder goes\n")
+    request = EvalRequest.build(policy=EXAMPLE_POLICY, episodes=8, concurrency=8, workers=1,
+                                output=out, request_id=rid, audit=False, cache="off")
+    report = evaluate(request)
+    missing = [a for a in report.alarms if a.startswith("output_missing: the review")]
+    assert len(missing) == 1, report.alarms
+    assert json.loads(Path(report.outputs["report"]).read_text())["alarms"] == report.alarms
+    client = MlflowClient(report.outputs["mlflow_uri"])
+    run = client.get_run(report.outputs["mlflow_run_id"])
+    assert run.data.tags.get("evalfleet.alarm.output_missing") == "true"
+    logged = json.loads(Path(client.download_artifacts(run.info.run_id, "report.json",
+                                                       str(tmp_path))).read_text())
+    assert logged["alarms"] == report.alarms
