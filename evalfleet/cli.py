@@ -358,9 +358,11 @@ def check_report_path(path: str | None) -> None:
 
 def write_report(path: str | None, report: Any) -> None:
     """Write ``report`` (a pydantic model) as JSON to ``--report``'s path, when one was given."""
-    if path:
+    if path:  # strict JSON, as report.json: NaN statistics (nothing scored) are null
+        from evalfleet.storage import write_json
+
         Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text(json.dumps(report.model_dump(mode="json"), indent=2) + "\n")
+        write_json(report.model_dump(mode="json"), Path(path))
 
 
 #: ``flows.suite.evaluate_suite``'s shape: (suite, base request) -> suite report.

@@ -72,6 +72,11 @@ class EvaluatorClosed(EvalfleetError):
 # ---------------------------------------------------------------------------------- evaluator
 
 
+def _number(value: float | None) -> float:
+    """A report number that JSON may have nulled (nothing scored) as the NaN it was."""
+    return float("nan") if value is None else float(value)
+
+
 def result_from_report(report: EvalReport, step: int | None) -> Result:
     """The result dict: TorchRL-style ``eval/...`` keys plus the full report under ``report``."""
     return {
@@ -79,10 +84,11 @@ def result_from_report(report: EvalReport, step: int | None) -> Result:
         "eval/coverage": report.coverage,
         "eval/reward_ci_low": report.ci[0],
         "eval/reward_ci_high": report.ci[1],
-        "eval/episode_length": float(report.lengths["mean"]),
+        "eval/episode_length": _number(report.lengths["mean"]),
         "eval/fps": float(report.steps_per_second),
         "eval/step": step,
-        "eval/episodes": report.scored,
+        "eval/episodes": report.episodes,  # planned, as the MLflow run's metric of that name
+        "eval/scored": report.scored,  # the episodes behind eval/reward
         "eval/failure_rate": report.failure_rate,
         "eval/policy_failure_rate": report.policy_failure_rate,
         "report": report,

@@ -397,7 +397,8 @@ class EvalReport(_Frozen):
     harness_failure_rate: float
     alarms: list[str]
     returns: dict[str, Any]
-    lengths: dict[str, float]
+    lengths: dict[str, float | None]
+    """Episode-length stats; null in JSON (NaN in memory) when no episode was scored."""
     success: dict[str, Any] | None
     env_steps: int
     steps_per_second: float

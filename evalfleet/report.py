@@ -165,7 +165,7 @@ def aggregate(
     good = returns[scored]
     if good.size:
         summary = stats.summarize(good, seed=request.seed).to_dict()
-        length_summary = stats.length_stats(lengths[scored])
+        length_summary: dict[str, float | None] = dict(stats.length_stats(lengths[scored]))
     else:
         alarms.append("no_scored_episodes: every episode failed in the harness")
         nan = float("nan")

@@ -64,3 +64,19 @@ def test_finite_values_and_other_types_are_left_as_they_are():
             "e": True}
     assert json_safe(data) == {"a": 1.5, "b": [None, None, 2], "c": [None, "x"], "d": None,
                                "e": True}
+
+
+def test_a_report_with_nan_statistics_reads_back_and_report_flag_writes_strict_json(tmp_path: Path):
+    # The --report copy was written with json.dumps (NaN lengths: not JSON), and the run
+    # folder's report.json (null lengths) did not read back as an EvalReport (the deployment's
+    # runner reads reports so).
+    from evalfleet.cli import write_report
+    from evalfleet.models import EvalReport
+
+    report = EvalReport.model_validate(_all_failed_report())
+    write_report(str(tmp_path / "copy.json"), report)
+    parsed = _strict((tmp_path / "copy.json").read_text())
+    assert parsed["lengths"]["mean"] is None and parsed["returns"]["mean"] is None
+    again = EvalReport.model_validate_json(write_json(
+        report.model_dump(mode="json"), tmp_path / "report.json").read_text())
+    assert again.lengths["mean"] is None and again.episodes == 12
