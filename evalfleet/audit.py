@@ -349,6 +349,7 @@ def compare_with_baseline(table: pa.Table, baseline: pa.Table, seed: int, source
     accounting = {
         "dropped_harness_failures": len(harness),
         "dropped_harness_baseline": len(indices & base_lost),  # of those, the baseline's failures
+        "dropped_harness_both": len(indices & base_lost & new_lost),  # of those, failed on both
         "dropped_unmatched": len(indices) - len(harness) - len(common),
         "policy_failures": {
             "new": sum(EndReason(new[i]["end_reason"]).is_policy_attributable for i in common),
@@ -389,10 +390,12 @@ def harness_pairs_alarm(comparison: dict[str, Any] | None, name: str = "baseline
     if not planned or k / planned <= FAILURE_ALARM_RATE:
         return None
     theirs = int(comparison.get("dropped_harness_baseline") or 0)
+    both = int(comparison.get("dropped_harness_both") or 0)
     return (f"{name}_pairs_harness: {k} of {planned} pairs ({k / planned:.1%}; > "
             f"{FAILURE_ALARM_RATE:.0%}) were left out of the paired comparison with "
-            f"{comparison.get('baseline')} because the harness failed on one side ({theirs} on "
-            f"its run, {k - theirs} on this one: env errors, timeouts, crashes); the verdict "
+            f"{comparison.get('baseline')} because the harness failed on a side ({theirs - both} "
+            f"on its run only, {k - theirs} on this one only, {both} on both: env errors, "
+            "timeouts, crashes); the verdict "
             f"stands on the other {int(comparison.get('n') or 0)} pairs and may be biased: fix "
             "the failures and evaluate both on the same seeds again")
 

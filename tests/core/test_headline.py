@@ -280,11 +280,19 @@ def test_a_comparison_missing_the_baselines_failed_seeds_raises_an_alarm():
     alarm = next(a for a in report.alarms if a.startswith("baseline_pairs_harness"))
     assert alarm.startswith("baseline_pairs_harness: 34 of 100 pairs (34.0%; > 5%) were left out "
                             "of the paired comparison with sha256:eeeeeeeeeeee because the "
-                            "harness failed on one side (34 on its run, 0 on this one")
+                            "harness failed on a side (34 on its run only, 0 on this one only, 0 "
+                            "on both")
     assert "stands on the other 66 pairs" in alarm
     # The same against the training run's best checkpoint.
     assert any(line.startswith("history_pairs_harness: 34 of 100 pairs")
                for line in alarm_lines({"comparison": c}))
+    # Failed on both sides (the env breaks on those seeds whoever plays): counted as both. Before,
+    # they read as the baseline's alone ("34 on its run, 0 on this one").
+    both = records_to_table([_row(i, 0.0, "env_error") if i in hard else _row(i, 0.9)
+                             for i in range(100)])
+    c2 = _stage6(both, base, records_to_table([])).comparison
+    assert c2 is not None and c2["dropped_harness_both"] == 34
+    assert "(0 on its run only, 0 on this one only, 34 on both" in alarm_lines({"comparison": c2})[0]
     # A few failed pairs (5%) leave the comparison as it is.
     few = records_to_table([_row(i, 0.0, "timeout") if i < 5 else _row(i, 1.0) for i in range(100)])
     assert not [a for a in _stage6(new, few, records_to_table([])).alarms if "pairs_harness" in a]
