@@ -720,7 +720,8 @@ def feed_back(
     if report.history is None:  # the fast path computed it already, with the result
         report = with_history(request, report, collected.table)
     folder = run_dir(request.output, request.request_id)
-    stamped = stamp_evaluation(collected.table, request.training_run_id, request.step)
+    stamped = stamp_evaluation(collected.table, request.request_id, request.training_run_id,
+                               request.step)
     parquet = write_episodes(stamped, folder / "episodes.parquet")
     outputs = {"folder": str(folder.resolve()), "episodes": str(parquet.resolve())}
     artifacts = [parquet]

@@ -116,9 +116,17 @@ def records_to_table(records: Iterable[EpisodeRecord]) -> pa.Table:
                      for f in EPISODE_SCHEMA], schema=EPISODE_SCHEMA)
 
 
-def stamp_evaluation(table: pa.Table, training_run_id: str | None, step: int | None) -> pa.Table:
-    """``table`` with every row tagged with the evaluation's training run id and step."""
+def stamp_evaluation(table: pa.Table, request_id: str, training_run_id: str | None,
+                     step: int | None) -> pa.Table:
+    """``table`` with every row tagged with the evaluation's request id, training run id and step.
+
+    Rows from the cache carry the request id of the evaluation that ran them; in this
+    evaluation's ``episodes.parquet`` they are its own, so rows join to its report by it (a row's
+    ``worker``, ``sandbox`` and ``wall_seconds`` still say where and how it ran).
+    """
     n = table.num_rows
+    table = table.set_column(table.schema.get_field_index("request_id"), "request_id",
+                             pa.array([request_id] * n, pa.string()))
     table = table.set_column(table.schema.get_field_index("training_run_id"), "training_run_id",
                              pa.array([training_run_id] * n, pa.string()))
     return table.set_column(table.schema.get_field_index("step"), "step", pa.array([step] * n, pa.int64()))

@@ -117,7 +117,8 @@ def evaluate_warm(request: EvalRequest, address: str, lane: FeedBackLane) -> Eva
         lane.wait()  # what went missing there is raised by flush(), not by this evaluation
         report = with_history(request, report, collected.table)
     folder = run_dir(request.output, request.request_id)
-    parquet = write_episodes(stamp_evaluation(collected.table, request.training_run_id,
+    parquet = write_episodes(stamp_evaluation(collected.table, request.request_id,
+                                              request.training_run_id,
                                               request.step), folder / "episodes.parquet")
     outputs = {
         "folder": str(folder.resolve()),

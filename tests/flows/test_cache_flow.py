@@ -38,6 +38,12 @@ def test_hit_spawns_nothing_and_top_up_equals_cold(prefect_server, tmp_path, exa
         hit = evaluate(_req(tmp_path, example_policy))
     assert hit.cache["status"] == "hit" and hit.cache["reused"] == 30 and hit.cache["computed"] == 0
     assert hit.returns == first.returns
+    # The hit's episodes.parquet is its own: its rows join to its report by request id (they
+    # carried the first evaluation's), the worker that ran them still named.
+    rows = read_episodes(hit.outputs["episodes"])
+    assert set(rows.column("request_id").to_pylist()) == {hit.request_id} != {first.request_id}
+    assert rows.column("worker").to_pylist() == read_episodes(
+        first.outputs["episodes"]).column("worker").to_pylist()
 
     topped = evaluate(_req(tmp_path, example_policy, episodes=75))
     assert topped.cache["status"] == "partial"
