@@ -992,12 +992,22 @@ def _one_hash_match(request: EvalRequest, received: Received, also: str | None =
     prefix = ref[len("sha256:"):].lower()
     cache = episode_cache(request)
     mine = {k: v for k, v in received.cache_ingredients.items() if k != "policy"}
-    matches: dict[str, str] = {}  # policy sha256 -> its entry's key, under this protocol
+    keys: dict[str, list[str]] = {}  # policy sha256 -> its entries' keys, under this protocol
     for entry in cache.entries():
         sha = str(entry.get("policy_sha256") or "")
         ing = cache.ingredients(str(entry["key"])) if sha.startswith(prefix) else None
         if ing is not None and {k: v for k, v in ing.items() if k != "policy"} == mine:
-            matches.setdefault(sha, str(entry["key"]))
+            keys.setdefault(sha, []).append(str(entry["key"]))
+    for sha, found in keys.items():
+        # One hash, several entries: the policy's file is the same, the code it imports was not
+        # (a callable's helper module, a factory's). Which episodes were meant is not known.
+        if len(found) > 1:
+            raise RequestError(
+                f"baseline {ref!r}: the cache holds {len(found)} evaluations of policy "
+                f"{sha[:16]} under this protocol, run with different versions of the code it "
+                "imports; a hash cannot say which one is meant. Pass the baseline policy itself "
+                "(file or module:function) to evaluate it as its code is now.")
+    matches = {sha: found[0] for sha, found in keys.items()}
     named = sorted(set(matches) | ({also} if also else set()))
     if len(named) > 1:
         raise RequestError(

@@ -526,6 +526,31 @@ def test_a_sha256_baseline_names_one_cached_policy_or_is_refused(store, tmp_path
     assert not same_policy(one, received)  # type: ignore[arg-type]
 
 
+def test_a_sha256_baseline_cached_under_two_versions_of_its_imported_code_is_refused(tmp_path):
+    # A callable's file (its hash) stayed the same while a helper module it imports changed: two
+    # entries, one hash. The first in key order was paired before, silently: maybe the stale one.
+    from types import SimpleNamespace
+
+    from evalfleet.errors import RequestError
+    from evalfleet.pipeline import cached_baseline
+
+    ing = {"env": {"x": 1}, "protocol": {"seed": 0}}
+    sha = "cd" * 32
+    cache = EpisodeCache(tmp_path / "cache")
+    for helper in ("gain 0.5", "gain 0"):
+        policy = {"sha256": sha, "code": {"gainmod": helper}}
+        cache.store(hashlib.sha256(helper.encode()).hexdigest(), _broken_on(range(0), name=sha),
+                    dict(ing, policy=policy))
+    received = SimpleNamespace(cache_ingredients=dict(ing, policy={"sha256": "ff" * 32}),
+                               artifact=SimpleNamespace(sha256="ff" * 32))
+    request = EvalRequest(env=courier.ENV_ID, policy="x", baseline="sha256:" + sha[:16],
+                          cache_dir=tmp_path / "cache", output=tmp_path, episodes=200)
+    with pytest.raises(RequestError, match=r"the cache holds 2 evaluations of policy "
+                       r"cdcdcdcdcdcdcdcd under this protocol, run with different versions of "
+                       r"the code it imports"):
+        cached_baseline(request, received, 200)  # type: ignore[arg-type]
+
+
 def test_a_sha256_baseline_that_also_names_the_evaluated_policy_is_refused(store, tmp_path):
     # The prefix matched the evaluated policy, so the comparison was with itself (a difference
     # of exactly 0, no alarm), while a cached checkpoint under the same protocol shares it.
