@@ -178,11 +178,11 @@ def named_files(*values: Any) -> dict[str, str]:
 
     An env that reads a scenario, a level or a table from a path in its kwargs behaves as that
     file says: editing the file must change the key, as editing the env's code does. A string
-    naming a regular file is keyed by its bytes; one naming a directory (written with a path
-    separator, not the root) by its files'. Other strings name nothing here and add nothing.
+    naming a regular file is keyed by its bytes; one naming a directory (``named_paths`` with
+    ``bare_folders``) by its files'. Other strings name nothing here and add nothing.
     """
     out: dict[str, str] = {}
-    for text, path in named_paths(*values).items():
+    for text, path in named_paths(*values, bare_folders=True).items():
         try:
             out[text] = file_sha256(path) if path.is_file() else tree_digest(tree_files(path))
         except OSError:  # unreadable here: the env cannot read it either, and fails on its own
@@ -190,18 +190,30 @@ def named_files(*values: Any) -> dict[str, str]:
     return out
 
 
-def named_paths(*values: Any) -> dict[str, Path]:
-    """The kwarg strings ``named_files`` keys, and the file or folder each names (not read)."""
+def named_paths(*values: Any, bare_folders: bool = False) -> dict[str, Path]:
+    """The kwarg strings that name a file or folder here, and the path each names (not read).
+
+    A file, by any name. A folder written with a path separator (``levels/``, ``./lv``), never
+    the root. ``bare_folders``: also a folder named by a bare word (``"lv"``, relative to the
+    working folder; not ``.``, ``..`` nor the home folder): the cache key counts it (an env
+    reading ``lv/scale.txt`` behaves as that file says), a sandbox is not granted it (a mode
+    string that happens to name a folder must not open it).
+    """
     out: dict[str, Path] = {}
     for text in (t for v in values for t in _strings(v)):
         if text in out or not text or len(text) > 4096 or "\0" in text:
             continue
         path = Path(text).expanduser()
         try:
-            if path.is_file() or (path.is_dir() and os.sep in text.rstrip(os.sep)
-                                  and path.resolve() != Path(path.resolve().anchor)):
+            if path.is_file():
                 out[text] = path
-        except OSError:
+            elif path.is_dir() and path.resolve() != Path(path.resolve().anchor):
+                written = os.sep in text.rstrip(os.sep)
+                bare = (bare_folders and text not in (".", "..")
+                        and path.resolve() not in (Path.home().resolve(), Path.cwd().resolve()))
+                if written or bare:
+                    out[text] = path
+        except (OSError, RuntimeError):  # RuntimeError: no home folder to resolve
             continue
     return out
 

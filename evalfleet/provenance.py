@@ -161,10 +161,26 @@ COMPILED_SUFFIXES = (".pyc", ".pyo")
 
 
 def tree_files(root: Path) -> list[tuple[str, Path]]:
-    """Every regular file under ``root`` by relative name, sorted; compiled caches left out."""
-    return sorted((str(p.relative_to(root)), p) for p in root.rglob("*")
-                  if p.is_file() and "__pycache__" not in p.parts
-                  and p.suffix not in COMPILED_SUFFIXES)
+    """Every regular file under ``root`` by relative name, sorted; compiled caches left out.
+
+    Symlinked folders are followed, each real folder once (a link loop ends there): the code
+    reads its data through them as through any folder. ``Path.rglob`` did not enter them, and an
+    edit to a package's ``levels -> /data/levels`` was a full cache hit on the old episodes.
+    """
+    out: list[tuple[str, Path]] = []
+    seen: set[str] = set()
+    for folder, dirs, names in os.walk(root, followlinks=True):
+        real = os.path.realpath(folder)
+        if real in seen:
+            dirs[:] = []
+            continue
+        seen.add(real)
+        dirs[:] = sorted(d for d in dirs if d != "__pycache__")
+        for name in names:
+            path = Path(folder, name)
+            if path.suffix not in COMPILED_SUFFIXES and path.is_file():
+                out.append((str(path.relative_to(root)), path))
+    return sorted(out)
 
 
 def beside_data(module: Path) -> list[tuple[str, Path]]:
