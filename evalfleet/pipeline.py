@@ -1025,7 +1025,11 @@ def mlflow_params(request: EvalRequest, report: EvalReport) -> dict[str, Any]:
         "env_kwargs": request.env_kwargs,
         "policy": request.policy,
         "policy_sha256": report.policy_sha256,
-        "episodes": request.episodes,
+        # Run in all (an adaptive evaluation's rounds together), as the report and the metric
+        # eval/episodes say; the first round's size beside it.
+        "episodes": report.episodes,
+        "first_round_episodes": request.episodes,
+        "target_ci_halfwidth": request.target_ci_halfwidth,
         "concurrency": request.concurrency,
         "seed": request.seed,
         "max_steps": request.max_steps,

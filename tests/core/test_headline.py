@@ -339,3 +339,19 @@ def test_summary_numbers_never_read_as_something_else():
     from evalfleet.suite_report import number
 
     assert number(2.5e-4) == "0.00025" and number(None) == "n/a" and number(0.731) == "0.731"
+
+
+def test_an_adaptive_evaluations_mlflow_params_name_the_episodes_it_ran():
+    # The param 'episodes' was the first round's size (32) beside a metric and report of 200.
+    from evalfleet.pipeline import mlflow_params
+
+    request = EvalRequest.build(env=ENV, policy="x.pt", episodes=32, target_ci_halfwidth=0.5,
+                                max_episodes=400)
+    table = records_to_table([_row(i, float(i % 7)) for i in range(200)])
+    report = aggregate(request, table, env_spec={"env_id": ENV}, env_spec_hash="spec",
+                       policy={"sha256": "ab" * 32}, isolation="inprocess", timings={},
+                       cache={"status": "miss"}, run_seconds=1.0)
+    params = mlflow_params(request, report)
+    assert (params["episodes"], params["first_round_episodes"]) == (200, 32) == (
+        flatten_metrics(report.model_dump(mode="json"))["eval/episodes"], request.episodes)
+    assert params["target_ci_halfwidth"] == 0.5
