@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import shutil
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -696,6 +697,25 @@ def review(
     return report, [*files, *plots.values(), page]
 
 
+#: What the review writes in a run folder (``review``): plots, videos, trajectories, the page.
+REVIEW_OUTPUTS = ("plots", "videos", "trajectories.parquet", "report.html")
+
+
+def clear_review_outputs(folder: Path) -> None:
+    """Remove review outputs an earlier evaluation under the same request id left in ``folder``.
+
+    A retried flow run (same parameters, same request id) that records fewer videos, no
+    trajectories or no adaptive rounds would otherwise leave the first attempt's files beside
+    its own, read as this evaluation's.
+    """
+    for name in REVIEW_OUTPUTS:
+        path = folder / name
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        elif path.exists() or path.is_symlink():
+            path.unlink(missing_ok=True)
+
+
 def review_files_by_name(files: list[Path]) -> dict[str, Path]:
     """The review outputs a user looks for by name."""
     named = {"report.html": "report_html", "trajectories.parquet": "trajectories"}
@@ -729,6 +749,7 @@ def feed_back(
     # What the review adds to the report is computed on a hit too (cheap): a hit's report equals
     # the miss's; only the files (plots, replays, page) are skipped.
     report = report.model_copy(update={"failure_clusters": cluster_failures(collected.table)})
+    clear_review_outputs(folder)  # an earlier run under this request id (a retry) left its own
     try:
         skipped = review_skipped(request, collected)
         if skipped is not None:

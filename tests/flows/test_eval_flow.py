@@ -207,3 +207,24 @@ def test_stage_one_runs_once_and_the_flow_alone_still_runs_it(prefect_server, tm
         request.model_copy(update={"request_id": "alone"}), None)  # as a deployment would
     assert alone.cache["status"] == "hit" and alone.mean == miss.mean
     assert len(BUILT) == 1
+
+
+def test_a_retry_under_the_same_request_id_leaves_none_of_the_first_attempts_review_files(
+        prefect_server, tmp_path):
+    # A retried flow run (same parameters: same request id) that records no trajectories and
+    # runs no adaptive rounds left the first attempt's trajectories, round plot and videos in
+    # the folder, read as its own.
+    request = _request(tmp_path, episodes=8, concurrency=8, workers=1, request_id="retried00001",
+                       audit=False, cache="off")
+    folder = tmp_path / "results" / "runs" / "retried00001"
+    (folder / "plots").mkdir(parents=True)
+    (folder / "plots" / "ci_halfwidth_by_round.png").write_bytes(b"first attempt")
+    (folder / "videos").mkdir()
+    (folder / "videos" / "episode_3.mp4").write_bytes(b"first attempt")
+    (folder / "trajectories.parquet").write_bytes(b"first attempt")
+    report = evaluate(request)
+    assert report.outputs["folder"] == str(folder.resolve())
+    left = sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())
+    assert "trajectories.parquet" not in left and not (folder / "videos").exists()
+    assert "plots/ci_halfwidth_by_round.png" not in left
+    assert {"episodes.parquet", "report.json", "report.html"} <= set(left)
