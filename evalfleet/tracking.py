@@ -497,6 +497,9 @@ def _note_logged(entry: dict[str, Any], uri: str, run_id: str) -> None:
             report = json.loads(Path(name).read_text())
             outputs = dict(report.get("outputs") or {})
             outputs.pop("mlflow_queued", None)
+            error = outputs.pop("mlflow_error", None)  # what queued it, kept as such
+            if error:
+                outputs["mlflow_queued_after"] = error
             outputs.update(mlflow_uri=uri, mlflow_run_id=run_id,
                            mlflow_logged_late=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
             report["outputs"] = outputs

@@ -33,7 +33,7 @@ def test_unreachable_store_is_retried_then_queued_and_flushed_later(
 ) -> None:
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")  # ours are under test, not MLflow's
     report_json = tmp_path / "report.json"
-    report_json.write_text(json.dumps({"outputs": {"episodes": "x"}}))
+    report_json.write_text(json.dumps({"outputs": {"episodes": "x", "mlflow_error": "planted"}}))
     down = f"http://127.0.0.1:{closed_port()}"  # loopback, nothing listening
     t0 = time.monotonic()
     out = log_or_queue(tmp_path, down, "exp", REPORT, {"episodes": 4}, [report_json], "run",
@@ -55,6 +55,8 @@ def test_unreachable_store_is_retried_then_queued_and_flushed_later(
     assert run.data.metrics["eval/reward"] == 1.0 and run.data.params["episodes"] == "4"
     outputs = json.loads(report_json.read_text())["outputs"]
     assert outputs["mlflow_run_id"] == done["mlflow_run_id"] and "mlflow_queued" not in outputs
+    # Logged now: no 'mlflow_error' beside the run id (read as a failure); what queued it is kept.
+    assert "mlflow_error" not in outputs and outputs["mlflow_queued_after"] == "planted"
 
 
 def test_unwritable_store_path_is_queued(tmp_path: Path) -> None:
