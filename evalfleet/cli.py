@@ -126,10 +126,11 @@ def add_eval_arguments(p: argparse.ArgumentParser) -> None:
                    help="store every step of K episodes (worst, best, failed, then sampled)")
     p.add_argument("--record-video", type=int, default=0, metavar="K",
                    help="render K episodes (same choice) to MP4/GIF, logged to MLflow")
-    p.add_argument("--no-cache", action="store_true",
-                   help="ignore the episode cache: run everything, store nothing")
-    p.add_argument("--refresh", action="store_true",
-                   help="recompute every episode and replace the cache entry")
+    cache_mode = p.add_mutually_exclusive_group()  # one cache mode: --refresh was dropped silently
+    cache_mode.add_argument("--no-cache", action="store_true",
+                            help="ignore the episode cache: run everything, store nothing")
+    cache_mode.add_argument("--refresh", action="store_true",
+                            help="recompute every episode and replace the cache entry")
     p.add_argument("--cache-dir", default=None,
                    help="episode cache root (default $EVALFLEET_CACHE_DIR or OUTPUT/cache)")
     p.add_argument("--allow-failures", action="store_true",

@@ -471,6 +471,7 @@ def client_for(address: str) -> Client:
     with _lock:
         client = _clients.get(address)
         if client is None or client.status not in ("running", "connecting", "newly-created"):
+            _check_address(address)
             try:
                 client = Client(address, timeout=20, set_as_default=False)
             except (OSError, TimeoutError) as err:
@@ -480,6 +481,25 @@ def client_for(address: str) -> Client:
                 ) from err
             _clients[address] = client
         return client
+
+
+def _check_address(address: str) -> None:
+    """Refuse an address no Dask comm can parse, before a ``Client`` is made for it.
+
+    A ``Client`` that failed on one (no port, an ``http://`` scheme) was left half made, and its
+    finaliser waited 40 s on the way out.
+    """
+    from distributed.comm.addressing import get_address_host_port
+
+    if address.startswith("inproc://"):
+        return
+    try:
+        get_address_host_port(address)
+    except ValueError as err:
+        raise RequestError(
+            f"--dask-address {address!r} is no Dask scheduler address ({err}); expected e.g. "
+            "'tcp://10.0.0.5:8786' or 'tls://scheduler:8786'."
+        ) from err
 
 
 def forget_client(address: str) -> None:

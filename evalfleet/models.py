@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import re
 import uuid
 from enum import StrEnum
@@ -17,6 +18,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from evalfleet.errors import RequestError
+from evalfleet.seeds import MAX_BASE_SEED
 
 ISOLATION_LEVELS = ("inprocess", "process", "bwrap", "auto")
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -69,6 +71,34 @@ class EndReason(StrEnum):
 
 #: Most fresh-sandbox retries one episode may get (a crash loop must not run for ever).
 MAX_RETRY_BUDGET = 10
+
+
+#: MLflow tracking URI schemes MLflow itself knows (plugins add theirs through the
+#: ``mlflow.tracking_store`` entry points). A path without a scheme is a file store.
+MLFLOW_SCHEMES = frozenset({"file", "sqlite", "postgresql", "mysql", "mssql", "http", "https",
+                            "databricks", "databricks-uc", "uc"})
+
+
+def check_tracking_uri(uri: str) -> None:
+    """Refuse an MLflow tracking URI whose scheme no store serves, before anything runs.
+
+    Such a run could never be logged: it was queued for a store that will never answer, and
+    the evaluation exited 0.
+    """
+    scheme = uri.split("://", 1)[0].split("+", 1)[0].lower() if "://" in uri else (
+        uri.split(":", 1)[0].lower() if re.match(r"^[A-Za-z][A-Za-z0-9+.-]+:", uri) else "")
+    if not uri.strip():
+        raise RequestError("'mlflow_uri' is empty: leave it out for the store under --output.")
+    if not scheme or scheme in MLFLOW_SCHEMES:
+        return
+    from importlib.metadata import entry_points
+
+    plugins = {ep.name.lower() for ep in entry_points(group="mlflow.tracking_store")}
+    if scheme not in plugins:
+        raise RequestError(
+            f"'mlflow_uri' {uri!r}: no MLflow store serves the scheme {scheme!r}. Use e.g. "
+            "'sqlite:///path/mlflow.db', 'http://host:5000' or a folder path "
+            f"(known: {', '.join(sorted(MLFLOW_SCHEMES | plugins))}).")
 
 
 class _Frozen(BaseModel):
@@ -190,6 +220,16 @@ class EvalRequest(_Frozen):
             value = getattr(self, name)
             if value <= 0:
                 raise RequestError(f"'{name}' must be a positive integer (got {value!r}).")
+        if not 0 <= self.seed <= MAX_BASE_SEED:
+            raise RequestError(
+                f"'seed' must be an integer in [0, {MAX_BASE_SEED}] (got {self.seed!r}): the seed "
+                "ledger derives each episode's seed from it.")
+        if self.step is not None and self.step < 0:
+            raise RequestError(f"'step' must be a training step >= 0 (got {self.step!r}).")
+        if not self.experiment.strip():
+            raise RequestError("'experiment' is empty: name the MLflow experiment, e.g. 'evalfleet'.")
+        if self.mlflow_uri is not None:
+            check_tracking_uri(self.mlflow_uri)
         if self.max_steps is not None and self.max_steps <= 0:
             raise RequestError(
                 f"'max_steps' must be a positive integer or None (got {self.max_steps!r})."
@@ -218,9 +258,10 @@ class EvalRequest(_Frozen):
         if self.cache not in CACHE_MODES:
             raise RequestError(f"Unknown cache mode {self.cache!r}. Choose one of {', '.join(CACHE_MODES)}.")
         if self.target_ci_halfwidth is not None:
-            if self.target_ci_halfwidth <= 0:
+            if not (math.isfinite(self.target_ci_halfwidth) and self.target_ci_halfwidth > 0):
                 raise RequestError(
-                    f"'target_ci_halfwidth' must be > 0 (got {self.target_ci_halfwidth!r})."
+                    f"'target_ci_halfwidth' must be a finite number > 0 (got "
+                    f"{self.target_ci_halfwidth!r})."
                 )
             if self.max_episodes is None:
                 raise RequestError(
@@ -231,16 +272,12 @@ class EvalRequest(_Frozen):
                 f"'max_episodes' ({self.max_episodes}) must be >= 'episodes' ({self.episodes})."
             )
         self._check_asked_for()
-        if self.step_timeout_s <= 0:
-            raise RequestError(f"'step_timeout_s' must be > 0 seconds (got {self.step_timeout_s!r}).")
-        if not self.policy_timeout_s > 0:
-            raise RequestError(
-                f"'policy_timeout_s' must be > 0 seconds (got {self.policy_timeout_s!r})."
-            )
-        if self.episode_timeout_s <= 0:
-            raise RequestError(
-                f"'episode_timeout_s' must be > 0 seconds (got {self.episode_timeout_s!r})."
-            )
+        # NaN passed '<= 0' checks (every episode then timed out); inf means no limit.
+        for name in ("step_timeout_s", "policy_timeout_s", "episode_timeout_s"):
+            value = getattr(self, name)
+            if not value > 0:
+                raise RequestError(
+                    f"'{name}' must be > 0 seconds, or inf for no limit (got {value!r}).")
         if not (self.device in ("auto", "cpu") or self.device.startswith("cuda")):
             raise RequestError(
                 f"Unknown device {self.device!r}. Choose 'auto', 'cpu', 'cuda' or 'cuda:N'."

@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import os
 import shutil
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -183,12 +184,15 @@ def receive_unloaded(request: EvalRequest) -> tuple[Received, Callable[..., Rece
     says when it may be skipped.
     """
     t0 = time.perf_counter()
+    check_folders(request)
     env = resolve_env_for(request.env, request.env_kwargs, request.max_steps, request.isolation,
                           sandbox_limits(request), request.episode_timeout_s)
     # An env resolved in a sandbox described itself: its entry point is its word, not a reason
     # to trust it (``auto`` runs it in sandboxes whatever it names).
     isolation = resolve_isolation(request.isolation, env.fingerprint.entry_point
                                   if resolved_here(request.env, request.isolation) else None)
+    if isolation == "inprocess" and request.suite_task is None:
+        check_no_sandbox_options(request)
     artifact = read_policy(request.policy, request.policy_factory, env.action_space,
                            deterministic=request.deterministic)
     placement = cluster.place_inference(_callable_device(request, artifact), request.dask_address)
@@ -227,6 +231,54 @@ def receive_unloaded(request: EvalRequest) -> tuple[Received, Callable[..., Rece
 #: in other modules, a file it reads): those are loaded and checked on a hit too, so a policy
 #: that no longer loads fails stage 1 instead of being answered from the cache.
 SELF_CONTAINED_FORMATS = frozenset({"torchscript"})
+
+
+#: Request fields only sandboxes use, with their CLI options (``check_no_sandbox_options``).
+SANDBOX_OPTIONS = {"sandbox_read": "--sandbox-read", "sandbox_write": "--sandbox-write",
+                   "sandbox_env_allow": "--sandbox-env", "envs_per_sandbox": "--envs-per-sandbox",
+                   "sandbox_memory_mb": "--sandbox-memory-mb", "episode_timeout_s": "--episode-timeout",
+                   "step_timeout_s": "--step-timeout"}
+
+
+def check_no_sandbox_options(request: EvalRequest) -> None:
+    """An evaluation that runs in-process is refused sandbox options it was given: they do nothing.
+
+    A timeout, a memory limit or a read grant set for episodes that then ran without a sandbox
+    (``auto`` keeps gymnasium's and evalfleet's own envs in-process) was accepted and ignored.
+    A suite's tasks are exempt: one set of options serves tasks of several isolation levels.
+    """
+    fields = type(request).model_fields
+    given = [flag for name, flag in SANDBOX_OPTIONS.items()
+             if getattr(request, name) != fields[name].get_default(call_default_factory=True)]
+    if given:
+        raise RequestError(
+            f"{', '.join(given)} apply to process/bwrap sandboxes, but this evaluation runs its "
+            f"envs in-process (isolation {request.isolation!r} for {request.env!r}): they would do "
+            "nothing. Pass --isolation process to run the envs in sandboxes, or drop them.")
+
+
+def check_folders(request: EvalRequest) -> None:
+    """The results and cache folders can be made and written here, or a clear error now.
+
+    An ``--output`` or ``--cache-dir`` naming a file failed only after every episode ran (stage
+    7's ``NotADirectoryError``, or the cache lock's ``FileExistsError`` once the cluster was up).
+    Nothing is created here: a failing request leaves no folder behind.
+    """
+    folders = [("--output", Path(request.output)), ("--output", Path(request.output) / "runs")]
+    if request.cache != "off":
+        folders.append(("--cache-dir", episode_cache(request).root))
+    for option, folder in folders:
+        there = folder
+        while not there.exists() and there.parent != there:
+            there = there.parent
+        if not there.is_dir():
+            raise RequestError(
+                f"{option} {str(folder)!r} cannot be a folder: {str(there)!r} is a file. Pass a "
+                "folder path (it is made if missing), or move the file.")
+        if not os.access(there, os.W_OK | os.X_OK):
+            raise RequestError(
+                f"{option} {str(folder)!r} cannot be written: this user may not write in "
+                f"{str(there)!r}. Pass a folder you can write.")
 
 
 def received_before_flow(

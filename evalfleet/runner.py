@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextvars
 import heapq
 import logging
+import math
 import threading
 import time
 from collections import deque
@@ -263,7 +264,9 @@ class ShardRun:
         self._act = policy.act
         self.retry_infrastructure = retry_infrastructure
         self.on_episode = on_episode
-        self.policy_timeout_s = policy_timeout_s
+        # inf is no bound (a wait of inf seconds overflows the platform's time_t).
+        self.policy_timeout_s = (None if policy_timeout_s is not None and policy_timeout_s == math.inf
+                                 else policy_timeout_s)
         self.retry_budget = retry_budget if retry_infrastructure else 0
         self.retry_backoff_s = retry_backoff_s
         # Per episode index: (retries so far, end reason of the last failed attempt).
@@ -300,9 +303,9 @@ class ShardRun:
             self._astart = int(space.start)
         self.watch = _ForwardWatch()
         # The bound of the next forward (the first one's is larger), and of every later one.
-        self._bound: float | None = (None if policy_timeout_s is None
-                                     else policy_timeout_s * FIRST_FORWARD_FACTOR)
-        self._later_bound = policy_timeout_s
+        bound = self.policy_timeout_s
+        self._bound: float | None = None if bound is None else bound * FIRST_FORWARD_FACTOR
+        self._later_bound = bound
 
     # -- the shard as a whole ------------------------------------------------------------------
 

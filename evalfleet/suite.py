@@ -33,7 +33,9 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import tomllib
+from collections import Counter
 from pathlib import Path
 from typing import Any, Final
 
@@ -187,8 +189,16 @@ def parse_suite(data: dict[str, Any], source: str = "<suite>") -> Suite:
         if "episodes" in head else None
     default_steps = head.get("max_steps")
     gamma = head.get("gamma", 1.0)
-    if isinstance(gamma, bool) or not isinstance(gamma, int | float):
-        raise _fail(source, f"[suite] 'gamma' must be a number (got {gamma!r}).")
+    if isinstance(gamma, bool) or not isinstance(gamma, int | float) or not math.isfinite(gamma):
+        raise _fail(source, f"[suite] 'gamma' must be a finite number (got {gamma!r}).")
+    planned = 0  # tasks after grid expansion, counted before any grid is expanded
+    for entry in entries:
+        grid = entry.get("grid") if isinstance(entry, dict) else None
+        sizes = [len(v) for v in grid.values() if isinstance(v, list)] if isinstance(grid, dict) else []
+        planned += math.prod(sizes) if sizes else 1
+    if planned > MAX_TASKS:
+        raise _fail(source, f"{planned} tasks after grid expansion, more than {MAX_TASKS}; "
+                    "split the suite or shrink its grids.")
     tasks: list[SuiteTask] = []
     for i, entry in enumerate(entries):
         where = f"{source} task {i + 1}"
@@ -229,8 +239,7 @@ def parse_suite(data: dict[str, Any], source: str = "<suite>") -> Suite:
             tasks.append(SuiteTask(name=name, env=env, env_kwargs={**kwargs, **point},
                                    episodes=episodes, max_steps=steps,
                                    normalisation=_normalisation(norm, f"{where} {name}")))
-    names = [t.name for t in tasks]
-    dupes = sorted({n for n in names if names.count(n) > 1})
+    dupes = sorted(n for n, k in Counter(t.name for t in tasks).items() if k > 1)
     if dupes:
         raise _fail(source, f"task names {dupes!r} appear twice; give the tasks distinct 'name's.")
     if len(tasks) > MAX_TASKS:

@@ -14,6 +14,7 @@ from typing import Any
 from pydantic import AnyHttpUrl, BaseModel, ConfigDict, Field, ValidationError
 
 from evalfleet.callback import canonical_json
+from evalfleet.seeds import MAX_BASE_SEED
 
 
 class _Strict(BaseModel):
@@ -42,7 +43,7 @@ class EvalProtocol(_Strict):
     """What makes two evaluations comparable: same protocol, same numbers."""
 
     episodes: int = Field(100, gt=0, le=100_000, description="Episodes (indices 0..episodes-1).")
-    seed: int = Field(0, ge=0, description="Base seed of the seed ledger.")
+    seed: int = Field(0, ge=0, le=MAX_BASE_SEED, description="Base seed of the seed ledger.")
     max_steps: int | None = Field(None, gt=0, description="Step cap; None = the env's own.")
     deterministic: bool = Field(True, description="argmax actions (True) or sampled (False).")
 

@@ -231,3 +231,85 @@ def test_a_gate_without_a_training_run_fails_before_anything_runs(tmp_path, caps
         assert "--gate compares this evaluation with the best earlier checkpoint" in err
         assert "it needs --training-run-id and --step" in err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    "fields,message",
+    [
+        # Each was accepted and failed inside the flow, after the cluster started (the seed in
+        # stage 2, the NaN target after round 1), or ran with no effect (a NaN episode timeout:
+        # every sandboxed episode timed out; an MLflow store that can never answer: queued for
+        # ever, exit 0).
+        ({"seed": -1}, r"'seed' must be an integer in \[0, 2147483647\] \(got -1\)"),
+        ({"seed": 2**31}, r"'seed' must be an integer in \[0, 2147483647\] \(got 2147483648\)"),
+        ({"step": -1}, r"'step' must be a training step >= 0 \(got -1\)"),
+        ({"episode_timeout_s": float("nan")}, r"'episode_timeout_s' must be > 0 seconds, or inf"),
+        ({"target_ci_halfwidth": float("nan"), "max_episodes": 600},
+         r"'target_ci_halfwidth' must be a finite number > 0 \(got nan\)"),
+        ({"experiment": " "}, r"'experiment' is empty"),
+        ({"mlflow_uri": "bogus://x"}, r"no MLflow store serves the scheme 'bogus'"),
+    ],
+)
+def test_values_that_failed_late_or_did_nothing_are_refused_up_front(fields, message,
+                                                                     example_policy):
+    with pytest.raises(RequestError, match=message):
+        EvalRequest.build(policy=example_policy, **fields)
+
+
+def test_an_infinite_policy_timeout_is_no_bound_not_an_overflow(example_policy):
+    # A wait of inf seconds overflowed time_t: the shard failed (exit 1) after the cluster started.
+    from evalfleet.envspec import env_thunk, resolve_env
+    from evalfleet.policy import load_policy, receive_policy
+    from evalfleet.runner import EpisodeContext, run_shard
+    from evalfleet.sandbox.base import InProcessSlots
+    from evalfleet.seeds import SeedLedger
+
+    request = EvalRequest.build(policy=example_policy, policy_timeout_s=float("inf"))
+    resolved = resolve_env("CartPole-v1", {}, 30)
+    art = receive_policy(example_policy, None, resolved.observation_space, resolved.action_space)
+    policy = load_policy(art.format, art.payload, None, art.source, resolved.action_space)
+    records = run_shard([(i, SeedLedger(0).seed(i)) for i in range(4)],
+                        InProcessSlots(env_thunk("CartPole-v1", {}, 30), 2), policy,
+                        EpisodeContext("r", art.sha256, "CartPole-v1", "s", "w"),
+                        policy_timeout_s=request.policy_timeout_s)
+    assert [r.end_reason for r in records] == ["truncated"] * 4
+
+
+@pytest.mark.parametrize("where", ["output", "cache_dir"])
+def test_an_output_or_cache_folder_that_is_a_file_fails_before_anything_runs(
+        no_spawn, tmp_path, example_policy, where):
+    # It failed after every episode ran (stage 7's NotADirectoryError) or once the cluster was
+    # up (the cache lock's FileExistsError).
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    fields = {"output": tmp_path / "out", where: blocker / "sub" if where == "output" else blocker}
+    with pytest.raises(RequestError, match=r"cannot be a folder: '.*a-file' is a file"):
+        _evaluate(policy=example_policy, episodes=4, **fields)
+    assert not (tmp_path / "out").exists()  # nothing made
+
+
+def test_sandbox_options_for_an_in_process_evaluation_are_refused(no_spawn, tmp_path,
+                                                                  example_policy):
+    with pytest.raises(RequestError, match=r"--sandbox-read, --episode-timeout apply to "
+                       r"process/bwrap sandboxes, but this evaluation runs its envs in-process "
+                       r"\(isolation 'auto' for 'CartPole-v1'\)"):
+        _evaluate(policy=example_policy, episodes=4, output=tmp_path, episode_timeout_s=5,
+                  sandbox_read=["/data"])
+
+
+@pytest.mark.parametrize("address,message", [
+    ("garbage", r"missing port number"), ("http://127.0.0.1:8786", r"unknown address scheme 'http'")])
+def test_a_malformed_dask_address_is_a_request_error(no_spawn, tmp_path, example_policy, address,
+                                                     message):
+    with pytest.raises(RequestError, match=rf"--dask-address '{address}' is no Dask scheduler "
+                       rf"address \(.*{message}"):
+        _evaluate(policy=example_policy, episodes=4, output=tmp_path, dask_address=address)
+
+
+def test_no_cache_and_refresh_together_are_refused(capsys):
+    from evalfleet.cli import build_parser
+
+    with pytest.raises(SystemExit) as exit_:
+        build_parser().parse_args(["--no-cache", "--refresh"])
+    assert exit_.value.code == 2
+    assert "argument --refresh: not allowed with argument --no-cache" in capsys.readouterr().err
