@@ -197,10 +197,13 @@ class Evaluator:
         fields = dict(request_fields)
         fields["output"] = Path(fields.get("output", "results")).resolve()
         # Validate every field now, before any thread, cluster or server exists.
+        # Each call sets its step; the template is checked as such a call (step 0) would be, or
+        # an option that needs a step (outcome_metric) could never be used.
         self._template = EvalRequest.build(
             env=env, episodes=num_episodes, device=device, training_run_id=training_run_id,
-            policy="(set per evaluation)", policy_factory=self.factory, **fields,
-        )
+            policy="(set per evaluation)", policy_factory=self.factory,
+            **({"step": 0} if training_run_id is not None else {}), **fields,
+        ).model_copy(update={"step": None})
         from evalfleet.suite import load_suite
 
         self.suite = load_suite(suite) if suite is not None else None  # a bad suite fails here
@@ -399,9 +402,9 @@ class Evaluator:
                 "a state_dict needs 'policy_factory' ('module:function' building the nn.Module); "
                 "or pass the nn.Module itself."
             )
-        request = self._template.model_copy(
-            update={"step": step, "request_id": uuid.uuid4().hex[:16]}
-        )
+        # Validated again: model_copy checks nothing, and a step of 'abc' reached the runner.
+        request = EvalRequest.build(**{**self._template.model_dump(), "step": step,
+                                       "request_id": uuid.uuid4().hex[:16]})
         job = _Job(request, snapshot, Future())
         self._in_flight += 1
         self._jobs.put(job)

@@ -12,6 +12,7 @@ from contextlib import ExitStack
 from evalfleet.cluster import fleet_cluster
 from evalfleet.errors import ClusterLost
 from evalfleet.models import EvalReport, EvalRequest
+from evalfleet.pipeline import receive_unloaded
 from evalfleet.sandbox.forkclient import shutdown_fork_servers
 from evalfleet.suite import Suite, SuiteReport
 from flows.eval import evaluate
@@ -56,6 +57,10 @@ class LocalFlowRunner:
 
     def __call__(self, request: EvalRequest) -> EvalReport:
         """Evaluate ``request`` on the kept cluster."""
+        if self._address is None and self.dask_address is None:
+            # Stage 1 but the policy's check, before the first call opens a server and cluster:
+            # an unknown env, bad kwargs or a folder that is a file fail with nothing started.
+            receive_unloaded(request)
         address = self._address or self._open()
         try:
             if self.warm:

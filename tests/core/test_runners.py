@@ -15,7 +15,8 @@ import pytest
 
 from evalfleet import runners
 from evalfleet.client import EvaluationFailed, Evaluator
-from evalfleet.errors import EvalfleetError
+from evalfleet.errors import EnvSpecError, EvalfleetError, RequestError
+from evalfleet.models import EvalRequest
 from tests.integration.policies import mlp
 
 GROUP = "evalfleet.test-runners"
@@ -102,3 +103,33 @@ def test_an_evaluator_without_a_runner_fails_before_starting(tmp_path: Path,
     assert "evalfleet-evaluator" not in {t.name for t in threading.enumerate()} - before
     # A runner passed explicitly needs no registration.
     Evaluator(output=tmp_path / "out", runner=lambda request: pytest.fail("not run")).shutdown()
+
+
+def test_the_evaluators_outcome_metric_works_and_every_calls_step_is_validated(tmp_path: Path
+                                                                             ) -> None:
+    # The template was checked with step None, so outcome_metric (which needs a step) was always
+    # refused; and a call's step was copied in unchecked: 'abc' reached the runner.
+    seen: list[Any] = []
+    with Evaluator(policy_factory="tests.integration.policies:mlp", output=tmp_path / "out",
+                   training_run_id="r1", outcome_metric="profit",
+                   runner=lambda request: seen.append(request) or pytest.fail("stop")) as ev:
+        for bad, message in (("abc", r"'step': Input should be a valid integer"),
+                             (-5, r"'step' must be a training step >= 0 \(got -5\)")):
+            with pytest.raises(RequestError, match=message):
+                ev.trigger_eval(mlp(), step=bad)  # type: ignore[arg-type]
+        assert seen == []
+
+
+def test_the_first_call_of_a_local_runner_refuses_an_unknown_env_before_a_cluster(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import flows.local_runner as local
+
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("a server or cluster was started for a bad request")
+
+    monkeypatch.setattr(local, "prefect_api", refuse)
+    monkeypatch.setattr(local, "fleet_cluster", refuse)
+    runner = local.LocalFlowRunner(workers=1)
+    with pytest.raises(EnvSpecError, match=r"unknown env id 'NoSuchEnv-v0'"):
+        runner(EvalRequest.build(env="NoSuchEnv-v0", policy="x.pt", output=tmp_path))
+    runner.close()
