@@ -396,6 +396,12 @@ def run_suite(evaluate_suite: SuiteEvaluator | None, args: argparse.Namespace) -
         print(f"evalfleet: stopped by {signal.Signals(signum).name}; finished tasks stay in the cache",
               file=sys.stderr)
         return 128 + signum
+    except Exception as err:  # as for one evaluation: one paragraph, the traceback only with -v
+        verbose = bool(getattr(args, "verbose", False))
+        if verbose:
+            traceback.print_exc()
+        print(failure_paragraph(err, verbose), file=sys.stderr)
+        return EXIT_FAILED
     from evalfleet.suite_report import suite_markdown
 
     write_report(args.report, report)

@@ -90,6 +90,24 @@ def test_suite_with_gate_is_refused_before_anything_runs(tmp_path: Path, capsys)
     assert "--gate compares one evaluation" in capsys.readouterr().err
 
 
+def test_an_unexpected_suite_failure_is_one_paragraph_and_exit_1(tmp_path: Path, capsys):
+    # Only evalfleet's own errors were caught: anything else (a malformed Dask address, a lost
+    # scheduler) came out as a raw traceback of 78 lines.
+    from evalfleet.cli import EXIT_FAILED
+
+    suite = tmp_path / "suite.toml"
+    suite.write_text('[[task]]\nenv = "CartPole-v1"\nepisodes = 10\n')
+
+    def broken(*args: object) -> None:
+        raise OSError("planted: the scheduler went away")
+
+    code = run_cli(lambda *a: None, ["--suite", str(suite), "--output", str(tmp_path / "out")],
+                   evaluate_suite=broken)
+    err = capsys.readouterr().err
+    assert code == EXIT_FAILED
+    assert "OSError: planted: the scheduler went away" in err and "Traceback" not in err
+
+
 def test_the_in_loop_result_names_every_alarm_of_the_report():
     request = EvalRequest.build(policy="envs.suite_policies:heuristic", episodes=20)
     report = _report(request, _table([1.0] * 10 + [0.0] * 10, ["terminated"] * 10 + ["crashed"] * 10))
