@@ -362,7 +362,10 @@ class EvalRequest(_Frozen):
             for e in err.errors():
                 where = ".".join(str(p) for p in e["loc"]) or "request"
                 msg = str(e["msg"]).removeprefix("Value error, ")
-                problems.append(msg if msg.startswith("'") else f"'{where}': {msg} (got {e.get('input')!r})")
+                if msg.startswith("'") or not e["loc"]:  # a whole-request check names its field
+                    problems.append(msg)
+                else:
+                    problems.append(f"'{where}': {msg} (got {e.get('input')!r})")
             raise RequestError("; ".join(problems)) from None
 
     @property

@@ -313,3 +313,10 @@ def test_no_cache_and_refresh_together_are_refused(capsys):
         build_parser().parse_args(["--no-cache", "--refresh"])
     assert exit_.value.code == 2
     assert "argument --refresh: not allowed with argument --no-cache" in capsys.readouterr().err
+
+
+def test_a_whole_request_check_prints_its_message_not_the_whole_request(example_policy):
+    # It read "'request': Unknown device 'gpu'. ... (got {...every field of the request...})".
+    with pytest.raises(RequestError) as err:
+        EvalRequest.build(policy=example_policy, device="gpu")
+    assert str(err.value) == "Unknown device 'gpu'. Choose 'auto', 'cpu', 'cuda' or 'cuda:N'."
