@@ -15,7 +15,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, NoReturn
 
-from evalfleet.console import configure_console, quiet_environment
+from evalfleet.console import QUIET_ENV, configure_console, quiet_environment
 from evalfleet.environ import restored_environment
 from evalfleet.errors import EvalfleetError, RequestError, Stopped
 from evalfleet.models import OUTPUT_MISSING, EvalReport, EvalRequest
@@ -428,14 +428,14 @@ def run_eval(evaluate: Callable[[EvalRequest], EvalReport], args: argparse.Names
     The console and server settings it exports for the evaluation's processes are undone after,
     so a caller that runs it in-process (a test, a script) keeps its own environment.
     """
-    with restored_environment([*quiet_environment(), SERVER_MODE_ENV]):
+    with restored_environment([*quiet_environment(), SERVER_MODE_ENV, QUIET_ENV]):
         return _run_eval(evaluate, args, evaluate_suite)
 
 
 def _run_eval(evaluate: Callable[[EvalRequest], EvalReport], args: argparse.Namespace,
               evaluate_suite: SuiteEvaluator | None) -> int:
     verbose = bool(getattr(args, "verbose", False))
-    configure_console(verbose)
+    configure_console(verbose, quiet=bool(getattr(args, "quiet", False)))
     if getattr(args, "ephemeral_server", False):
         os.environ[SERVER_MODE_ENV] = "ephemeral"
     if getattr(args, "suite", None):

@@ -21,12 +21,21 @@ QUIET_PREFECT_LOGGING = str(files("evalfleet") / "data" / "quiet-logging.yml")
 LIBRARY_LOGGERS = ("distributed", "mlflow", "alembic", "httpx", "uvicorn", "bokeh", "tornado")
 
 
+#: Set (to "1") while a ``-q`` run prints only its summary: no progress bar, no warnings.
+QUIET_ENV = "EVALFLEET_QUIET"
+
+
 class QuietConsole(logging.Filter):
-    """Keep tracebacks off the console: the CLI reports a failure once, in one paragraph."""
+    """Keep tracebacks off the console: the CLI reports a failure once, in one paragraph.
+
+    ``floor``: the lowest level shown, WARNING by default, ERROR under ``-q``.
+    """
+
+    floor = logging.WARNING
 
     def filter(self, record: logging.LogRecord) -> bool:
-        """Drop records that carry an exception; keep every other warning and error line."""
-        return record.exc_info is None and not record.exc_text
+        """Drop records that carry an exception or are below ``floor``; keep the rest."""
+        return record.levelno >= QuietConsole.floor and record.exc_info is None and not record.exc_text
 
 
 def quiet_environment() -> dict[str, str]:
@@ -38,11 +47,17 @@ def quiet_environment() -> dict[str, str]:
     }
 
 
-def configure_console(verbose: bool) -> None:
+def configure_console(verbose: bool, quiet: bool = False) -> None:
     """Set up the terminal's logging for one CLI run: quiet unless ``verbose``.
 
+    ``quiet`` (``-q``): errors only, and no progress bar (``QUIET_ENV``): the summary alone.
     A variable the user already set is left alone, so a custom Prefect logging file still wins.
     """
+    QuietConsole.floor = logging.ERROR if quiet and not verbose else logging.WARNING
+    if quiet and not verbose:
+        os.environ[QUIET_ENV] = "1"
+    else:
+        os.environ.pop(QUIET_ENV, None)
     root = logging.getLogger()
     if verbose:
         for key, value in quiet_environment().items():  # a quiet parent's choice is not ours

@@ -6,6 +6,7 @@ import contextvars
 import datetime
 import logging
 import math
+import os
 import sys
 import threading
 from collections.abc import Iterator
@@ -17,6 +18,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
 from evalfleet.cluster import client_for
+from evalfleet.console import QUIET_ENV
 from evalfleet.models import EvalRequest
 from evalfleet.progress import ProgressTracker, topic
 from flows.api_ledger import best_effort
@@ -50,7 +52,7 @@ def watch(request: EvalRequest, address: str | None) -> Iterator[ProgressTracker
         if bar is not None:
             bar.update(snap)
 
-    bar = EpisodeBar(tracker.total) if sys.stderr.isatty() else None
+    bar = EpisodeBar(tracker.total) if sys.stderr.isatty() and not os.environ.get(QUIET_ENV) else None
     stop = threading.Event()
 
     def loop() -> None:

@@ -45,6 +45,34 @@ def test_default_run_prints_no_info_lines_and_verbose_does(prefect_server, tmp_p
     assert any(re.search(r"INFO.*Task run 'run-episodes", line) for line in lines), loud.stderr[-2000:]
 
 
+@pytest.mark.slow
+def test_quiet_prints_the_summary_alone(prefect_server, tmp_path):
+    # -q was accepted and did nothing: warnings (the device fallback, on a machine without a
+    # GPU, as CI's) still came before the summary.
+    quiet = _cli(tmp_path, "-q")
+    assert quiet.returncode == 0, quiet.stderr[-3000:]
+    assert "WARNING" not in quiet.stderr, quiet.stderr[-2000:]
+    assert "mean return" in quiet.stdout
+
+
+def test_quiet_keeps_errors_and_hides_warnings(monkeypatch):
+    import logging
+
+    from evalfleet.console import QUIET_ENV, QuietConsole, configure_console
+
+    monkeypatch.delenv(QUIET_ENV, raising=False)
+    record = logging.LogRecord("evalfleet.cluster", logging.WARNING, __file__, 1, "w", None, None)
+    error = logging.LogRecord("evalfleet.cluster", logging.ERROR, __file__, 1, "e", None, None)
+    try:
+        configure_console(False, quiet=True)
+        assert os.environ[QUIET_ENV] == "1"  # no progress bar either (flows.progress)
+        assert not QuietConsole().filter(record) and QuietConsole().filter(error)
+        configure_console(False)
+        assert QUIET_ENV not in os.environ and QuietConsole().filter(record)
+    finally:
+        configure_console(False)
+
+
 @pytest.fixture
 def in_process_cli(monkeypatch):
     """run_eval in this process: its environment and root logger level are put back after."""
