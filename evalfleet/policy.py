@@ -385,8 +385,8 @@ def check_outputs(
         raw = np.asarray(policy.raw(obs))
     except Exception as err:
         raise PolicyError(
-            f"policy {source!r} failed on a dummy float32 batch of shape {obs.shape}: "
-            f"{type(err).__name__}: {err}"
+            f"policy {source!r} failed on a dummy float32 batch of shape {obs.shape} (the env's "
+            f"observations have shape {tuple(shape)}): {type(err).__name__}: {_last_line(err)}"
         ) from err
     if isinstance(space, spaces.Discrete):
         if policy.is_torch:
@@ -462,6 +462,20 @@ def read_policy(
         factory_sha256=sha256_bytes(factory_source(factory)) if factory else None,
         code=code,
     )
+
+
+def _last_line(err: BaseException) -> str:
+    """An error's message; a TorchScript one's last line (the cause, under ~25 lines of trace).
+
+    ``RuntimeError: The following operation failed in the TorchScript interpreter.`` is followed
+    by two tracebacks before the line that says what went wrong (``mat1 and mat2 shapes cannot
+    be multiplied (4x4 and 8x2)``).
+    """
+    text = str(err)
+    if "TorchScript interpreter" not in text:
+        return text
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    return lines[-1].split(": ", 1)[-1] if lines else text
 
 
 def check_policy(

@@ -320,3 +320,16 @@ def test_a_whole_request_check_prints_its_message_not_the_whole_request(example_
     with pytest.raises(RequestError) as err:
         EvalRequest.build(policy=example_policy, device="gpu")
     assert str(err.value) == "Unknown device 'gpu'. Choose 'auto', 'cpu', 'cuda' or 'cuda:N'."
+
+
+def test_a_policy_for_other_observations_says_so_in_one_line(no_spawn, tmp_path):
+    # It printed ~28 lines of TorchScript traceback, the cause on the last, the shape nowhere.
+    path = tmp_path / "in8.pt"
+    torch.jit.save(torch.jit.script(torch.nn.Sequential(torch.nn.Linear(8, 2))), str(path))
+    with pytest.raises(PolicyError) as err:
+        _evaluate(policy=str(path), output=tmp_path)
+    text = str(err.value)
+    assert text.endswith("failed on a dummy float32 batch of shape (4, 4) (the env's observations "
+                         "have shape (4,)): RuntimeError: mat1 and mat2 shapes cannot be multiplied "
+                         "(4x4 and 8x2)"), text
+    assert "\n" not in text
