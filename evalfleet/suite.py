@@ -179,8 +179,11 @@ def parse_suite(data: dict[str, Any], source: str = "<suite>") -> Suite:
         raise _fail(source, f"unknown top-level key(s) {sorted(set(data) - known)!r}; a suite has "
                     "a [suite] table and [[task]] entries.")
     head = data.get("suite", {})
-    if not isinstance(head, dict) or set(head) - set(_SUITE_KEYS):
-        extra = sorted(set(head) - set(_SUITE_KEYS)) if isinstance(head, dict) else head
+    if not isinstance(head, dict):
+        raise _fail(source, f"'suite' must be a [suite] table of settings (got {head!r}); "
+                    f"allowed keys: {', '.join(_SUITE_KEYS)}.")
+    if set(head) - set(_SUITE_KEYS):
+        extra = sorted(set(head) - set(_SUITE_KEYS))
         raise _fail(source, f"[suite] has unknown key(s) {extra!r}; allowed: {', '.join(_SUITE_KEYS)}.")
     entries = data.get("task")
     if not isinstance(entries, list) or not entries:
