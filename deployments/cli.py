@@ -59,6 +59,24 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
+def check_port_free(host: str, port: int, what: str, flag: str) -> None:
+    """Refuse to start ``what`` on ``port`` when something already listens there.
+
+    Its health check would be answered by that other process (the shared local Prefect server
+    ``python flows/eval.py`` keeps on 4200): the service said "ready", then its own server
+    failed to bind and the whole service shut down.
+    """
+    with socket.socket() as s:
+        s.settimeout(1.0)
+        if s.connect_ex((host, port)) == 0:
+            raise StartupError(
+                f"port {port} on {host} is already in use, so {what} cannot start there (the "
+                "shared local Prefect server, 'evalfleet server status', is often on 4200): pass "
+                f"{flag} 0 for any free port"
+                + (", or --prefect-api-url URL to use the server already running." if
+                   flag == "--prefect-port" else "."))
+
+
 class Child:
     """One supervised process: own session, output prefixed onto ``sink`` and kept in a log."""
 
@@ -216,6 +234,11 @@ class Service:
         a = self.args
         timeout = a.startup_timeout
         py = sys.executable
+        # Ports asked for are free, or nothing starts (another process would answer for them).
+        if not a.prefect_api_url and a.prefect_port:
+            check_port_free(a.host, a.prefect_port, "the Prefect server", "--prefect-port")
+        if a.port:
+            check_port_free(a.host, a.port, "the webhook receiver", "--port")
         # 1. Prefect server
         api = a.prefect_api_url
         if not api:

@@ -10,7 +10,10 @@ URL instead (a failed callback never loses a result).
     # everything in one go (starts `evalfleet serve` in the background, stops it at the end):
     python examples/train_with_webhook.py
     # against a running service (same secret; same --output/--mlflow-uri to share MLflow):
-    export EVALFLEET_WEBHOOK_SECRET=...; evalfleet serve --output results/webhook &
+    # (--allow-host: this trainer's callback listens on loopback; --prefect-port 0: any free
+    # port, 4200 is often the shared local server's)
+    export EVALFLEET_WEBHOOK_SECRET=...
+    evalfleet serve --output results/webhook --allow-host 127.0.0.1 --prefect-port 0 &
     python examples/train_with_webhook.py --receiver-url http://127.0.0.1:8700 \\
         --mlflow-uri sqlite:///$PWD/results/webhook/mlflow.db
 

@@ -50,3 +50,28 @@ def test_a_delivery_naming_another_callback_or_experiment_is_another_evaluation(
     assert key(body(callback_url="http://127.0.0.1:9001/cb", experiment="exp-A")) == first
     assert key(body(callback_url="http://127.0.0.1:9002/cb", experiment="exp-A")) != first
     assert key(body(callback_url="http://127.0.0.1:9001/cb", experiment="exp-B")) != first
+
+
+def test_serve_refuses_a_prefect_port_another_server_holds_before_starting_anything(
+        tmp_path: Any) -> None:
+    # The shared local server `python flows/eval.py` keeps is on 4200, serve's default: serve's
+    # health check was answered by it, it said "ready", then its own server failed to bind and
+    # the service shut down.
+    import io
+    import socket
+
+    import pytest
+
+    from deployments.cli import Service, StartupError, build_parser
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        args = build_parser().parse_args(["--prefect-port", str(port), "--port", "0",
+                                          "--state-dir", str(tmp_path / "state")])
+        service = Service(args, sink=io.StringIO())
+        with pytest.raises(StartupError, match=rf"port {port} on 127.0.0.1 is already in use, so "
+                           r"the Prefect server cannot start there .* pass --prefect-port 0"):
+            service.start()
+        assert service.children == []
