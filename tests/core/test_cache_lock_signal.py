@@ -29,7 +29,7 @@ def evaluate(request):
     with EpisodeCache(Path(sys.argv[1])).exclusive({KEY!r}):
         raise AssertionError("the lock was held by the test")
 
-raise SystemExit(run_cli(evaluate, ["--policy", EXAMPLE_POLICY, "--output", sys.argv[1], "-q"]))
+raise SystemExit(run_cli(evaluate, ["--policy", EXAMPLE_POLICY, "--output", sys.argv[1]]))
 """
 
 
