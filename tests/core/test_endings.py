@@ -10,16 +10,12 @@ import numpy as np
 import pyarrow as pa
 
 from evalfleet.cli import EXAMPLE_POLICY
-from evalfleet.envspec import env_thunk, resolve_env
+from evalfleet.envspec import resolve_env
 from evalfleet.models import EvalReport, EvalRequest
-from evalfleet.policy import load_policy, receive_policy
-from evalfleet.records import records_to_table
 from evalfleet.report import aggregate
-from evalfleet.runner import EpisodeContext, run_shard
-from evalfleet.sandbox.base import InProcessSlots
-from evalfleet.seeds import SeedLedger
 from evalfleet.summary import summary_text
 from evalfleet.tracking import flatten_metrics
+from tests.core.episodes import run_in_process
 
 ENV = "CartPole-v1"
 
@@ -30,15 +26,8 @@ def always_left(obs: np.ndarray) -> np.ndarray:
 
 def _report(policy_ref: str, cap: int | None, n: int = 30, kwargs: dict[str, int] | None = None
             ) -> tuple[pa.Table, EvalReport]:
-    kwargs = kwargs or {}
-    resolved = resolve_env(ENV, kwargs, cap)
-    art = receive_policy(policy_ref, None, resolved.observation_space, resolved.action_space)
-    policy = load_policy(art.format, art.payload, None, art.source, resolved.action_space)
-    ledger = SeedLedger(0)
-    records = run_shard([(i, ledger.seed(i)) for i in range(n)],
-                        InProcessSlots(env_thunk(ENV, kwargs, cap), 8), policy,
-                        EpisodeContext("r", art.sha256, ENV, "s", "w"))
-    table = records_to_table(records).sort_by("episode_index")
+    table = run_in_process(ENV, policy_ref, n, kwargs=kwargs, cap=cap, slots=8)
+    resolved = resolve_env(ENV, kwargs or {}, cap)
     request = EvalRequest(env=ENV, policy=policy_ref, episodes=n, seed=0, max_steps=cap)
     report = aggregate(request, table, env_spec=resolved.fingerprint.as_dict(),
                        env_spec_hash="spec", policy={"sha256": "ab" * 32}, isolation="inprocess",

@@ -16,33 +16,21 @@ import tests.flows.headline_envs as hurdles
 from evalfleet import stats
 from evalfleet.audit import RoundSchedule, compare_with_baseline
 from evalfleet.client import result_from_report
-from evalfleet.envspec import env_thunk, resolve_env
 from evalfleet.models import EvalReport, EvalRequest
-from evalfleet.policy import load_policy, receive_policy
 from evalfleet.records import EpisodeRecord, records_to_table
 from evalfleet.report import aggregate
 from evalfleet.review import report_markdown
-from evalfleet.runner import EpisodeContext, run_shard
-from evalfleet.sandbox.base import InProcessSlots
 from evalfleet.scoring import outcomes
-from evalfleet.seeds import SeedLedger
 from evalfleet.summary import summary_rows, summary_text
 from evalfleet.tracking import flatten_metrics
+from tests.core.episodes import run_in_process
 
 ENV = "tests.flows.headline_envs:Hurdles-v0"
 N = 200
 
 
 def _run(policy_ref: str, env_kwargs: dict[str, object] | None = None, n: int = N) -> pa.Table:
-    kwargs = env_kwargs or {}
-    resolved = resolve_env(ENV, kwargs, None)
-    art = receive_policy(policy_ref, None, resolved.observation_space, resolved.action_space)
-    policy = load_policy(art.format, art.payload, None, art.source, resolved.action_space)
-    ledger = SeedLedger(0)
-    records = run_shard([(i, ledger.seed(i)) for i in range(n)],
-                        InProcessSlots(env_thunk(ENV, kwargs, None), 16), policy,
-                        EpisodeContext("r", art.sha256, ENV, "s", "w"))
-    return records_to_table(records).sort_by("episode_index")
+    return run_in_process(ENV, policy_ref, n, kwargs=env_kwargs)
 
 
 def _report(table: pa.Table) -> EvalReport:

@@ -45,7 +45,7 @@ from evalfleet.sandbox.base import InProcessSlots
 from evalfleet.seeds import SeedLedger
 from evalfleet.storage import write_episodes
 from evalfleet.summary import summary_text
-from evalfleet.tracking import log_evaluation
+from evalfleet.tracking import log_evaluation, log_or_queue
 
 EPISODES = 40
 
@@ -76,14 +76,16 @@ def _table(policy_name: str, seed: int = 0):
 
 
 def evaluate_checkpoint(tmp: Path, policy_name: str, step: int, *, seed: int = 0,
-                        outcome_metric: str | None = None, run: str, table=None) -> EvalReport:
+                        outcome_metric: str | None = None, run: str, table=None,
+                        uri: str | None = None) -> EvalReport:
     """Stage 6 and 7 of one evaluation of ``policy_name`` (or ``table``) at ``step``, on the real
-    stores."""
+    stores. ``uri``: the MLflow store, logged to as stage 7 does (queued when it does not answer);
+    by default ``tmp``'s SQLite store, logged to directly."""
     table = _table(policy_name, seed) if table is None else table
     request = EvalRequest(env=courier.ENV_ID, policy=f"tests.core.courier:{policy_name}",
                           episodes=table.num_rows, seed=seed, output=tmp, training_run_id=run,
                           step=step, outcome_metric=outcome_metric, cache_dir=tmp / "cache",
-                          request_id=f"{run}-{policy_name}-{step}-{seed}")
+                          request_id=f"{run}-{policy_name}-{step}-{seed}", mlflow_uri=uri)
     sha = f"{policy_name}-{step}".encode().hex().ljust(64, "0")[:64]  # same weights, same hash
     key = hashlib.sha256(f"{run}/{policy_name}/{step}/{seed}".encode()).hexdigest()
     EpisodeCache(tmp / "cache").store(key, table, {"policy": {"sha256": sha}})
@@ -93,6 +95,11 @@ def evaluate_checkpoint(tmp: Path, policy_name: str, step: int, *, seed: int = 0
     report = with_history(request, report, table)
     folder = tmp / "runs" / request.request_id
     parquet = write_episodes(table, folder / "episodes.parquet")
+    if uri is not None:
+        outputs = log_or_queue(tmp, uri, "evalfleet", report.model_dump(mode="json"),
+                               params=mlflow_params(request, report), artifacts=[parquet],
+                               run_name=request.request_id, attempts=1, wait_s=(0.0, 0.0))
+        return report.model_copy(update={"outputs": outputs})
     log_evaluation(f"sqlite:///{tmp / 'mlflow.db'}", "evalfleet", report.model_dump(mode="json"),
                    mlflow_params(request, report), [parquet], run_name=request.request_id)
     return report

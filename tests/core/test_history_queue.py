@@ -8,39 +8,17 @@ was flushed: it had no earlier checkpoint, its verdict was ``first`` and ``--gat
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 
-import tests.core.courier as courier
-from evalfleet.cache import EpisodeCache
 from evalfleet.cli import EXIT_GATE_UNDECIDED, EXIT_REGRESSION, gate
-from evalfleet.models import EvalReport, EvalRequest
-from evalfleet.pipeline import mlflow_params, with_history
-from evalfleet.report import aggregate
-from evalfleet.storage import write_episodes
-from evalfleet.tracking import log_or_queue, pending_dir
-from tests.core.test_history import _table
+from evalfleet.models import EvalReport
+from evalfleet.tracking import pending_dir
+from tests.core.test_history import evaluate_checkpoint
 
 
 def _checkpoint(tmp: Path, policy: str, step: int, uri: str, run: str) -> EvalReport:
     """Stages 6-7 of one evaluation, logged to ``uri`` or queued when it does not answer."""
-    table = _table(policy)
-    request = EvalRequest(env=courier.ENV_ID, policy=f"tests.core.courier:{policy}",
-                          episodes=table.num_rows, seed=0, output=tmp, training_run_id=run,
-                          step=step, cache_dir=tmp / "cache", mlflow_uri=uri,
-                          request_id=f"{run}-{policy}-{step}")
-    sha = f"{policy}-{step}".encode().hex().ljust(64, "0")[:64]
-    key = hashlib.sha256(f"{run}/{policy}/{step}".encode()).hexdigest()
-    EpisodeCache(tmp / "cache").store(key, table, {"policy": {"sha256": sha}})
-    report = aggregate(request, table, env_spec={"env_id": courier.ENV_ID}, env_spec_hash="spec",
-                       policy={"sha256": sha}, isolation="inprocess", timings={"run": 1.0},
-                       cache={"status": "miss", "key": key}, run_seconds=1.0)
-    report = with_history(request, report, table)
-    parquet = write_episodes(table, tmp / "runs" / request.request_id / "episodes.parquet")
-    outputs = log_or_queue(tmp, uri, "evalfleet", report.model_dump(mode="json"),
-                           params=mlflow_params(request, report), artifacts=[parquet],
-                           run_name=request.request_id, attempts=1, wait_s=(0.0, 0.0))
-    return report.model_copy(update={"outputs": outputs})
+    return evaluate_checkpoint(tmp, policy, step, run=run, uri=uri)
 
 
 def test_a_regression_against_a_queued_checkpoint_is_judged_after_the_queue_is_logged(

@@ -258,21 +258,12 @@ def test_values_that_failed_late_or_did_nothing_are_refused_up_front(fields, mes
 
 def test_an_infinite_policy_timeout_is_no_bound_not_an_overflow(example_policy):
     # A wait of inf seconds overflowed time_t: the shard failed (exit 1) after the cluster started.
-    from evalfleet.envspec import env_thunk, resolve_env
-    from evalfleet.policy import load_policy, receive_policy
-    from evalfleet.runner import EpisodeContext, run_shard
-    from evalfleet.sandbox.base import InProcessSlots
-    from evalfleet.seeds import SeedLedger
+    from tests.core.episodes import run_in_process
 
     request = EvalRequest.build(policy=example_policy, policy_timeout_s=float("inf"))
-    resolved = resolve_env("CartPole-v1", {}, 30)
-    art = receive_policy(example_policy, None, resolved.observation_space, resolved.action_space)
-    policy = load_policy(art.format, art.payload, None, art.source, resolved.action_space)
-    records = run_shard([(i, SeedLedger(0).seed(i)) for i in range(4)],
-                        InProcessSlots(env_thunk("CartPole-v1", {}, 30), 2), policy,
-                        EpisodeContext("r", art.sha256, "CartPole-v1", "s", "w"),
-                        policy_timeout_s=request.policy_timeout_s)
-    assert [r.end_reason for r in records] == ["truncated"] * 4
+    table = run_in_process("CartPole-v1", example_policy, 4, cap=30, slots=2,
+                           policy_timeout_s=request.policy_timeout_s)
+    assert table.column("end_reason").to_pylist() == ["truncated"] * 4
 
 
 @pytest.mark.parametrize("where", ["output", "cache_dir"])
