@@ -53,7 +53,8 @@ def configure_console(verbose: bool, quiet: bool = False) -> None:
     ``quiet`` (``-q``): errors only, and no progress bar (``QUIET_ENV``): the summary alone.
     A variable the user already set is left alone, so a custom Prefect logging file still wins.
     """
-    QuietConsole.floor = logging.ERROR if quiet and not verbose else logging.WARNING
+    QuietConsole.floor = (logging.NOTSET if verbose else logging.ERROR if quiet
+                          else logging.WARNING)
     if quiet and not verbose:
         os.environ[QUIET_ENV] = "1"
     else:

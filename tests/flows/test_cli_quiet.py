@@ -11,6 +11,7 @@ import pytest
 
 from evalfleet.cli import EXIT_FAILED, build_parser, run_eval
 from evalfleet.console import quiet_environment
+from evalfleet.environ import restored_environment
 
 ROOT = Path(__file__).resolve().parents[2]
 #: A log line of Prefect's console format, or of distributed's/mlflow's own, at INFO.
@@ -60,17 +61,22 @@ def test_quiet_keeps_errors_and_hides_warnings(monkeypatch):
 
     from evalfleet.console import QUIET_ENV, QuietConsole, configure_console
 
-    monkeypatch.delenv(QUIET_ENV, raising=False)
+    # configure_console sets this process's environment and root logger: put back after, or
+    # later tests' CLI children inherit a quiet Prefect logging config (monkeypatch.delenv of
+    # an absent variable records nothing to restore).
+    monkeypatch.setattr(QuietConsole, "floor", QuietConsole.floor)
+    level = logging.getLogger().level
     record = logging.LogRecord("evalfleet.cluster", logging.WARNING, __file__, 1, "w", None, None)
     error = logging.LogRecord("evalfleet.cluster", logging.ERROR, __file__, 1, "e", None, None)
-    try:
-        configure_console(False, quiet=True)
-        assert os.environ[QUIET_ENV] == "1"  # no progress bar either (flows.progress)
-        assert not QuietConsole().filter(record) and QuietConsole().filter(error)
-        configure_console(False)
-        assert QUIET_ENV not in os.environ and QuietConsole().filter(record)
-    finally:
-        configure_console(False)
+    with restored_environment([*quiet_environment(), QUIET_ENV]):
+        try:
+            configure_console(False, quiet=True)
+            assert os.environ[QUIET_ENV] == "1"  # no progress bar either (flows.progress)
+            assert not QuietConsole().filter(record) and QuietConsole().filter(error)
+            configure_console(False)
+            assert QUIET_ENV not in os.environ and QuietConsole().filter(record)
+        finally:
+            logging.getLogger().setLevel(level)
 
 
 @pytest.fixture

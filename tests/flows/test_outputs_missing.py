@@ -143,15 +143,20 @@ def test_flush_raises_an_alarm_stage_7_found_after_the_numbers_went_back(prefect
         ev.shutdown(wait=False)
 
 
-def test_a_failed_review_is_an_alarm_in_the_mlflow_run_as_in_report_json(prefect_server, tmp_path):
+def test_a_failed_review_is_an_alarm_in_the_mlflow_run_as_in_report_json(prefect_server, tmp_path,
+                                                                         monkeypatch):
     # Before, report.json and the exit code said the review's outputs were missing, while the
     # MLflow run (its alarm tags and its copy of report.json) said nothing: `evalfleet history`
     # and any dashboard on the store showed a clean evaluation.
     from mlflow.tracking import MlflowClient
 
+    import evalfleet.plots
+
+    def broken(*args, **kwargs):
+        raise OSError("planted: the plots folder cannot be written")
+
+    monkeypatch.setattr(evalfleet.plots, "render_plots", broken)  # stage 7 runs in this process
     out, rid = tmp_path / "out", "reviewfails0001"
-    (out / "runs" / rid).mkdir(parents=True)
-    (out / "runs" / rid / "plots").write_text("a file where the plots folder goes\n")
     request = EvalRequest.build(policy=EXAMPLE_POLICY, episodes=8, concurrency=8, workers=1,
                                 output=out, request_id=rid, audit=False, cache="off")
     report = evaluate(request)

@@ -51,9 +51,11 @@ CASES = [(env, level) for env, levels in EXPECTED.items() for level in levels]
 
 def run_on_worker(address: str, worker: str, env: str, level: str, kwargs: dict[str, Any],
                   timeout_s: float = 30.0) -> pa.Table:
+    # A sandbox's timeout only: an in-process evaluation refuses it (it would do nothing).
+    bound = {"episode_timeout_s": timeout_s} if level != "inprocess" else {}
     request = EvalRequest.build(env=env, env_kwargs=kwargs, policy=f"{fe.__name__}:balance",
-                                episodes=EPISODES, concurrency=SLOTS, isolation=level,
-                                episode_timeout_s=timeout_s, seed=0)
+                                episodes=EPISODES, concurrency=SLOTS, isolation=level, seed=0,
+                                **bound)
     received = pipeline.receive(request)
     assert received.isolation == level
     handle = cluster.distribute(received.artifact, address, "cpu", True)
