@@ -35,7 +35,9 @@ from evalfleet.errors import RequestError, StaleWorkerCode
 from evalfleet.models import EvalReport, EvalRequest, PolicyHandle, Shard, ShardPlan, with_missing
 from evalfleet.planning import plan_shards
 from evalfleet.policy import (
+    FORWARD_ROWS,
     INFERENCE_DTYPE,
+    PAD_ROWS,
     PolicyArtifact,
     check_policy,
     check_policy_apart,
@@ -205,7 +207,8 @@ def receive_unloaded(request: EvalRequest) -> tuple[Received, Callable[..., Rece
     ingredients = key_ingredients(
         artifact.summary(), env.fingerprint.as_dict(), request.seed, request.max_steps,
         request.deterministic, harness_versions(),
-        {"device": inference_device(placement.device, artifact.format), "dtype": INFERENCE_DTYPE},
+        {"device": inference_device(placement.device, artifact.format), "dtype": INFERENCE_DTYPE,
+         "forward_rows": FORWARD_ROWS, "pad_rows": PAD_ROWS},
     )
     received = Received(artifact, env.fingerprint.as_dict(), env.fingerprint.spec_hash, isolation,
                         cache_key(ingredients), ingredients, time.perf_counter() - t0,
@@ -528,8 +531,8 @@ def summarize(
             f"non_deterministic_env: {len(audit['mismatches'])} of {audit['checked']} re-run "
             f"episodes differ (seeds {seeds}); results are not reproducible. Re-run alone, in "
             "another batch: an env reading a clock, a global RNG or state across resets; or a "
-            "policy whose batched forward changes its last float bits with the batch size, where "
-            "two actions nearly tie (replaying one of the seeds alone, batch of one, tells which)"
+            "callable policy whose outputs for a row depend on the other rows of its batch (torch "
+            "policies are run in fixed blocks for this; replaying one of the seeds alone tells which)"
         )
     from evalfleet.audit import determinism_audit_alarm, harness_pairs_alarm, unmatched_pairs_alarm
 

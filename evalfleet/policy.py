@@ -44,6 +44,19 @@ FORMATS = ("torchscript", "state_dict", "callable")
 DUMMY_BATCH = 4
 #: The dtype observations are fed to the policy in (``_torch_fn``); part of the cache key.
 INFERENCE_DTYPE = "float32"
+#: Most rows of one forward of a torch policy: a batch is cut into blocks of at most this many
+#: (``forward_in_blocks``), each padded with copies of its last row to a multiple of its
+#: policy's ``pad_rows``. Math libraries choose their kernels by a batch's row count, and a row's
+#: outputs differ in the last bits between counts (an MLP on this machine's CPU: rows 249-250 of a
+#: 250-row batch differ from the same rows in a 256-row one; a 3-row batch differs from a 4-row one
+#: in every row). Padded so, a row's action depends on its observation alone, not on how many envs
+#: a shard runs: the episode table is the same for any worker count and concurrency, and a replay
+#: (one row) reproduces its row bit for bit. Part of the cache key.
+FORWARD_ROWS = 256
+#: The padding multiple of a CPU policy whose rows come out the same at every multiple of it up to
+#: ``FORWARD_ROWS`` (``pad_rows`` checks); any other policy, and every CUDA one, pads each block to
+#: ``FORWARD_ROWS``.
+PAD_ROWS = 8
 
 
 def import_object(ref: str, what: str) -> Any:
@@ -257,26 +270,77 @@ def check_logits(out: npt.NDArray[Any]) -> None:
             "chosen from them")
 
 
+def forward_in_blocks(
+    run: Callable[[npt.NDArray[np.float32]], npt.NDArray[Any]], obs: npt.NDArray[Any], pad: int
+) -> npt.NDArray[Any]:
+    """``run`` over ``obs`` in blocks of ``FORWARD_ROWS``, each padded to a multiple of ``pad``.
+
+    Padding rows are copies of the block's last row; their outputs are dropped.
+    """
+    x = np.ascontiguousarray(obs, dtype=np.float32)
+    n = len(x)
+    outs = []
+    for start in range(0, max(n, 1), FORWARD_ROWS):
+        block = x[start:start + FORWARD_ROWS]
+        k = len(block)
+        rows = -(-k // pad) * pad
+        if rows > k and k:
+            padded = np.empty((rows, *x.shape[1:]), dtype=np.float32)
+            padded[:k] = block
+            padded[k:] = block[-1]
+            block = padded
+        out = run(block)
+        if rows > k:
+            if out.ndim == 0 or len(out) != rows:
+                raise ValueError(f"policy returned {out.shape} for a batch of {rows} rows: expected "
+                                 "one output row per observation row")
+            out = out[:k]
+        outs.append(out)
+    return outs[0] if len(outs) == 1 else np.concatenate(outs)
+
+
+def pad_rows(run: Callable[[npt.NDArray[np.float32]], npt.NDArray[Any]], shape: tuple[int, ...]
+             ) -> int:
+    """``PAD_ROWS`` if ``run`` gives each row the same outputs in blocks of any multiple of it.
+
+    Checked once per loaded policy on a fixed batch of ``FORWARD_ROWS`` rows (uniform in [0, 1),
+    shaped as the observations), whole and in blocks of 8, 24, 40 and 184 rows: a kernel that
+    depends on the row count shows. Else (or if the check raises) ``FORWARD_ROWS``: every block
+    padded to the full size, the same for any batch.
+    """
+    x = np.random.default_rng(0).random((FORWARD_ROWS, *shape), dtype=np.float32)
+    try:
+        whole = np.asarray(run(x))
+        cuts = np.cumsum([0, 8, 24, 40, FORWARD_ROWS - 72])
+        parts = np.concatenate([np.asarray(run(x[a:b])) for a, b in zip(cuts[:-1], cuts[1:])])
+        same = whole.shape == parts.shape and bool(np.array_equal(whole, parts, equal_nan=True))
+    except Exception:
+        same = False
+    return PAD_ROWS if same else FORWARD_ROWS
+
+
 def _torch_fn(module: Any, device: str) -> Callable[[npt.NDArray[np.float32]], npt.NDArray[Any]]:
     import torch
 
     module.eval()
     if torch.device(device).type == "cpu":
         # No device copies: the batch is shared with numpy in, the output tensor shared out.
-        def fn(obs: npt.NDArray[np.float32]) -> npt.NDArray[Any]:
-            with torch.inference_mode():
-                return np.asarray(module(torch.from_numpy(np.ascontiguousarray(obs, dtype=np.float32)))
-                                  .numpy())
+        def run(x: npt.NDArray[np.float32]) -> npt.NDArray[Any]:
+            return np.asarray(module(torch.from_numpy(x)).numpy())
+    else:
+        def run(x: npt.NDArray[np.float32]) -> npt.NDArray[Any]:
+            return np.asarray(module(torch.from_numpy(x).to(device)).detach().to("cpu").numpy())
 
-        return fn
+    pad: list[int] = []  # decided at the first batch, when the observations' shape is known
 
-    def fn_on_device(obs: npt.NDArray[np.float32]) -> npt.NDArray[Any]:
+    def fn(obs: npt.NDArray[np.float32]) -> npt.NDArray[Any]:
         with torch.inference_mode():
-            x = torch.from_numpy(np.ascontiguousarray(obs, dtype=np.float32)).to(device)
-            y = module(x)
-            return np.asarray(y.detach().to("cpu").numpy())
+            if not pad:
+                pad.append(pad_rows(run, tuple(np.shape(obs)[1:])) if torch.device(device).type == "cpu"
+                           else FORWARD_ROWS)
+            return forward_in_blocks(run, obs, pad[0])
 
-    return fn_on_device
+    return fn
 
 
 def resolve_device(device: str) -> str:
