@@ -312,7 +312,7 @@ def pad_rows(run: Callable[[npt.NDArray[np.float32]], npt.NDArray[Any]], shape: 
     try:
         whole = np.asarray(run(x))
         cuts = np.cumsum([0, 8, 24, 40, FORWARD_ROWS - 72])
-        parts = np.concatenate([np.asarray(run(x[a:b])) for a, b in zip(cuts[:-1], cuts[1:])])
+        parts = np.concatenate([np.asarray(run(x[a:b])) for a, b in zip(cuts[:-1], cuts[1:], strict=True)])
         same = whole.shape == parts.shape and bool(np.array_equal(whole, parts, equal_nan=True))
     except Exception:
         same = False
