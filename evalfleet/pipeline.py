@@ -208,7 +208,7 @@ def receive_unloaded(request: EvalRequest) -> tuple[Received, Callable[..., Rece
         artifact.summary(), env.fingerprint.as_dict(), request.seed, request.max_steps,
         request.deterministic, harness_versions(),
         {"device": inference_device(placement.device, artifact.format), "dtype": INFERENCE_DTYPE,
-         "forward_rows": FORWARD_ROWS, "pad_rows": PAD_ROWS},
+         "blocks": f"{FORWARD_ROWS} rows padded to a multiple of {PAD_ROWS}"},
     )
     received = Received(artifact, env.fingerprint.as_dict(), env.fingerprint.spec_hash, isolation,
                         cache_key(ingredients), ingredients, time.perf_counter() - t0,
