@@ -12,6 +12,7 @@ import os
 import shutil
 import time
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,7 @@ from evalfleet.audit import (
     step_rewards,
 )
 from evalfleet.cache import EpisodeCache, Lookup, cache_key, default_cache_dir, key_ingredients
+from evalfleet.claims import claim_path, claimed, describe, release, wait_for_earlier
 from evalfleet.envspec import resolve_env_for, resolved_here
 from evalfleet.errors import RequestError, StaleWorkerCode
 from evalfleet.models import EvalReport, EvalRequest, PolicyHandle, Shard, ShardPlan, with_missing
@@ -879,8 +881,15 @@ def with_history(request: EvalRequest, report: EvalReport, table: pa.Table) -> E
     # is logged first, or the verdict fails closed. Read without it, a regression against it was
     # "first" (or judged against a worse checkpoint) and the gate passed.
     flush_queued(request.output)
+    # Earlier steps evaluated right now are history too: wait until they are logged.
+    busy = wait_for_earlier(request.output, uri, request.training_run_id, request.step)
     waiting = queued_checkpoints(request.output, uri, request.training_run_id)
     try:
+        if busy:
+            raise HistoryIncomplete(
+                f"earlier checkpoints of training run {request.training_run_id!r} are still being "
+                f"evaluated: {describe(busy)}; the verdict is not decided without them. Evaluate "
+                "a run's checkpoints in step order, or wait longer (EVALFLEET_HISTORY_WAIT_S)")
         if waiting:
             raise HistoryIncomplete(
                 f"{len(waiting)} earlier evaluation(s) of training run {request.training_run_id!r} "
@@ -894,6 +903,22 @@ def with_history(request: EvalRequest, report: EvalReport, table: pa.Table) -> E
         history = {"error": f"{type(err).__name__}: {err}", "verdict": None, "alarms": []}
     return report.model_copy(update={"history": history,
                                      "alarms": [*report.alarms, *alarm_lines(history)]})
+
+
+def history_claim(request: EvalRequest) -> AbstractContextManager[Path | None]:
+    """The claim of the request on its step of the training run (``evalfleet.claims``).
+
+    Held by the caller from stage 1 until the MLflow run is logged or queued.
+    """
+    return claimed(request.output, request.mlflow_uri or default_tracking_uri(request.output),
+                   request.training_run_id, request.step, request.request_id)
+
+
+def release_history_claim(request: EvalRequest) -> None:
+    """Drop this evaluation's claim (taken by ``history_claim`` and handed on to stage 7)."""
+    if request.training_run_id is not None and request.step is not None:
+        release(claim_path(request.output, request.mlflow_uri or default_tracking_uri(request.output),
+                           request.training_run_id, request.step, request.request_id))
 
 
 class HistoryIncomplete(RuntimeError):

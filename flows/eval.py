@@ -21,6 +21,7 @@ from evalfleet.pipeline import (
     cached_baseline,
     check_hash_baseline,
     episode_cache,
+    history_claim,
     receive,
     received_before_flow,
     same_policy,
@@ -111,7 +112,9 @@ def evaluate(request: EvalRequest) -> EvalReport:
     Stage 1 runs here, before the flow, so bad input fails before anything is spawned; the flow's
     stage 1 records its result. A request the cache answers whole starts no cluster at all.
     """
-    with idle_fork_server_stopped():  # one stage 1 started for a cluster that did not follow
+    # The claim: a later step of the training run judged meanwhile waits for this one's verdict.
+    # The fork server: one stage 1 started for a cluster that did not follow is stopped.
+    with history_claim(request), idle_fork_server_stopped():
         # A miss starts the workers' fork server and checks the policy in a child of it, and
         # stages 6-7's imports start meanwhile; a TorchScript hit loads no policy.
         ahead = Ahead()

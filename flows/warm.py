@@ -21,6 +21,7 @@ import sys
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_for
+from contextlib import ExitStack
 from pathlib import Path
 
 import dask
@@ -38,8 +39,10 @@ from evalfleet.pipeline import (
     collect,
     distribute,
     episode_cache,
+    history_claim,
     plan,
     receive,
+    release_history_claim,
     scrubbed,
     shard_persister,
     spawn,
@@ -78,6 +81,15 @@ def evaluate_warm(request: EvalRequest, address: str, lane: FeedBackLane) -> Eva
     """
     if not warm_eligible(request):
         return evaluate(request.model_copy(update={"dask_address": address}))
+    with ExitStack() as held:  # the claim is the lane's once stage 7 is queued
+        held.enter_context(history_claim(request))
+        report = stages_here(request, address, lane)
+        held.pop_all()
+        return report
+
+
+def stages_here(request: EvalRequest, address: str, lane: FeedBackLane) -> EvalReport:
+    """``evaluate_warm``'s stages 1-6, and stage 7 queued on ``lane``."""
     received = receive(request)                                                  # 1
     schedule = RoundSchedule(request)
     with episode_cache(request).exclusive(received.cache_key):
@@ -143,8 +155,12 @@ def feed_back_flow(request: EvalRequest) -> EvalReport:
 
 def recorded_feed_back(request: EvalRequest) -> EvalReport:
     """``feed_back_flow``: a Prefect API lost on the way costs its UI, not its report."""
-    with api_ledger() as ledger:
-        return settle(run_recorded(lambda: feed_back_flow(request), "the feed-back flow run"), ledger)
+    try:
+        with api_ledger() as ledger:
+            return settle(run_recorded(lambda: feed_back_flow(request), "the feed-back flow run"),
+                          ledger)
+    finally:  # logged or queued (or failed): later steps of the run may be judged now
+        release_history_claim(request)
 
 
 #: Niceness added to the feed-back lane's thread (Linux: a thread's own scheduling priority).

@@ -85,3 +85,11 @@ def careful(obs: NDArray[np.float32]) -> NDArray[np.int64]:
 def tip_farmer(obs: NDArray[np.float32]) -> NDArray[np.int64]:
     """Always collect tips: games the reward, never delivers."""
     return np.full(len(obs), 2, dtype=np.int64)
+
+
+def careful_slowly(obs: NDArray[np.float32]) -> NDArray[np.int64]:
+    """``careful``, a quarter second per batch: an evaluation still running while another ends."""
+    import time
+
+    time.sleep(0.25)
+    return _honest(np.asarray(obs), 0.95)

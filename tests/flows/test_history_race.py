@@ -1,0 +1,54 @@
+"""Two checkpoints of one training run evaluated at once, each by its own CLI process.
+
+Step 1 (the careful policy, slowly) starts first; step 2 (careless) starts while step 1 runs and
+ends its episodes first. Step 2's stage 7 read a history without step 1: ``first``, and
+``--gate`` passed a regression. Now it waits for step 1 to be logged and is judged against it.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from evalfleet.cli import EXIT_OK, EXIT_REGRESSION, run_cli
+from flows.eval import evaluate
+from tests.core.courier import ENV_ID
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _args(out: Path, policy: str, step: int) -> list[str]:
+    return ["--env", ENV_ID, "--policy", f"tests.core.courier:{policy}", "--episodes", "30",
+            "--concurrency", "10", "--isolation", "inprocess", "--output", str(out),
+            "--training-run-id", "race", "--step", str(step), "--gate", "--quiet", "--no-audit"]
+
+
+def test_a_later_step_finishing_first_waits_for_the_earlier_one_and_the_gate_sees_it(
+        prefect_server: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "out"
+    first = subprocess.Popen(
+        [sys.executable, str(ROOT / "flows" / "eval.py"), *_args(out, "careful_slowly", 1)],
+        cwd=ROOT, env={**os.environ, "PREFECT_API_URL": prefect_server, "PYTHONPATH": str(ROOT)},
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 180
+        while not list(out.glob("history-claims/*/*-*.json")):  # step 1 has started
+            assert first.poll() is None, first.communicate()[0]
+            assert time.monotonic() < deadline, "step 1 never claimed its step"
+            time.sleep(0.1)
+        code = run_cli(evaluate, _args(out, "careless", 2))
+        assert first.poll() is not None  # step 2's verdict waited for step 1's MLflow run
+    finally:
+        output = first.communicate(timeout=300)[0]
+    assert first.returncode == EXIT_OK, output
+    err = capsys.readouterr().err
+    assert code == EXIT_REGRESSION, err
+    assert "gate: step 2 is a regression against the best checkpoint (step 1)" in err
+    assert not list(out.glob("history-claims/*/*.json"))  # both released
