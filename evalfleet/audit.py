@@ -355,6 +355,7 @@ def compare_with_baseline(table: pa.Table, baseline: pa.Table, seed: int, source
             "new": sum(EndReason(new[i]["end_reason"]).is_policy_attributable for i in common),
             "baseline": sum(EndReason(base[i]["end_reason"]).is_policy_attributable for i in common),
         },
+        "one_side_failed": _one_side_failed(common, new, base),
     }
     few = (f"{len(common)} paired episodes: a verdict needs at least {stats.MIN_PAIRS}"
            if len(common) < stats.MIN_PAIRS else None)
@@ -372,6 +373,52 @@ def compare_with_baseline(table: pa.Table, baseline: pa.Table, seed: int, source
     if few is not None:
         out["note"] = few
     return out
+
+
+def _one_side_failed(common: list[int], new: dict[int, dict[str, Any]], base: dict[int, dict[str, Any]]
+                     ) -> dict[str, Any]:
+    """Pairs where one side's policy ended the episode and the other completed it.
+
+    Per side: how many, and by how much its partial returns exceed the other side's full ones
+    on them (``gain``, mean); and the mean difference over the pairs both completed.
+    """
+    def failed(row: dict[str, Any]) -> bool:
+        return EndReason(row["end_reason"]).is_policy_attributable
+
+    out: dict[str, Any] = {}
+    for side, mine, other in (("new", new, base), ("baseline", base, new)):
+        pairs = [i for i in common if failed(mine[i]) and not failed(other[i])]
+        gains = [mine[i]["return"] - other[i]["return"] for i in pairs]
+        out[side] = {"n": len(pairs), "gain": float(np.mean(gains)) if gains else None}
+    both = [new[i]["return"] - base[i]["return"] for i in common
+            if not failed(new[i]) and not failed(base[i])]
+    out["both_completed"] = {"n": len(both), "mean_diff": float(np.mean(both)) if both else None}
+    return out
+
+
+def policy_pairs_alarm(comparison: dict[str, Any] | None, name: str = "baseline") -> str | None:
+    """``{name}_pairs_policy_flatter`` when a side's policy failures score above the other's episodes.
+
+    A failure counts with its partial return. On the pairs where only one side's policy ended
+    the episode, that side is flattered when its partial returns average above the other side's
+    full returns (negative rewards: ending early scores higher), and a policy that breaks on its
+    hardest seeds comes out better than itself. Unpaired checks compare other seeds and miss it.
+    """
+    sides = (comparison or {}).get("one_side_failed") or {}
+    flattered = [(side, sides[side]) for side in ("new", "baseline")
+                 if (sides.get(side) or {}).get("n") and (sides[side].get("gain") or 0.0) > 0.0]
+    if not flattered:
+        return None
+    who = {"new": "this policy", "baseline": f"{comparison.get('baseline')}"} if comparison else {}
+    parts = "; ".join(f"on {d['n']} pairs where only {who[side]} was ended by its policy, its partial "
+                      f"returns are {d['gain']:.4g} above the other side's full ones on average"
+                      for side, d in flattered)
+    both = sides.get("both_completed") or {}
+    rest = (f"over the {both['n']} pairs both completed the mean difference is {both['mean_diff']:+.4g}"
+            if both.get("n") else "no pair was completed by both")
+    return (f"{name}_pairs_policy_flatter: {parts}: ending early scores higher here, so the paired "
+            f"difference favours the side that breaks ({rest}); --gate does not pass it. Fix the "
+            "policy's failures and evaluate again")
 
 
 def harness_pairs_alarm(comparison: dict[str, Any] | None, name: str = "baseline") -> str | None:

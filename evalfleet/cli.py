@@ -504,7 +504,7 @@ def gate(report: EvalReport) -> int:
     # Failures of the policy scoring above its completed episodes flatter it the same way.
     biased = [a.split(":", 1)[0] for a in report.alarms
               if a.startswith(("history_pairs_unmatched:", "history_pairs_harness:",
-                               "policy_failures_flatter:"))]
+                               "policy_failures_flatter:", "history_pairs_policy_flatter:"))]
     if verdict in GATE_PASSES and not biased:
         return EXIT_OK
     if verdict != "regression":

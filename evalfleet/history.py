@@ -51,7 +51,7 @@ import numpy as np
 import pyarrow as pa
 
 from evalfleet import stats
-from evalfleet.audit import compare_with_baseline, harness_pairs_alarm
+from evalfleet.audit import compare_with_baseline, harness_pairs_alarm, policy_pairs_alarm
 from evalfleet.cache import EpisodeCache
 from evalfleet.errors import EvalfleetError
 from evalfleet.models import OUTPUT_MISSING
@@ -211,12 +211,18 @@ def evaluations(tracking_uri: str, training_run_id: str) -> list[Checkpoint]:
     return out
 
 
+#: Alarms of an evaluation whose policy failures flattered its return: never a best checkpoint.
+FLATTERED = frozenset({"policy_failures_flatter", "history_pairs_policy_flatter"})
+
+
 def best_checkpoint(earlier: list[Checkpoint]) -> Checkpoint | None:
     """The latest earlier checkpoint that was best when evaluated; else the highest mean return.
 
-    Harness faults never count. The fallback covers runs logged before verdicts were tagged.
+    Harness faults never count, nor checkpoints whose policy failures flattered them
+    (``FLATTERED``: their gate did not pass). The fallback covers runs logged before verdicts
+    were tagged.
     """
-    usable = [c for c in earlier if not c.harness_fault]
+    usable = [c for c in earlier if not c.harness_fault and not FLATTERED.intersection(c.alarms)]
     marked = [c for c in usable if c.best]
     if marked:
         return max(marked, key=lambda c: c.step)
@@ -618,9 +624,8 @@ def alarm_lines(history: dict[str, Any] | None) -> list[str]:
         lines.append(f"history_pairs_unmatched: {c['dropped_unmatched']} episodes had no row of "
                      f"the best checkpoint ({c.get('baseline')}) on the same index and seed and were "
                      f"left out of the verdict ({c.get('n')} pairs left): it may be biased")
-    dropped = harness_pairs_alarm(c, name="history")
-    if dropped:
-        lines.append(dropped)
+    lines += [a for a in (harness_pairs_alarm(c, name="history"),
+                          policy_pairs_alarm(c, name="history")) if a]
     return lines + [f"{a['alarm']}: {a['message']}" for a in history.get("alarms") or []]
 
 

@@ -536,13 +536,18 @@ def summarize(
             "callable policy whose outputs for a row depend on the other rows of its batch (torch "
             "policies are run in fixed blocks for this; replaying one of the seeds alone tells which)"
         )
-    from evalfleet.audit import determinism_audit_alarm, harness_pairs_alarm, unmatched_pairs_alarm
+    from evalfleet.audit import (
+        determinism_audit_alarm,
+        harness_pairs_alarm,
+        policy_pairs_alarm,
+        unmatched_pairs_alarm,
+    )
 
     comparison = None
     if baseline is not None:
         comparison = compare_with_baseline(collected.table, baseline[0], request.seed, baseline[1])
     alarms += [a for a in (determinism_audit_alarm(audit), unmatched_pairs_alarm(comparison),
-                           harness_pairs_alarm(comparison)) if a]
+                           harness_pairs_alarm(comparison), policy_pairs_alarm(comparison)) if a]
     returns = report.returns
     if schedule.interval is not None:
         # Adaptive: the 95% interval is the last look's Bonferroni-adjusted one (audit.py).

@@ -30,11 +30,19 @@ def flattering_failures(returns: np.ndarray[Any, Any], kinds: Outcomes) -> str |
     They count with their partial return: a lower bound of the episode's where rewards are
     positive, but where they are negative (a cost per step) ending early scores higher, so a
     policy that breaks on its hardest seeds would look better for it. Raised at any count, when
-    the failures' partial returns average above the completed episodes' returns.
+    the failures' partial returns average above the completed episodes' returns, or when no
+    episode completed at all.
     """
     failed = kinds.policy & kinds.scored
-    if not failed.any() or not kinds.completed.any():
+    if not failed.any():
         return None
+    if not kinds.completed.any():  # nothing to compare with: the headline is partial sums only
+        return (f"policy_failures_flatter: all {int(failed.sum())} scored episodes were ended by "
+                f"the policy and count with their partial return (mean "
+                f"{float(returns[failed].mean()):.4g}): no episode completed, so the headline "
+                "and any comparison say nothing of the policy (with negative rewards, ending "
+                "early scores higher); --gate does not pass it. Fix the policy's failures (see "
+                "failures in the report) and evaluate again")
     partial, done = float(returns[failed].mean()), float(returns[kinds.completed].mean())
     if partial <= done:
         return None

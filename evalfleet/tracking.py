@@ -169,7 +169,7 @@ def history_metrics(history: dict[str, Any] | None) -> dict[str, float]:
 
 def history_tags(report: dict[str, Any]) -> dict[str, str]:
     """Tags that make an evaluation findable again by its training run and comparable (pairable)."""
-    from evalfleet.history import report_protocol
+    from evalfleet.history import FLATTERED, report_protocol
 
     tags = {"evalfleet.protocol": report_protocol(report),
             "evalfleet.env_spec_hash": str(report.get("env_spec_hash"))}
@@ -179,7 +179,8 @@ def history_tags(report: dict[str, Any]) -> dict[str, str]:
     history = report.get("history") or {}
     if history.get("verdict"):
         tags["evalfleet.verdict"] = str(history["verdict"])
-        tags["evalfleet.best"] = str(history.get("best_step") == report.get("step")
+        flattered = {str(a).split(":", 1)[0] for a in report.get("alarms") or []} & FLATTERED
+        tags["evalfleet.best"] = str(history.get("best_step") == report.get("step") and not flattered
                                      and history["verdict"] in ("first", "new_best")).lower()
         tags["evalfleet.best_step"] = str(history.get("best_step"))
     if history.get("outcome_metric"):

@@ -90,3 +90,52 @@ def test_episodes_a_hung_forward_left_unstarted_are_not_scored():
     assert report.mean == float(np.mean(returns[: N - 40]))
     assert any(a.startswith("policy_failure_returns_missing: 40 episodes") and "40 never started" in a
                for a in report.alarms)
+
+
+def test_failures_on_the_hardest_seeds_that_flatter_only_paired_hold_the_gate(capsys):
+    """The new checkpoint breaks at step 170 of the old one's 40 longest episodes (~190 steps).
+
+    Its partial returns (-170) sit below its completed episodes' mean (~-150), so the unpaired
+    check is silent; paired with the old checkpoint's full returns on the same seeds (~-190) they
+    gain ~20 each, and the other pairs are equal: all of the "improvement" is the breaking.
+    """
+    from evalfleet.history import alarm_lines
+
+    rng = np.random.default_rng(1)
+    lengths = np.round(rng.normal(150, 20, N)).astype(int)
+    hard = np.argsort(lengths)[-40:]
+    assert lengths[hard].min() > 170
+    old = _table(-lengths.astype(float), ["terminated"] * N, lengths, "b")
+    new_returns, new_lengths, reasons = -lengths.astype(float), lengths.copy(), ["terminated"] * N
+    for i in hard:
+        new_returns[i], new_lengths[i], reasons[i] = -170.0, 170, "policy_error"
+    new = _table(new_returns, reasons, new_lengths, "n")
+    report = _report(new, 200)
+    assert not any(a.startswith("policy_failures_flatter:") for a in report.alarms)
+    first = Checkpoint("run", 100, "req", "b" * 64, None, "proto", {"eval/episodes": N}, "first",
+                       True, False)
+    history = assess(new, step=200, seed=0, earlier=[first], episodes=lambda cp: old)
+    assert history["verdict"] == "new_best"  # by the numbers alone
+    sides = history["comparison"]["one_side_failed"]
+    assert sides["new"]["n"] == 40 and sides["new"]["gain"] > 15 and sides["baseline"]["n"] == 0
+    assert sides["both_completed"] == {"n": N - 40, "mean_diff": 0.0}
+    (alarm,) = [a for a in alarm_lines(history) if a.startswith("history_pairs_policy_flatter:")]
+    assert "on 40 pairs where only this policy was ended by its policy" in alarm
+    assert "over the 960 pairs both completed the mean difference is +0" in alarm
+    judged = report.model_copy(update={"history": history, "alarms": alarm_lines(history)})
+    assert gate(judged) == EXIT_GATE_UNDECIDED
+    assert "history_pairs_policy_flatter" in capsys.readouterr().err
+
+
+def test_a_checkpoint_that_completed_nothing_is_alarmed_and_never_the_best():
+    from evalfleet.history import best_checkpoint
+
+    lengths = np.full(N, 30)
+    broken = _table(-lengths.astype(float), ["policy_error"] * N, lengths, "n")
+    (alarm,) = [a for a in _report(broken, 200).alarms if a.startswith("policy_failures_flatter:")]
+    assert f"all {N} scored episodes were ended by the policy" in alarm
+    good = Checkpoint("run", 100, "a", "a" * 64, None, "proto", {"eval/reward": -150.0}, "first",
+                      True, False)
+    crashed = Checkpoint("run", 200, "b", "b" * 64, None, "proto", {"eval/reward": -30.0}, "new_best",
+                         True, False, alarms=("policy_failures_flatter",))
+    assert best_checkpoint([good, crashed]) is good
