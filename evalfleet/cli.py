@@ -324,10 +324,10 @@ def exit_now(code: int) -> NoReturn:
     import logging
     import threading
 
-    main = threading.main_thread()
-    for thread in threading.enumerate():
-        if thread is not main and not thread.daemon:
-            thread.join()
+    # The interpreter's own first step: thread pools' exit hooks tell their idle workers to stop
+    # (joined without them, an idle pool's worker, e.g. MLflow's artifact uploader, hung the exit
+    # for good), then every other non-daemon thread is joined.
+    threading._shutdown()  # type: ignore[attr-defined]
     atexit._run_exitfuncs()
     logging.shutdown()
     sys.stdout.flush()

@@ -207,7 +207,9 @@ def receive_unloaded(request: EvalRequest) -> tuple[Received, Callable[..., Rece
 
         check_callback(request.callback_url)
     ingredients = key_ingredients(
-        artifact.summary(), env.fingerprint.as_dict(), request.seed, request.max_steps,
+        # The effective step cap: --max-steps 500 on CartPole-v1 is its registered cap, the same
+        # episodes (as the env spec's hash says), one key and one history protocol.
+        artifact.summary(), env.fingerprint.as_dict(), request.seed, env.fingerprint.max_episode_steps,
         request.deterministic, harness_versions(),
         {"device": inference_device(placement.device, artifact.format), "dtype": INFERENCE_DTYPE,
          "blocks": f"{FORWARD_ROWS} rows padded to a multiple of {PAD_ROWS}"},

@@ -224,7 +224,10 @@ def aggregate(
             "seed": request.seed,
             "seed_ledger": "splitmix64((seed << 32) | episode_index)",
             "episodes": n,
-            "max_steps": request.max_steps,
+            # The effective cap (the history's protocol): an explicit --max-steps equal to the
+            # registered cap is the same protocol as none.
+            "max_steps": env_spec.get("max_episode_steps", request.max_steps),
+            "max_steps_requested": request.max_steps,
             "deterministic": request.deterministic,
             "episode_timeout_s": request.episode_timeout_s,
             "step_timeout_s": request.step_timeout_s,

@@ -912,3 +912,23 @@ def test_a_simulator_an_installed_env_package_imports_is_keyed_by_its_version(tm
     assert [s[:2] for s in seen] == [["simenv", "1.0"], ["simenv", "1.0"]]  # a wheel: by version
     assert [s[2].get("physlib") for s in seen] == ["1.0", "2.0"]
     assert seen[0][3] != seen[1][3]
+
+
+def test_a_step_cap_spelled_out_as_the_registered_one_is_the_same_key_and_protocol(base):
+    """``--max-steps 500`` on CartPole-v1 is its registered cap: the same episodes. It was another
+    key (recomputed) and another history protocol, so a regression at step 4 was judged against
+    step 2, evaluated the other way, and passed the gate (step 2 had exited 6 as protocol_changed)."""
+    from evalfleet.history import report_protocol
+    from evalfleet.report import aggregate
+    from tests.core.episodes import run_in_process
+
+    implicit, explicit = _received(**base), _received(**base, max_steps=500)
+    assert implicit.cache_key == explicit.cache_key
+    assert _received(**base, max_steps=499).cache_key != implicit.cache_key
+    table = run_in_process("CartPole-v1", base["policy"], 4)
+    protocols = {report_protocol(aggregate(
+        EvalRequest.build(**base, max_steps=cap), table, env_spec=received.env_spec,
+        env_spec_hash=received.env_spec_hash, policy={"sha256": "a" * 64}, isolation="inprocess",
+        timings={}, cache={}, run_seconds=1.0).model_dump(mode="json"))
+        for cap, received in ((None, implicit), (500, explicit))}
+    assert len(protocols) == 1
