@@ -149,9 +149,10 @@ def _normalisation(value: Any, where: str) -> Normalisation | None:
     for key, number in ((low_key, low), (high_key, high)):
         if isinstance(number, bool) or not isinstance(number, int | float) or not np.isfinite(number):
             raise _fail(where, f"'normalise.{key}' must be a finite number (got {number!r}).")
-    if low == high:
-        raise _fail(where, f"'normalise' needs {low_key} != {high_key} (both {low!r}): scores would "
-                    "divide by zero; use the return of a policy that does better.")
+    if abs(high - low) <= 1e-9 * max(1.0, abs(low), abs(high)):
+        raise _fail(where, f"'normalise' needs {low_key} != {high_key} (got {low!r} and {high!r}): "
+                    "scores would divide by (nearly) zero; use the return of a policy that does "
+                    "better.")
     return Normalisation(low=float(low), high=float(high), kind=f"{low_key}/{high_key}")
 
 

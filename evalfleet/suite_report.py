@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 
 from evalfleet.models import EvalReport, EvalRequest, with_missing
@@ -83,6 +84,29 @@ def aggregate_and_draw(
     return Aggregated(report, pictures)
 
 
+#: A task whose mean normalised score lies further than this from [0, 1] (in units of its
+#: random-to-reference span) raises ``score_out_of_range``: bounds that are nearly equal, swapped
+#: or on another scale than the returns make one task outweigh every other in the aggregates.
+SCORE_RANGE_ALARM = 10.0
+
+
+def score_range_alarms(suite: Suite, scores: Sequence[np.ndarray]) -> list[str]:
+    """``score_out_of_range`` for each normalised task whose mean score is far outside [0, 1]."""
+    alarms = []
+    for task, s in zip(suite.tasks, scores, strict=True):
+        n = task.normalisation
+        if n is None or not s.size:
+            continue
+        mean = float(s.mean())
+        if mean > 1.0 + SCORE_RANGE_ALARM or mean < -SCORE_RANGE_ALARM:
+            alarms.append(
+                f"score_out_of_range: task {task.name!r} has a mean normalised score of {mean:.4g} "
+                f"(bounds {n.kind} = {n.low:g} / {n.high:g}, span {n.high - n.low:.4g}); one task this "
+                "far outside [0, 1] outweighs the others in the suite's mean: check its 'normalise' "
+                "bounds against the returns the task gives (its mean return is in the task rows)")
+    return alarms
+
+
 def build_suite_report(
     suite: Suite, base: EvalRequest, reports: Sequence[EvalReport], tables: Sequence[pa.Table],
     baseline_tables: Sequence[pa.Table] | None = None, seconds: float = 0.0, *,
@@ -113,6 +137,7 @@ def build_suite_report(
     if not suite.normalised:
         alarms.append("suite_not_normalised: some tasks have no 'normalise'; raw returns of "
                       "different scales are aggregated together")
+    alarms += score_range_alarms(suite, scores)
     return SuiteReport(
         suite=suite.name, request_id=base.request_id,
         policy_sha256=reports[0].policy_sha256 if reports else "",

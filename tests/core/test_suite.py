@@ -204,3 +204,25 @@ def test_a_suite_is_refused_at_once_for_a_nan_gamma_a_huge_grid_or_a_scalar_head
         parse_suite({"task": [{**task, "grid": {"a": list(range(1000)), "b": list(range(1000))}}]})
     with pytest.raises(SuiteError, match=r"'suite' must be a \[suite\] table of settings \(got 5\)"):
         parse_suite({"suite": 5, "task": [task]})
+
+
+def test_nearly_equal_bounds_are_refused_and_a_far_out_score_is_an_alarm() -> None:
+    """Bounds of -1.0 and -0.999 made one task's mean score 366.7 and the suite's mean 122.8 with
+    an IQM of 0.54, exit 0 and no alarm. Bounds equal but for rounding are refused; bounds that
+    are merely close leave a score far outside [0, 1], which is an alarm naming the task."""
+    from evalfleet.suite_report import build_suite_report
+
+    with pytest.raises(SuiteError, match=r"'normalise' needs random != reference \(got 1.0 and "):
+        _suite(normalise={"random": 1.0, "reference": 1.0 + 1e-12})
+    suite = parse_suite({"suite": {"episodes": 50, "reps": 50}, "task": [
+        {"name": "close", "env": "CartPole-v1", "normalise": {"random": -1.0, "reference": -0.999}},
+        {"name": "fine", "env": "Acrobot-v1", "normalise": {"random": -500, "reference": -60}}]})
+    base = EvalRequest(env="CartPole-v1", policy="x", episodes=50, seed=0)
+    rng = np.random.default_rng(0)
+    close = _episodes(-0.6 + 0.1 * rng.random(50), ["terminated"] * 50)
+    fine = _episodes(-100 - 50 * rng.random(50), ["terminated"] * 50)
+    report = build_suite_report(suite, base, [_report(close, "close"), _report(fine, "fine")],
+                                [close, fine])
+    (alarm,) = [a for a in report.alarms if a.startswith("score_out_of_range:")]
+    assert "task 'close' has a mean normalised score of 4" in alarm
+    assert "random/reference = -1 / -0.999" in alarm
