@@ -36,7 +36,7 @@ logger = logging.getLogger(__name__)
 
 _clients: dict[str, Client] = {}
 _installed: dict[str, bytes] = {}
-_loaded: dict[tuple[str, str, bool], LoadedPolicy] = {}
+_loaded: dict[tuple[str, str, bool, str], LoadedPolicy] = {}
 _lock = threading.Lock()
 
 
@@ -709,7 +709,10 @@ def policy_on_worker(handle: PolicyHandle, source: str, action_space: Any) -> Lo
     """Fetch, verify by sha256 and load the policy once per worker process."""
     # A callable runs where it is called: no device, and no torch to import for one.
     device = "cpu" if handle.format == "callable" else resolve_device(handle.device)
-    cache_key = (handle.sha256, device, handle.deterministic)
+    # The action space too: one policy over a suite's tasks (other envs, other spaces) is one
+    # loaded policy per space. Keyed by the hash alone, the second task's shards checked and
+    # mapped their actions against the first task's space (false invalid_action endings).
+    cache_key = (handle.sha256, device, handle.deterministic, repr(action_space))
     with _lock:
         cached = _loaded.get(cache_key)
     if cached is not None:
