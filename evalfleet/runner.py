@@ -507,6 +507,10 @@ class ShardRun:
             self.obs[slot] = obs
         except Exception as err:
             return _obs_error(obs, self.obs, err)
+        nan = np.isnan(self.obs[slot].ravel())
+        if nan.any():
+            return (f"observation has NaN at reset (element(s) {np.flatnonzero(nan)[:8].tolist()} of "
+                    f"{nan.size}): the env produced no state to act on")
         return None
 
     # -- one step of every live slot -------------------------------------------------------------
@@ -586,10 +590,12 @@ class ShardRun:
                 np.add(length, 1, out=length)  # the shard's arrays, updated in place
                 np.add(ret, rewards, out=ret)
                 self._track(None, rewards)
+                self._nan_observations(step_idx, buf, buf, freed)
             else:
                 length[step_idx] += 1
                 ret[step_idx] += rewards
                 self._track(step_idx, rewards)
+                self._nan_observations(step_idx, buf[step_idx], buf, freed)
             return
         counted = finite.copy()  # finite rewards of steps the episode goes on after
         counted[list(ended)] = False
@@ -619,6 +625,28 @@ class ShardRun:
                 reason = EndReason.TERMINATED if out.terminated else EndReason.TRUNCATED
                 self.finish(s, reason.value, None, out.info)
                 freed.append(s)
+        going = step_idx[self.live[step_idx]]
+        self._nan_observations(going, buf[going], buf, freed)
+
+    def _nan_observations(self, rows: npt.NDArray[np.intp], obs: npt.NDArray[np.float32],
+                          buf: npt.NDArray[np.float32], freed: list[int]) -> None:
+        """End as ``env_error`` the episodes of ``rows`` whose new observation (``obs``) has a NaN.
+
+        A NaN observation is the env's fault, never a state a policy can act on: fed on, a torch
+        policy's logits turned NaN and the episode ended as the *policy's* error, and a callable's
+        action was whatever its arithmetic made of it, with no alarm.
+        """
+        if not np.isnan(obs).any():  # one vectorised pass; the rest only when one is there
+            return
+        flat = buf[rows].reshape(len(rows), -1)
+        for pos in np.flatnonzero(np.isnan(flat).any(axis=1)).tolist():
+            s = int(rows[pos])
+            where = np.flatnonzero(np.isnan(flat[pos]))
+            self.finish(s, EndReason.ENV_ERROR.value,
+                        f"observation has NaN at step {int(self.length[s])} (element(s) "
+                        f"{where[:8].tolist()} of {flat.shape[1]}): the env produced no state to act on",
+                        {})
+            freed.append(s)
 
     def _track(self, idx: npt.NDArray[np.intp] | None, rewards: npt.NDArray[np.float64]) -> None:
         """Fold finite rewards of the slots ``idx`` into the audit (None: every slot, whole arrays)."""
