@@ -194,6 +194,12 @@ class Evaluator:
                 "'step' of each call."
             )
         self.factory = factory_ref(policy_factory) if policy_factory is not None else None
+        if self.factory is not None:  # a factory that cannot be imported fails here, not at step 1
+            from evalfleet.policy import import_object
+
+            if not callable(import_object(self.factory, "policy_factory")):
+                raise PolicyError(f"policy_factory {self.factory!r} is not callable: pass the "
+                                  "function that builds the nn.Module for a state_dict.")
         fields = dict(request_fields)
         fields["output"] = Path(fields.get("output", "results")).resolve()
         # Validate every field now, before any thread, cluster or server exists.

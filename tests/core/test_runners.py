@@ -6,6 +6,7 @@ Each test plants a real ``*.dist-info`` folder on ``sys.path`` under a group of 
 
 from __future__ import annotations
 
+import re
 import sys
 import threading
 from pathlib import Path
@@ -15,7 +16,7 @@ import pytest
 
 from evalfleet import runners
 from evalfleet.client import EvaluationFailed, Evaluator
-from evalfleet.errors import EnvSpecError, EvalfleetError, RequestError
+from evalfleet.errors import EnvSpecError, EvalfleetError, PolicyError, RequestError
 from evalfleet.models import EvalRequest
 from tests.integration.policies import mlp
 
@@ -133,3 +134,20 @@ def test_the_first_call_of_a_local_runner_refuses_an_unknown_env_before_a_cluste
     with pytest.raises(EnvSpecError, match=r"unknown env id 'NoSuchEnv-v0'"):
         runner(EvalRequest.build(env="NoSuchEnv-v0", policy="x.pt", output=tmp_path))
     runner.close()
+
+
+@pytest.mark.parametrize(("factory", "message"), [
+    ("no_such_module_x1:build", "policy_factory 'no_such_module_x1:build': cannot import module"),
+    ("tests.integration.policies:no_such_fn", "module 'tests.integration.policies' has no 'no_such_fn'"),
+    ("tests.core.test_runners:HERE", "policy_factory 'tests.core.test_runners:HERE' is not callable"),
+])
+def test_a_factory_that_cannot_build_fails_at_construction(tmp_path: Path, factory: str,
+                                                           message: str) -> None:
+    """It was accepted, and the first evaluation failed at stage 1 in the trainer's loop."""
+    before = {t.name for t in threading.enumerate()}
+    with pytest.raises(PolicyError, match=re.escape(message)):
+        Evaluator(policy_factory=factory, output=tmp_path / "out")
+    assert {t.name for t in threading.enumerate()} == before  # no thread started
+
+
+HERE = "not a function"
