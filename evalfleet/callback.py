@@ -3,8 +3,14 @@
 The scheme (Stripe-style, so a replayed body cannot be re-sent later with a fresh timestamp)::
 
     X-Evalfleet-Timestamp: 1767225600                    # unix seconds, when it was signed
-    X-Evalfleet-Signature: sha256=<hex HMAC-SHA256(secret, b"<timestamp>." + body)>
+    X-Evalfleet-Signature: sha256=<hex HMAC-SHA256(secret, b"<timestamp>.<delivery>." + body)>
     X-Evalfleet-Delivery:  <unique id of this delivery; retries reuse it>
+
+The delivery id is signed with the body: receivers de-duplicate on it, so an unsigned one let a
+captured request be replayed within the tolerance under a fresh id, as a new delivery (a new
+evaluation once the first had failed, and callbacks the trainer never asked for). The split is
+unambiguous: the timestamp is digits, a header value holds no line break, and a JSON body never
+starts inside the id.
 
 Reads (``GET /v1/evaluations/{id}``) carry no body; they sign the method and the resource path
 instead, ``HMAC-SHA256(secret, b"<timestamp>.GET /v1/evaluations/<id>")`` (``sign_read``), so a
@@ -72,11 +78,24 @@ class SignatureError(EvalfleetError):
         self.reason = reason
 
 
-def sign(body: bytes, secret: str, timestamp: int) -> str:
-    """The signature header value for ``body`` signed at ``timestamp`` (unix seconds)."""
+def signed_message(body: bytes, timestamp: int, delivery_id: str | None = None) -> bytes:
+    """What is HMAC-ed: ``b"<timestamp>.<delivery>." + body``, or ``b"<timestamp>." + body``.
+
+    POSTs (webhooks and report callbacks) carry a delivery id and sign it; reads carry none and
+    sign ``read_message`` as their body.
+    """
+    prefix = f"{int(timestamp)}." if delivery_id is None else f"{int(timestamp)}.{delivery_id}."
+    return prefix.encode() + body
+
+
+def sign(body: bytes, secret: str, timestamp: int, delivery_id: str | None = None) -> str:
+    """The signature header value for ``body`` (and its ``delivery_id``) signed at ``timestamp``.
+
+    The one signing function of both directions (trainer → receiver, report → trainer).
+    """
     if not secret:
         raise SignatureError("no_secret", "cannot sign with an empty secret; set one first.")
-    mac = hmac.new(secret.encode(), f"{int(timestamp)}.".encode() + body, hashlib.sha256)
+    mac = hmac.new(secret.encode(), signed_message(body, timestamp, delivery_id), hashlib.sha256)
     return SIGNATURE_PREFIX + mac.hexdigest()
 
 
@@ -86,13 +105,15 @@ def verify(
     timestamp: str | int | None,
     secrets: str | Iterable[str],
     *,
+    delivery_id: str | None = None,
     tolerance_s: float = DEFAULT_TOLERANCE_S,
     now: float | None = None,
 ) -> int:
     """Check a signature header against ``body``; returns the verified timestamp.
 
     Raises ``SignatureError`` (with a machine-readable ``reason``) on any problem. ``secrets`` may
-    hold several secrets (rotation): any one of them verifying is enough.
+    hold several secrets (rotation): any one of them verifying is enough. ``delivery_id`` is the
+    ``X-Evalfleet-Delivery`` header of a POST (signed with the body); None for a read.
     """
     keys = [secrets] if isinstance(secrets, str) else [s for s in secrets if s]
     if not keys or not all(keys):
@@ -122,12 +143,14 @@ def verify(
             f"{SIGNATURE_HEADER} must look like 'sha256=<hex>' (got {value[:16]!r}...).",
         )
     for key in keys:
-        if hmac.compare_digest(sign(body, key, ts), value):
+        if hmac.compare_digest(sign(body, key, ts, delivery_id), value):
             return ts
+    signed = ("'<timestamp>.' + body" if delivery_id is None else
+              f"'<timestamp>.<delivery>.' + body, with the {DELIVERY_HEADER} value sent")
     raise SignatureError(
         "invalid_signature",
         f"{SIGNATURE_HEADER} does not match the body: sign the exact bytes sent, as "
-        "HMAC-SHA256(secret, '<timestamp>.' + body).",
+        f"HMAC-SHA256(secret, {signed}).",
     )
 
 
@@ -151,13 +174,17 @@ def signed_headers(
     timestamp: int | None = None,
     event: str | None = None,
 ) -> dict[str, str]:
-    """Headers for POSTing ``body``: JSON content type, timestamp, signature and delivery id."""
+    """Headers for POSTing ``body``: JSON content type, timestamp, delivery id and signature.
+
+    The signature covers the timestamp, the delivery id and the body (``sign``).
+    """
     ts = int(time.time()) if timestamp is None else int(timestamp)
+    delivery = delivery_id or uuid.uuid4().hex
     headers = {
         "Content-Type": "application/json",
         TIMESTAMP_HEADER: str(ts),
-        SIGNATURE_HEADER: sign(body, secret, ts),
-        DELIVERY_HEADER: delivery_id or uuid.uuid4().hex,
+        SIGNATURE_HEADER: sign(body, secret, ts, delivery),
+        DELIVERY_HEADER: delivery,
     }
     if event:
         headers[EVENT_HEADER] = event
@@ -393,6 +420,7 @@ __all__ = [
     "read_message",
     "sign",
     "signed_headers",
+    "signed_message",
     "signed_read_headers",
     "verify",
 ]

@@ -49,6 +49,7 @@ import torch
 from train_reinforce import TrainingRun, collect, init_policy, reinforce_loss
 
 from evalfleet.callback import (
+    DELIVERY_HEADER,
     SIGNATURE_HEADER,
     TIMESTAMP_HEADER,
     SignatureError,
@@ -68,14 +69,17 @@ class CallbackServer:
     def __init__(self, secret: str, host: str = "127.0.0.1") -> None:
         self.reports: queue.Queue[tuple[str, dict[str, Any]]] = queue.Queue()
         self.rejected = 0
+        self.seen: set[str] = set()
+        self.lock = threading.Lock()
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self) -> None:  # noqa: N802 - http.server's name
                 body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
-                try:
+                delivery = self.headers.get(DELIVERY_HEADER, "")
+                try:  # the delivery id is signed with the body
                     verify(body, self.headers.get(SIGNATURE_HEADER),
-                           self.headers.get(TIMESTAMP_HEADER), secret)
+                           self.headers.get(TIMESTAMP_HEADER), secret, delivery_id=delivery)
                 except SignatureError as err:
                     outer.rejected += 1
                     logger.warning("rejected a callback: %s", err)
@@ -83,7 +87,11 @@ class CallbackServer:
                     self.end_headers()
                     return
                 event = self.headers.get("X-Evalfleet-Event", "evaluation.completed")
-                outer.reports.put((event, json.loads(body)))
+                with outer.lock:  # retries and re-sends reuse a delivery id: handle it once
+                    first = delivery not in outer.seen
+                    outer.seen.add(delivery)
+                if first:
+                    outer.reports.put((event, json.loads(body)))
                 self.send_response(200)
                 self.end_headers()
 

@@ -1,7 +1,8 @@
 """The webhook receiver: signed training webhooks in, Prefect flow runs out.
 
 ``POST /v1/evaluations`` (body: ``EvaluationCreate``; headers: ``X-Evalfleet-Timestamp``,
-``X-Evalfleet-Signature``, ``X-Evalfleet-Delivery``, see ``evalfleet.callback``)::
+``X-Evalfleet-Signature``, ``X-Evalfleet-Delivery``, see ``evalfleet.callback``; the signature
+covers ``b"<timestamp>.<delivery>." + body``)::
 
     401  signature missing, invalid or stale          {"error": "unauthorized", "reason": ...}
     400  body not JSON or not the schema              {"error": "invalid_request", "field", "reason"}

@@ -120,23 +120,29 @@ class Receiver:
         self.store = EvaluationStore(config.state_dir / "webhook.sqlite")
         self.prefect = prefect or PrefectAPI(config.prefect_api_url, config.deployment)
 
-    def authenticate(self, message: bytes, headers: dict[str, str]) -> None:
-        """Check the HMAC headers over ``message``; raises a 401 ``Rejected``."""
+    def authenticate(self, message: bytes, headers: dict[str, str],
+                     delivery_id: str | None = None) -> None:
+        """Check the HMAC headers over ``message`` (and ``delivery_id``); raises a 401 ``Rejected``."""
         try:
             verify(message, headers.get(SIGNATURE_HEADER.lower()),
                    headers.get(TIMESTAMP_HEADER.lower()), self.config.secrets,
-                   tolerance_s=self.config.tolerance_s)
+                   delivery_id=delivery_id, tolerance_s=self.config.tolerance_s)
         except SignatureError as err:
             raise Rejected(401, "unauthorized", str(err), extra={"code": err.reason}) from None
 
     def create(self, raw: bytes, headers: dict[str, str], base_url: str
                ) -> tuple[int, dict[str, Any]]:
-        """Handle one delivery; returns (status, JSON body) or raises ``Rejected``."""
-        self.authenticate(raw, headers)
-        delivery_id = (headers.get(DELIVERY_HEADER.lower()) or "").strip()
+        """Handle one delivery; returns (status, JSON body) or raises ``Rejected``.
+
+        The delivery id is part of what is signed: de-duplication keys on it, so a captured
+        request replayed under a fresh id is a 401, not a new delivery.
+        """
+        sent_id = headers.get(DELIVERY_HEADER.lower()) or ""
+        delivery_id = sent_id.strip()
         if not delivery_id or len(delivery_id) > 200:
             raise Rejected(400, "invalid_request", "a unique delivery id (≤ 200 characters) is "
                            "required; retries must reuse it", field_name=DELIVERY_HEADER)
+        self.authenticate(raw, headers, sent_id)
         body = parse_body(raw)
         if body.suite is not None:
             suite_parameter(body.suite)  # a bad suite is a 400 before the policy is fetched

@@ -26,6 +26,7 @@ import httpx
 import pytest
 
 from evalfleet.callback import (
+    DELIVERY_HEADER,
     SIGNATURE_HEADER,
     TIMESTAMP_HEADER,
     canonical_json,
@@ -181,7 +182,8 @@ def trainer() -> Iterator[TrainerEndpoint]:
             call = {"headers": dict(self.headers), "body": body, "at": time.time()}
             try:
                 verify_signature(body, self.headers.get(SIGNATURE_HEADER),
-                                 self.headers.get(TIMESTAMP_HEADER), CALLBACK_SECRET)
+                                 self.headers.get(TIMESTAMP_HEADER), CALLBACK_SECRET,
+                                 delivery_id=self.headers.get(DELIVERY_HEADER, ""))
                 call["verified"] = True
             except Exception as err:
                 call["verified"] = False

@@ -130,4 +130,9 @@ def test_signed_headers_carry_everything_a_receiver_checks() -> None:
     h = signed_headers(BODY, "k", delivery_id="d1", timestamp=1_700_000_000)
     assert h[DELIVERY_HEADER] == "d1" and h["X-Evalfleet-Timestamp"] == "1700000000"
     assert verify(BODY, h["X-Evalfleet-Signature"], h["X-Evalfleet-Timestamp"], "k",
-                  now=1_700_000_000) == 1_700_000_000
+                  delivery_id="d1", now=1_700_000_000) == 1_700_000_000
+    # The delivery id is signed: the same signature under another id does not verify.
+    with pytest.raises(SignatureError) as info:
+        verify(BODY, h["X-Evalfleet-Signature"], h["X-Evalfleet-Timestamp"], "k",
+               delivery_id="d2", now=1_700_000_000)
+    assert info.value.reason == "invalid_signature"

@@ -1,0 +1,176 @@
+"""Deliveries, replays and failure notices, against an in-memory Prefect that keeps its promises.
+
+The stand-in implements what the receiver relies on from Prefect: ``create_flow_run`` returns
+the existing run for a known idempotency key, tag filters match runs carrying every tag, and a
+run's state can be set by the test. Two receivers with their own stores share it and the output
+folder, as receivers behind one load balancer share a Prefect server.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prefect.client.schemas.objects import FlowRun, State, StateType
+
+from deployments.webhook import PrefectAPI, Receiver, ReceiverConfig, Rejected
+from evalfleet.callback import (
+    DELIVERY_HEADER,
+    SIGNATURE_HEADER,
+    TIMESTAMP_HEADER,
+    canonical_json,
+    signed_headers,
+    signed_read_headers,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+POLICY = ROOT / "evalfleet" / "data" / "cartpole_mlp.pt"
+SECRET = "deliveries-webhook-secret"
+CALLBACK_SECRET = "deliveries-callback-secret"
+BASE = "http://receiver.test"
+
+
+class MemoryPrefect(PrefectAPI):
+    """Flow runs of one deployment, in memory; idempotency keys and tag filters as Prefect's."""
+
+    def __init__(self) -> None:  # no client: nothing leaves the process
+        self.api_url = "http://prefect.test/api"
+        self.runs: list[FlowRun] = []
+        self.lock = threading.Lock()
+
+    def create_flow_run(self, parameters: dict[str, Any], idempotency_key: str,
+                        tags: list[str], attempts: int = 4) -> FlowRun:
+        with self.lock:
+            for run in self.runs:
+                if run.idempotency_key == idempotency_key:
+                    return run
+            run = FlowRun(flow_id=uuid.uuid4(), parameters=parameters, tags=list(tags),
+                          idempotency_key=idempotency_key,
+                          state=State(type=StateType.SCHEDULED, name="Scheduled"))
+            self.runs.append(run)
+            return run
+
+    def _matching(self, tags: list[str], states: tuple[str, ...] | None) -> list[FlowRun]:
+        return [r for r in self.runs if set(tags) <= set(r.tags)
+                and (states is None or (r.state is not None and r.state.type.value in states))]
+
+    def count_flow_runs(self, tags: list[str], states: tuple[str, ...] | None = None) -> int:
+        return len(self._matching(tags, states))
+
+    def find_flow_run(self, tags: list[str]) -> FlowRun | None:
+        found = self._matching(tags, None)
+        return found[0] if found else None
+
+    def flow_run(self, flow_run_id: str) -> FlowRun:
+        return next(r for r in self.runs if str(r.id) == flow_run_id)
+
+    def end(self, flow_run_id: str, state: str, message: str | None = None) -> None:
+        self.flow_run(flow_run_id).state = State(type=StateType(state), name=state.title(),
+                                                 message=message)
+
+    def healthy(self) -> bool:
+        return True
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.fixture
+def prefect() -> MemoryPrefect:
+    return MemoryPrefect()
+
+
+def make_receiver(prefect: MemoryPrefect, tmp_path: Path, name: str) -> Receiver:
+    config = ReceiverConfig(secrets=(SECRET,), prefect_api_url=prefect.api_url,
+                            state_dir=tmp_path / f"state-{name}", output=tmp_path / "results",
+                            policy_roots=(POLICY.parent,))
+    return Receiver(config, prefect)
+
+
+@pytest.fixture
+def receivers(prefect: MemoryPrefect, tmp_path: Path) -> Iterator[tuple[Receiver, Receiver]]:
+    a, b = make_receiver(prefect, tmp_path, "a"), make_receiver(prefect, tmp_path, "b")
+    yield a, b
+    a.close()
+    b.close()
+
+
+def doc(step: int, **extra: Any) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "policy": {"uri": POLICY.as_uri(), "sha256": hashlib.sha256(POLICY.read_bytes()).hexdigest()},
+        "env": {"id": "CartPole-v1"},
+        "protocol": {"episodes": 8, "seed": 11, "max_steps": 50},
+        "training_run_id": "trainer-run-1",
+        "step": step,
+    }
+    body.update(extra)
+    return body
+
+
+def lower(headers: dict[str, str]) -> dict[str, str]:
+    return {k.lower(): v for k, v in headers.items()}
+
+
+def post(receiver: Receiver, body: bytes, headers: dict[str, str]) -> tuple[int, dict[str, Any]]:
+    """What the app answers: (status, JSON body), a ``Rejected`` as its status and body."""
+    try:
+        return receiver.create(body, lower(headers), BASE)
+    except Rejected as err:
+        return err.status, err.body
+
+
+def get(receiver: Receiver, evaluation_id: str) -> dict[str, Any]:
+    headers = signed_read_headers(f"/v1/evaluations/{evaluation_id}", SECRET)
+    return receiver.status(evaluation_id, lower(headers), BASE)
+
+
+# ------------------------------------------------------------- a replay under a fresh delivery id
+
+
+def test_a_captured_webhook_replayed_under_a_fresh_delivery_id_is_refused(
+        receivers: tuple[Receiver, Receiver], prefect: MemoryPrefect) -> None:
+    """The delivery id was not signed: after a failed run, each replay of a captured request
+    with a new X-Evalfleet-Delivery started a new evaluation (and sent callbacks)."""
+    a, b = receivers
+    body = canonical_json(doc(3))
+    captured = signed_headers(body, SECRET, delivery_id="real-1")
+    status, first = post(a, body, captured)
+    assert status == 202
+    prefect.end(first["flow_run_id"], "FAILED", "the cluster went away")
+
+    for i, receiver in enumerate((a, b, a)):
+        replay = dict(captured, **{DELIVERY_HEADER: f"forged-{i}"})
+        status, answer = post(receiver, body, replay)
+        assert status == 401, answer
+        assert answer["error"] == "unauthorized" and answer["code"] == "invalid_signature"
+    assert len(prefect.runs) == 1
+
+    # The captured request as sent is a redelivery of the failed run, never a new run.
+    for receiver in (a, b):
+        status, answer = post(receiver, body, captured)
+        assert status == 200 and answer["id"] == first["id"] and answer["duplicate"] == "delivery"
+    assert len(prefect.runs) == 1
+    # The trainer itself re-sending the request under a new delivery id (newly signed) does
+    # start a new evaluation after the failure.
+    status, retry = post(b, body, signed_headers(body, SECRET, delivery_id="real-2"))
+    assert status == 202 and retry["id"] != first["id"] and len(prefect.runs) == 2
+
+
+def test_a_webhook_signed_over_the_body_alone_is_refused(
+        receivers: tuple[Receiver, Receiver], prefect: MemoryPrefect) -> None:
+    from evalfleet.callback import sign
+
+    a, _ = receivers
+    body = canonical_json(doc(4))
+    now = int(time.time())
+    headers = {TIMESTAMP_HEADER: str(now), SIGNATURE_HEADER: sign(body, SECRET, now),
+               DELIVERY_HEADER: "d-1"}
+    status, answer = post(a, body, headers)
+    assert status == 401 and answer["code"] == "invalid_signature"
+    assert "<delivery>" in answer["reason"] and not prefect.runs
