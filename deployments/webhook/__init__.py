@@ -6,7 +6,7 @@ covers ``b"<timestamp>.<delivery>." + body``)::
 
     401  signature missing, invalid or stale          {"error": "unauthorized", "reason": ...}
     400  body not JSON or not the schema              {"error": "invalid_request", "field", "reason"}
-    409  delivery id reused for a different body
+    409  delivery id reused for a different body (on any receiver sharing the Prefect server)
     413  body too large
     503  Prefect unreachable (retry later; nothing was recorded)
     202  new evaluation: {"id", "flow_run_id", "status_url", "state", "duplicate": null}

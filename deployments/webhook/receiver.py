@@ -96,6 +96,17 @@ def _tag(kind: str, value: str) -> str:
     return f"evalfleet-{kind}:{value}"
 
 
+def _same_body(run: FlowRun, body_tag: str, key: str) -> bool:
+    """Whether ``run``, found by a delivery's tag, was created for this delivery's body.
+
+    Runs carry the tag of their first delivery's body sha256; a run from before that tag
+    existed is compared by its cache key (the fields that make an evaluation).
+    """
+    if any(t.startswith(_tag("body", "")) for t in run.tags):
+        return body_tag in run.tags
+    return _tag("key", key) in run.tags
+
+
 class Receiver:
     """The receiver's logic, independent of the HTTP framework (``create_app`` wires it).
 
@@ -106,8 +117,9 @@ class Receiver:
     CANCELLED. Concurrent deliveries of one evaluation compute the same key and get the same
     run back from the server; once a run failed, the next delivery gets a new generation and
     a new run; a COMPLETED run keeps answering for its cache key. Every run carries tags with
-    its evaluation id, cache key and first delivery id, so any receiver can answer a status
-    request or a redelivery for a run another one created.
+    its evaluation id, cache key, first delivery id and that delivery's body sha256, so any
+    receiver can answer a status request or a redelivery for a run another one created, and
+    answers 409 to a delivery id reused for another body, as the receiver that saw it does.
     """
 
     def __init__(self, config: ReceiverConfig, prefect: PrefectAPI | None = None) -> None:
@@ -159,19 +171,24 @@ class Receiver:
                                    self.config.max_policy_bytes, self.config.egress,
                                    self.config.policy_roots)
         delivery_tag = _tag("delivery", hashlib.sha256(delivery_id.encode()).hexdigest()[:32])
+        body_tag = _tag("body", body_sha[:32])
+        key = idempotency_key(body)
         earlier = self._prefect(lambda: self.prefect.find_flow_run([delivery_tag]))
         if earlier is not None:  # delivered before, to another receiver
+            if not _same_body(earlier, body_tag, key):
+                raise Rejected(409, "conflict", f"delivery id {delivery_id!r} was already used "
+                               "for a different body; use a new delivery id for a new request")
             evaluation = self._from_run(earlier)
             self.store.record(delivery_id, body_sha, evaluation, evaluation.id)
             return 200, self._accepted(evaluation, base_url, duplicate="delivery")
-        key = idempotency_key(body)
         generation = self._prefect(lambda: self.prefect.count_flow_runs(
             [_tag("key", key)], RETRYABLE_STATES))
         proposed = uuid.uuid4().hex[:16]
         parameters = {"request": self._request(body, policy_path, proposed)}
         if body.suite is not None:
             parameters["suite"] = suite_parameter(body.suite)
-        tags = ["evalfleet", "webhook", _tag("key", key), _tag("eval", proposed), delivery_tag]
+        tags = ["evalfleet", "webhook", _tag("key", key), _tag("eval", proposed), delivery_tag,
+                body_tag]
         tags += [f"train:{body.training_run_id}"] if body.training_run_id else []
         run = self._prefect(lambda: self.prefect.create_flow_run(
             parameters, f"evalfleet-{key}-{generation}", tags))

@@ -130,6 +130,49 @@ def get(receiver: Receiver, evaluation_id: str) -> dict[str, Any]:
     return receiver.status(evaluation_id, lower(headers), BASE)
 
 
+# ------------------------------------------------------- a delivery id reused on another receiver
+
+
+def test_a_delivery_id_reused_for_another_body_is_a_conflict_on_every_receiver(
+        receivers: tuple[Receiver, Receiver], prefect: MemoryPrefect) -> None:
+    """A restarted trainer's delivery counter starts over: step 8 reuses step 7's delivery id.
+
+    Receiver B found step 7's run by the delivery's tag and answered 200 with it, so step 8 was
+    never evaluated and its status URL served step 7's numbers; receiver A said 409.
+    """
+    a, b = receivers
+    step7, step8 = canonical_json(doc(7)), canonical_json(doc(8))
+    status, first = post(a, step7, signed_headers(step7, SECRET, delivery_id="trainer-1"))
+    assert status == 202 and first["step"] == 7 and first["duplicate"] is None
+
+    status, answer = post(b, step8, signed_headers(step8, SECRET, delivery_id="trainer-1"))
+    assert status == 409, answer
+    assert answer["error"] == "conflict" and "different body" in answer["reason"]
+    status, answer = post(a, step8, signed_headers(step8, SECRET, delivery_id="trainer-1"))
+    assert status == 409 and answer["error"] == "conflict"
+    assert len(prefect.runs) == 1  # nothing was started for the conflicting body
+
+    # A true redelivery to the other receiver is still that evaluation, said so.
+    status, again = post(b, step7, signed_headers(step7, SECRET, delivery_id="trainer-1"))
+    assert status == 200 and again["id"] == first["id"] and again["duplicate"] == "delivery"
+    # Step 8 under a new delivery id is its own evaluation.
+    status, new = post(b, step8, signed_headers(step8, SECRET, delivery_id="trainer-2"))
+    assert status == 202 and new["step"] == 8 and new["id"] != first["id"]
+
+
+def test_a_run_made_before_body_tags_is_compared_by_its_cache_key(
+        receivers: tuple[Receiver, Receiver], prefect: MemoryPrefect) -> None:
+    a, b = receivers
+    step7, step8 = canonical_json(doc(7)), canonical_json(doc(8))
+    status, first = post(a, step7, signed_headers(step7, SECRET, delivery_id="old-1"))
+    assert status == 202
+    run = prefect.runs[0]
+    run.tags = [t for t in run.tags if not t.startswith("evalfleet-body:")]
+    assert post(b, step8, signed_headers(step8, SECRET, delivery_id="old-1"))[0] == 409
+    status, again = post(b, step7, signed_headers(step7, SECRET, delivery_id="old-1"))
+    assert status == 200 and again["id"] == first["id"] and again["duplicate"] == "delivery"
+
+
 # ------------------------------------------------------------- a replay under a fresh delivery id
 
 
