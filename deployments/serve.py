@@ -12,16 +12,20 @@ Served deployments poll for scheduled runs every ``PREFECT_RUNNER_POLL_FREQUENCY
 # No ``from __future__ import annotations`` here: Prefect validates the flow's parameters
 # against its annotations in the flow-run process, which must see the real classes.
 import argparse
+import json
 import logging
 import os
+from pathlib import Path
 from typing import Any
 
 from prefect import flow
 
 from deployments import DASK_ADDRESS_ENV, DEPLOYMENT_NAME, FLOW_NAME, resolve_secret
-from evalfleet.callback import CALLBACK_SECRET_ENV, send_report_callback
+from deployments.webhook.receiver import report_path
+from evalfleet.callback import CALLBACK_SECRET_ENV, FAILURE_EVENT, REPORT_EVENT, send_report_callback
 from evalfleet.errors import RequestError
-from evalfleet.models import EvalReport, EvalRequest
+from evalfleet.models import EvalReport, EvalRequest, with_missing
+from evalfleet.storage import write_json
 from evalfleet.suite import Suite, SuiteReport
 from flows.eval import evaluate
 from flows.suite import evaluate_suite
@@ -34,6 +38,13 @@ def notify_failure(flow: Any, flow_run: Any, state: Any) -> None:
 
     Without this, a trainer waiting for the callback of a failed or crashed run would wait
     for its own timeout; with it, it learns at once and from the same channel.
+
+    A run that ended after stage 7 wrote its report (the flow-run process killed while, or
+    after, the callback was sent) has results, not a failure: when the report records its
+    callback as delivered nothing is sent; otherwise the report is sent again as
+    ``evaluation.completed``, with stage 7's delivery id (``<request_id>:completed``), so a
+    trainer that got it already drops the repeat. ``evaluation.failed`` (delivery id
+    ``<request_id>:failed``) is sent only for a run with no report.
     """
     request = (flow_run.parameters or {}).get("request") or {}
     if isinstance(request, EvalRequest):
@@ -41,15 +52,44 @@ def notify_failure(flow: Any, flow_run: Any, state: Any) -> None:
     url = request.get("callback_url")
     if not url:
         return
+    request_id = request.get("request_id")
+    path = None
+    if request.get("output") and request_id:
+        path = report_path(Path(request["output"]), str(request_id))
+    report = _read_report(path) if path is not None else None
+    if path is not None and report is not None:
+        sent = str((report.get("outputs") or {}).get("callback") or "")
+        if sent.startswith("delivered"):
+            logger.info("%s ended %s after its report was delivered (%s): no failure callback",
+                        request_id, state.type, sent)
+            return
+        outcome = send_report_callback(url, report, event=REPORT_EVENT)
+        alarms = report.get("alarms") or []
+        if not outcome.startswith("delivered"):
+            alarms = with_missing(alarms, [f"the callback to the trainer: {outcome}"])
+        write_json({**report, "outputs": {**(report.get("outputs") or {}), "callback": outcome},
+                    "alarms": alarms}, path)
+        logger.info("report callback for %s (run ended %s after its report): %s", request_id,
+                    state.type, outcome)
+        return
     outcome = send_report_callback(url, {
-        "request_id": request.get("request_id"),
+        "request_id": request_id,
         "training_run_id": request.get("training_run_id"),
         "step": request.get("step"),
         "state": state.type.value if hasattr(state.type, "value") else str(state.type),
         "message": state.message,
         "flow_run_id": str(flow_run.id),
-    }, event="evaluation.failed")
-    logger.info("failure callback for %s: %s", request.get("request_id"), outcome)
+    }, event=FAILURE_EVENT)
+    logger.info("failure callback for %s: %s", request_id, outcome)
+
+
+def _read_report(path: Path) -> dict[str, Any] | None:
+    """The report stage 7 wrote at ``path``, or None (none written, or unreadable)."""
+    try:
+        report = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    return report if isinstance(report, dict) else None
 
 
 @flow(name=FLOW_NAME, flow_run_name="{request.env}-{request.request_id}", log_prints=False,

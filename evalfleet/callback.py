@@ -278,7 +278,9 @@ def post_report(
     At most ``attempts`` requests are made, each bounded by ``timeout`` seconds, with
     ``backoff * 2**i`` seconds (capped at ``max_backoff``, or the server's ``Retry-After`` within
     that cap) between them; so the whole call is bounded too. Each attempt is re-signed with a
-    fresh timestamp and carries the same delivery id. Never raises for network or HTTP failures:
+    fresh timestamp and carries the same delivery id (default ``<request_id>:<event's last
+    word>``, ``event_delivery_id``: a report and a failure notice of one request are two
+    deliveries). Never raises for network or HTTP failures:
     the outcome is returned, and the caller decides what a failed callback means.
 
     ``url`` is checked by ``egress`` (default: ``EgressPolicy.from_env()``) before anything is
@@ -288,7 +290,7 @@ def post_report(
     if attempts < 1:
         raise ValueError(f"'attempts' must be >= 1 (got {attempts!r}).")
     body = canonical_json(report_json)
-    delivery = delivery_id or str(report_json.get("request_id") or uuid.uuid4().hex)
+    delivery = delivery_id or event_delivery_id(report_json.get("request_id"), event)
     t0 = time.monotonic()
     try:
         target = (egress or EgressPolicy.from_env()).check(url)
@@ -331,6 +333,18 @@ def post_report(
     made = int(retrying.statistics["attempt_number"])
     return CallbackResult(url, last.error is None, made, last.status_code, last.error,
                           time.monotonic() - t0, delivery)
+
+
+def event_delivery_id(request_id: object, event: str) -> str:
+    """The delivery id of one event of one evaluation: ``<request_id>:<completed|failed>``.
+
+    Each event of a request has its own id, so a trainer de-duplicating on delivery ids (retries
+    reuse them) keeps a failure notice that follows a report, and drops only true repeats. A
+    report with no request id gets a random one.
+    """
+    if not request_id:
+        return uuid.uuid4().hex
+    return f"{request_id}:{event.rsplit('.', 1)[-1]}"
 
 
 def _env_number(name: str, default: float) -> float:
@@ -379,6 +393,7 @@ def send_report_callback(
 
     Returns the line recorded in ``EvalReport.outputs['callback']``. A missing secret means no
     callback at all (an unsigned report would teach trainers to accept unsigned reports).
+    Its delivery id is ``event_delivery_id(report_json['request_id'], event)``.
     ``attempts`` and ``backoff`` default to ``$EVALFLEET_CALLBACK_ATTEMPTS`` (5) and
     ``$EVALFLEET_CALLBACK_BACKOFF`` (0.5 s, doubling per retry).
     """
@@ -415,6 +430,7 @@ __all__ = [
     "SignatureError",
     "canonical_json",
     "check_callback",
+    "event_delivery_id",
     "post_report",
     "send_report_callback",
     "read_message",

@@ -15,8 +15,9 @@ covers ``b"<timestamp>.<delivery>." + body``)::
          first delivery's callback URL; later duplicates read it from the status URL.
          A cache key whose evaluation FAILED, CRASHED or was CANCELLED may run again.
 
-``GET /v1/evaluations/{id}`` gives the flow run's state and, once completed, the report; it needs
-the same secret: ``X-Evalfleet-Timestamp`` and ``X-Evalfleet-Signature`` over
+``GET /v1/evaluations/{id}`` gives the flow run's state and, once completed, the report (also
+the report of a run that ended FAILED or CRASHED after writing it, ``report_from_failed_run``
+true); it needs the same secret: ``X-Evalfleet-Timestamp`` and ``X-Evalfleet-Signature`` over
 ``b"<timestamp>.GET /v1/evaluations/<id>"`` (``evalfleet.callback.signed_read_headers``), 401
 otherwise. ``GET /healthz`` says whether the receiver, its SQLite store and Prefect answer.
 

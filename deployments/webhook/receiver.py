@@ -91,6 +91,13 @@ def history_fields(report: dict[str, Any]) -> dict[str, Any]:
             "history_alarms": [a.get("alarm") for a in h.get("alarms") or []]}
 
 
+def report_path(output: Path, evaluation_id: str) -> Path:
+    """Where an evaluation's report is: ``runs/<id>/report.json``, or a suite's report."""
+    path = run_dir(output, evaluation_id) / "report.json"
+    suite = run_dir(output, f"suite-{evaluation_id}") / "suite_report.json"
+    return suite if not path.exists() and suite.exists() else path
+
+
 def _tag(kind: str, value: str) -> str:
     # Tags are how any receiver finds a run in Prefect; delivery ids are hashed (any text).
     return f"evalfleet-{kind}:{value}"
@@ -205,7 +212,12 @@ class Receiver:
 
     def status(self, evaluation_id: str, headers: dict[str, str], base_url: str
                ) -> dict[str, Any]:
-        """State of an evaluation and, once completed, its report (signed reads only)."""
+        """State of an evaluation and, once completed, its report (signed reads only).
+
+        A run that ended FAILED, CRASHED or CANCELLED after stage 7 wrote its report (the
+        flow-run process killed while the callback was sent) still has its results: the report
+        is returned, with ``report_from_failed_run`` true.
+        """
         self.authenticate(read_message("GET", f"/v1/evaluations/{evaluation_id}"), headers)
         evaluation = self.store.get(evaluation_id)
         if evaluation is None and len(evaluation_id) <= 64:  # made by another receiver?
@@ -219,18 +231,24 @@ class Receiver:
         state_type = run.state.type.value if run.state is not None else None
         out.update(state=state_type, state_name=run.state.name if run.state else None,
                    message=run.state.message if run.state else None,
-                   final=state_type in FINAL_STATES, report=None)
+                   final=state_type in FINAL_STATES, report=None, report_from_failed_run=False)
+        path = report_path(Path(evaluation.request["output"]), evaluation.id)
         if state_type == "COMPLETED":
-            path = run_dir(Path(evaluation.request["output"]), evaluation.id) / "report.json"
-            suite = run_dir(Path(evaluation.request["output"]), f"suite-{evaluation.id}")
-            if not path.exists() and (suite / "suite_report.json").exists():
-                path = suite / "suite_report.json"
             try:
                 out["report"] = json.loads(path.read_text())
             except (OSError, json.JSONDecodeError) as err:
                 out["message"] = f"completed, but the report cannot be read from {path}: {err}"
             else:
                 out.update(history_fields(out["report"]))
+        elif state_type in FINAL_STATES and path.exists():
+            try:
+                out["report"] = json.loads(path.read_text())
+            except (OSError, json.JSONDecodeError):
+                pass  # a report cut short by the crash: the state says what happened
+            else:
+                out.update(history_fields(out["report"]), report_from_failed_run=True)
+                out["message"] = (f"{state_type} after its report was written ({path}): "
+                                  f"{out['message'] or 'no message'}")
         return out
 
     def healthy(self) -> dict[str, bool]:

@@ -9,11 +9,14 @@ folder, as receivers behind one load balancer share a Prefect server.
 from __future__ import annotations
 
 import hashlib
+import json
 import threading
 import time
 import uuid
 from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -22,12 +25,16 @@ from prefect.client.schemas.objects import FlowRun, State, StateType
 from deployments.webhook import PrefectAPI, Receiver, ReceiverConfig, Rejected
 from evalfleet.callback import (
     DELIVERY_HEADER,
+    EVENT_HEADER,
     SIGNATURE_HEADER,
     TIMESTAMP_HEADER,
     canonical_json,
     signed_headers,
     signed_read_headers,
+    verify,
 )
+from evalfleet.egress import ALLOWED_HOSTS_ENV
+from evalfleet.storage import run_dir, write_json
 
 ROOT = Path(__file__).resolve().parents[2]
 POLICY = ROOT / "evalfleet" / "data" / "cartpole_mlp.pt"
@@ -217,3 +224,132 @@ def test_a_webhook_signed_over_the_body_alone_is_refused(
     status, answer = post(a, body, headers)
     assert status == 401 and answer["code"] == "invalid_signature"
     assert "<delivery>" in answer["reason"] and not prefect.runs
+
+
+# ---------------------------------------------------- the report of a run that crashed afterwards
+
+
+def write_report(receiver: Receiver, evaluation_id: str, callback: str | None) -> Path:
+    report: dict[str, Any] = {"request_id": evaluation_id, "step": 5, "returns": {"mean": 445.75},
+                              "alarms": [], "history": {"verdict": "first", "best_step": 5},
+                              "outputs": {"folder": "x"}}
+    if callback is not None:
+        report["outputs"]["callback"] = callback
+    path = run_dir(receiver.config.output, evaluation_id) / "report.json"
+    write_json(report, path)
+    return path
+
+
+def test_get_returns_the_report_a_crashed_run_wrote(
+        receivers: tuple[Receiver, Receiver], prefect: MemoryPrefect) -> None:
+    """GET said CRASHED with no report although report.json (and the MLflow run) existed."""
+    a, b = receivers
+    body = canonical_json(doc(5))
+    status, accepted = post(a, body, signed_headers(body, SECRET))
+    assert status == 202
+    write_report(a, accepted["id"], "delivered: HTTP 200 after 1 attempt (3.01 s)")
+    prefect.end(accepted["flow_run_id"], "CRASHED", "the flow-run process was killed")
+    for receiver in (a, b):
+        answer = get(receiver, accepted["id"])
+        assert answer["state"] == "CRASHED" and answer["final"] is True
+        assert answer["report"] is not None and answer["report"]["returns"]["mean"] == 445.75
+        assert answer["report_from_failed_run"] is True
+        assert answer["verdict"] == "first" and answer["best_step"] == 5
+        assert "after its report was written" in answer["message"]
+        assert "killed" in answer["message"]
+
+
+def test_get_of_a_failed_run_without_a_report_has_none(
+        receivers: tuple[Receiver, Receiver], prefect: MemoryPrefect) -> None:
+    a, _ = receivers
+    body = canonical_json(doc(6))
+    status, accepted = post(a, body, signed_headers(body, SECRET))
+    prefect.end(accepted["flow_run_id"], "FAILED", "policy returned NaN")
+    answer = get(a, accepted["id"])
+    assert answer["state"] == "FAILED" and answer["report"] is None
+    assert answer["report_from_failed_run"] is False and answer["message"] == "policy returned NaN"
+
+
+# ------------------------------------------------------------- the failure hook after a report
+
+
+class Trainer(ThreadingHTTPServer):
+    calls: list[dict[str, Any]]
+
+
+@pytest.fixture
+def trainer(monkeypatch: pytest.MonkeyPatch) -> Iterator[Trainer]:
+    class Handler(BaseHTTPRequestHandler):
+        server: Trainer
+
+        def do_POST(self) -> None:
+            body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            try:  # every POST is recorded, verified or not
+                verify(body, self.headers.get(SIGNATURE_HEADER), self.headers.get(TIMESTAMP_HEADER),
+                       CALLBACK_SECRET, delivery_id=self.headers.get(DELIVERY_HEADER, ""))
+                verified = True
+            except Exception:
+                verified = False
+            self.server.calls.append({"event": self.headers.get(EVENT_HEADER),
+                                      "delivery": self.headers.get(DELIVERY_HEADER),
+                                      "verified": verified, "body": json.loads(body)})
+            self.send_response(200 if verified else 401)
+            self.end_headers()
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = Trainer(("127.0.0.1", 0), Handler)
+    server.calls = []
+    monkeypatch.setenv(ALLOWED_HOSTS_ENV, "127.0.0.1")
+    monkeypatch.setenv("EVALFLEET_CALLBACK_SECRET", CALLBACK_SECRET)
+    monkeypatch.setenv("EVALFLEET_CALLBACK_ATTEMPTS", "1")
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield server
+    server.shutdown()
+    server.server_close()
+
+
+def crash(trainer: Trainer, output: Path, request_id: str, state: str = "CRASHED") -> None:
+    """Run serve's on_crashed/on_failure hook for a flow run of ``request_id``."""
+    from deployments.serve import notify_failure
+
+    url = f"http://127.0.0.1:{trainer.server_address[1]}/cb"
+    request = {"request_id": request_id, "callback_url": url, "output": str(output),
+               "training_run_id": "trainer-run-1", "step": 5}
+    flow_run = SimpleNamespace(id=uuid.uuid4(), parameters={"request": request})
+    notify_failure(None, flow_run, State(type=StateType(state), message="killed"))
+
+
+def test_no_failure_notice_after_a_delivered_report(trainer: Trainer, tmp_path: Path,
+                                                    prefect: MemoryPrefect) -> None:
+    """Killed after stage 7 delivered the report, the run CRASHED and the hook sent
+    evaluation.failed with the report's delivery id: a de-duplicating trainer dropped it, the
+    other kind saw "failed" after "completed" and evaluated the step again."""
+    receiver = make_receiver(prefect, tmp_path, "a")
+    write_report(receiver, "eval-delivered", "delivered: HTTP 200 after 1 attempt (3.01 s)")
+    crash(trainer, receiver.config.output, "eval-delivered")
+    assert trainer.calls == []
+    receiver.close()
+
+
+def test_a_report_written_but_not_known_delivered_is_sent_again_as_completed(
+        trainer: Trainer, tmp_path: Path, prefect: MemoryPrefect) -> None:
+    receiver = make_receiver(prefect, tmp_path, "a")
+    path = write_report(receiver, "eval-unsure", None)  # killed while the callback was sent
+    crash(trainer, receiver.config.output, "eval-unsure")
+    assert [(c["event"], c["delivery"], c["verified"]) for c in trainer.calls] == [
+        ("evaluation.completed", "eval-unsure:completed", True)]
+    assert trainer.calls[0]["body"]["returns"]["mean"] == 445.75
+    assert json.loads(path.read_text())["outputs"]["callback"].startswith("delivered")
+    receiver.close()
+
+
+def test_a_run_without_a_report_gets_a_failure_notice_with_its_own_delivery_id(
+        trainer: Trainer, tmp_path: Path) -> None:
+    crash(trainer, tmp_path / "results", "eval-none", state="FAILED")
+    assert [(c["event"], c["delivery"], c["verified"]) for c in trainer.calls] == [
+        ("evaluation.failed", "eval-none:failed", True)]
+    assert trainer.calls[0]["body"]["state"] == "FAILED"
+    assert trainer.calls[0]["body"]["request_id"] == "eval-none"

@@ -65,7 +65,7 @@ def test_post_report_delivers_signed(trainer: TrainerEndpoint) -> None:
     assert result.delivered and result.attempts == 1 and result.status_code == 200
     got = trainer.next(timeout=10)
     assert got["report"] == {"request_id": "r1", "x": 1}
-    assert got["delivery"] == "r1" and got["event"] == "evaluation.completed"
+    assert got["delivery"] == "r1:completed" and got["event"] == "evaluation.completed"
     assert result.summary().startswith("delivered: HTTP 200 after 1 attempt")
 
 
@@ -77,7 +77,7 @@ def test_post_report_retries_transient_failures_with_one_delivery_id(
                          backoff=0.01)
     assert result.delivered and result.attempts == 3
     assert [c["verified"] for c in trainer.calls] == [True, True, True]  # re-signed each time
-    assert {c["headers"][DELIVERY_HEADER] for c in trainer.calls} == {"r2"}
+    assert {c["headers"][DELIVERY_HEADER] for c in trainer.calls} == {"r2:completed"}
 
 
 def test_post_report_does_not_retry_a_permanent_refusal(trainer: TrainerEndpoint) -> None:
