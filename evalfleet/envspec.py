@@ -51,10 +51,17 @@ BUILTIN_ENV_MODULES = ("envs",)
 
 
 def import_env_modules(env_id: str) -> None:
-    """Import the modules that register ``env_id`` (evalfleet's envs and a ``module:`` prefix)."""
+    """Import the modules that register ``env_id`` (evalfleet's envs and a ``module:`` prefix).
+
+    evalfleet's envs only from this project's ``envs`` folder: another top-level ``envs``
+    first on the import path (``PYTHONPATH``, site-packages) is refused before it is imported
+    (``ForeignEnvsPackage``, an ``EnvSpecError``' sibling), never run outside a sandbox.
+    """
+    from evalfleet.sandbox.isolation import import_project_envs
+
     for name in BUILTIN_ENV_MODULES:
         try:
-            importlib.import_module(name)
+            import_project_envs(name)
         except ImportError:  # evalfleet's envs are optional for users' own ids
             logger.debug("could not import %s", name)
     if ":" in env_id:

@@ -58,6 +58,7 @@ import numpy as np
 from evalfleet.sandbox import limits as lim
 from evalfleet.sandbox import wire
 from evalfleet.sandbox.bwrap import SYSTEM_PATHS, jail_binds, package_paths
+from evalfleet.sandbox.isolation import import_project_envs
 from evalfleet.sandbox.slots import error_text, scalar_info
 from evalfleet.seeds import fresh_global_rng
 
@@ -154,7 +155,11 @@ class _Server:
         failed = {}
         for name in preload:
             try:
-                importlib.import_module(name)
+                if name == "envs" or name.startswith("envs."):
+                    # Only this project's: an ``envs`` first on the path runs nothing here.
+                    import_project_envs(name)
+                else:
+                    importlib.import_module(name)
             except Exception as err:  # reported; the sandbox's own make() decides if it matters
                 failed[name] = f"{type(err).__name__}: {err}"
         try:

@@ -368,6 +368,68 @@ def isolation_manifest() -> dict[str, Any]:
 _PROJECT_ENVS = Path(__file__).resolve().parents[2] / "envs"
 
 
+class ForeignEnvsPackage(RequestError):
+    """A top-level ``envs`` package other than this project's comes first on the import path."""
+
+
+def _foreign_envs_error(found: str) -> ForeignEnvsPackage:
+    return ForeignEnvsPackage(
+        f"the module 'envs' on this interpreter's import path is {found}, not evalfleet's own "
+        f"envs package ({_PROJECT_ENVS}); evalfleet imports its bundled envs by that name in the "
+        "driver, the workers and the fork servers, outside every sandbox, so it refuses to run "
+        "someone else's 'envs'. Rename that package (or take its folder off PYTHONPATH / "
+        "uninstall the distribution that ships it), then run again.")
+
+
+def project_envs_origin(name: str = "envs") -> str | None:
+    """Where ``name`` (``envs`` or a submodule) would come from; None if it cannot be found.
+
+    Raises ``ForeignEnvsPackage`` when the ``envs`` package found, or already imported, is not
+    this project's folder: nothing of it is imported, so a planted ``envs`` never runs here.
+    """
+    loaded = sys.modules.get("envs")
+    if loaded is not None:
+        where = getattr(loaded, "__file__", None) or str(getattr(loaded, "__path__", None))
+        if getattr(loaded, "__file__", None) is None or not _in_project_envs(where):
+            raise _foreign_envs_error(where)
+        if name == "envs":
+            return where
+    elif name != "envs" and project_envs_origin("envs") is None:
+        return None  # (finding a submodule imports its package: the package is checked first)
+    try:
+        spec = importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+        return None
+    if spec is None:
+        return None
+    origin = spec.origin if spec.origin not in (None, "namespace") else None
+    where = origin or str(list(spec.submodule_search_locations or []))
+    if origin is None or not _in_project_envs(origin):
+        raise _foreign_envs_error(where)
+    return origin
+
+
+def _in_project_envs(path: str) -> bool:
+    try:
+        return Path(path).resolve().is_relative_to(_PROJECT_ENVS)
+    except (OSError, ValueError):
+        return False
+
+
+def import_project_envs(name: str = "envs") -> Any:
+    """Import this project's ``envs`` (or a submodule of it), checked before and after.
+
+    Returns None where it cannot be found (an install without the bundled envs). Raises
+    ``ForeignEnvsPackage`` for any other ``envs`` package: checked before importing, so its
+    code does not run.
+    """
+    if project_envs_origin(name) is None:
+        return None
+    module = importlib.import_module(name)
+    project_envs_origin(name)  # what was imported is what was found
+    return module
+
+
 def shipped_env(entry_point: str) -> bool:
     """True if ``entry_point`` (``module:attr``) is an env shipped with gymnasium or evalfleet."""
     module = entry_point.split(":", 1)[0]
@@ -375,9 +437,10 @@ def shipped_env(entry_point: str) -> bool:
         return True
     if module != "envs" and not module.startswith("envs."):
         return False
-    spec = importlib.util.find_spec(module)
-    origin = getattr(spec, "origin", None) if spec is not None else None
-    return origin is not None and Path(origin).resolve().is_relative_to(_PROJECT_ENVS)
+    try:
+        return project_envs_origin(module) is not None
+    except ForeignEnvsPackage:
+        return False
 
 
 def resolve_isolation(requested: str, entry_point: str | None = None) -> str:

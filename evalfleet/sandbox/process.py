@@ -138,7 +138,8 @@ def preload_modules(env_spec: dict[str, Any]) -> list[str]:
     """
     from evalfleet.sandbox.isolation import shipped_env
 
-    return [m for m in env_modules(env_spec) if m == "envs" or shipped_env(f"{m}:_")]
+    # ``shipped_env`` checks where a module lives (another package named ``envs`` is not ours).
+    return [m for m in env_modules(env_spec) if shipped_env(f"{m}:_")]
 
 
 class ProcessSlots:
