@@ -66,24 +66,39 @@ def _inside(path: str, roots: Iterable[str]) -> bool:
     return any(path == r or path.startswith(r.rstrip("/") + "/") for r in roots)
 
 
+#: This project's bundled envs (the top-level package ``envs`` of the project's folder).
+PROJECT_ENVS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__)))), "envs")
+
+
 def package_paths(modules: Iterable[str]) -> list[str]:
     """Folders (or single files) of the top-level packages of ``modules``, as found here.
 
-    ``envs.recommend`` → the folder of ``envs``; a namespace package gives each of its folders.
-    Modules that cannot be found are skipped: the fork server reports their import error.
+    ``envs.recommend`` → this project's ``envs`` folder (whatever else the import path holds
+    under that name). Only a regular package (a folder with ``__init__``) gives its folder, and
+    a single-file module its file: a namespace package, which is any plain folder sitting in a
+    ``sys.path`` entry (``results/``, say), gives nothing. Modules that cannot be found are
+    skipped: the fork server reports their import error.
     """
     out: list[str] = []
     for name in dict.fromkeys(m.split(".", 1)[0] for m in modules if m):
+        if name == "envs":
+            if os.path.isfile(os.path.join(PROJECT_ENVS, "__init__.py")):
+                out.append(PROJECT_ENVS)
+            continue
         try:
             spec = importlib.util.find_spec(name)
         except (ImportError, ValueError):
             continue
-        if spec is None:
-            continue
-        if spec.submodule_search_locations:
-            out.extend(str(p) for p in spec.submodule_search_locations)
-        elif spec.origin and os.path.isabs(spec.origin):
-            out.append(spec.origin)
+        origin = spec.origin if spec is not None else None
+        if origin is None or not os.path.isabs(origin) or not os.path.isfile(origin):
+            continue  # not found, built in, or a namespace package: no folder of its own
+        if spec is not None and spec.submodule_search_locations is not None:
+            if os.path.basename(origin).split(".", 1)[0] != "__init__":
+                continue
+            out.append(os.path.dirname(origin))
+        else:
+            out.append(origin)
     return out
 
 

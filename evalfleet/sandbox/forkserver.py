@@ -290,8 +290,10 @@ class _Server:
 def file_rules(packages: Iterable[str], data: Iterable[str] = ()) -> lim.FileRules:
     """What a ``process`` sandbox of an env from ``packages`` may read: the bwrap jail's binds.
 
-    ``data``: files and folders its kwargs name (``process.env_data_files``), read too, and so
-    is the folder of an env module that is a single file (what it imports or reads beside it).
+    ``packages``: what the request names (``process.env_modules``: evalfleet's envs and the env
+    id's ``module:`` prefix), never what the env reports of itself. ``data``: files and folders
+    its kwargs name (``process.env_data_files``), read too, and so is the folder of the id's
+    module when it is a single file (what it imports or reads beside it).
 
     The system folders, the interpreter's, the site-packages and the packages of evalfleet and
     of the env (``jail_binds``), beside the ``sys.path`` folders, listed only: never the rest of

@@ -96,12 +96,15 @@ def _signal_name(sig: int) -> str:
 
 
 def env_modules(env_spec: dict[str, Any]) -> list[str]:
-    """The env's modules: evalfleet's envs, its id's, its entry point's, its code's.
+    """The modules whose folders a sandbox may read: evalfleet's envs and its id's ``module:``.
 
-    Its code's: every top-level module whose code its fingerprint holds (``code``: what the
-    env's code imports, a module beside it included). A bwrap jail shows their package
-    folders (``fork_server``'s ``packages``), and so does a ``process`` sandbox's Landlock
-    ruleset.
+    Only what the request names: never what the env reports about itself (its registered entry
+    point, the modules its spec names, the import lines of its code, ``code``: those are for the
+    cache key only), or env code could grant itself any folder that sits in a ``sys.path``
+    entry (another evaluation's results, say) with a line like ``import results``, even dead.
+    A bwrap jail shows their package folders (``fork_server``'s ``packages``), and so does a
+    ``process`` sandbox's Landlock ruleset (``bwrap.package_paths``: regular packages, and the
+    single file of the id's own module).
     """
     from evalfleet.envspec import BUILTIN_ENV_MODULES
 
@@ -109,10 +112,6 @@ def env_modules(env_spec: dict[str, Any]) -> list[str]:
     env_id = str(env_spec.get("env_id", ""))
     if ":" in env_id:
         names.append(env_id.split(":", 1)[0])
-    entry = str(env_spec.get("entry_point", ""))
-    if ":" in entry:
-        names.append(entry.split(":", 1)[0])
-    names.extend(str(top) for top in env_spec.get("code") or {})
     return list(dict.fromkeys(names))
 
 
