@@ -171,7 +171,7 @@ def _start_fork_server(request: EvalRequest, level: str, env_spec: dict[str, Any
     # at once (each shard's slots prepare their own), its imports stay for every fork.
     token = f"warm-{uuid.uuid4().hex}"
     maker = cloudpickle.dumps(env_thunk(request.env, request.env_kwargs, request.max_steps))
-    answer = server.call(("prepare", token, maker, list(sys.path), preload, {}),
+    answer = server.call(("prepare", token, maker, list(sys.path), preload),
                          limits.start_timeout_s)
     server.call(("forget", token), limits.start_timeout_s)
     if answer.get("imports"):

@@ -87,8 +87,9 @@ class _Server:
         self.cgroup_fd = cgroup_fd
         self.cgroups: dict[int, str] = {}  # sandbox host pid -> its cgroup's name
         self.stale_cgroups: list[str] = []  # cgroups not yet empty when their sandbox was reaped
+        # Never an evaluation's environment (its --sandbox-env values): the worker sends a
+        # sandbox its own over the sandbox's socket, after the fork (``_receive_environment``).
         self.makers: dict[str, Callable[[], Any]] = {}
-        self.environments: dict[str, dict[str, str]] = {}
         self.files: dict[str, lim.FileRules] = {}  # token -> what its sandboxes may open
         self.children: dict[int, str] = {}
         self.serial = 0
@@ -144,9 +145,7 @@ class _Server:
                 self.stale_cgroups.remove(name)
 
     def prepare(self, token: str, maker_blob: bytes, sys_path: list[str], preload: list[str],
-                environment: dict[str, str], packages: tuple[str, ...] = (),
-                data: tuple[str, ...] = ()) -> dict[str, Any]:
-        self.environments[token] = dict(environment)
+                packages: tuple[str, ...] = (), data: tuple[str, ...] = ()) -> dict[str, Any]:
         for entry in sys_path:
             if entry not in sys.path:
                 sys.path.append(entry)
@@ -174,7 +173,6 @@ class _Server:
     def spawn(self, token: str, k: int, limits: lim.SandboxLimits, netns: bool, fd: int
               ) -> dict[str, Any]:
         maker = self.makers[token]
-        environment = self.environments[token]
         files = self.files.get(token)
         self.serial += 1
         folder = os.path.join(self.base, f"sbx-{self.serial}")
@@ -195,13 +193,13 @@ class _Server:
                     os.write(procs, b"0")  # join before anything else: every descendant too
                     os.close(procs)
                 self.control.close()
+                self._keep_only(token)
                 if pidns:
                     code = _namespace_host(fd, maker, k, limits, folder, uid, netns, server_pid,
-                                           self.new_user, environment, files)
+                                           self.new_user, files)
                 else:
                     code = _sandbox_main(fd, maker, k, limits, folder, uid, netns, server_pid,
-                                         environment, own_pidns=False, own_user=False,
-                                         files=files)
+                                         own_pidns=False, own_user=False, files=files)
             finally:
                 os._exit(code)
         os.close(fd)
@@ -210,6 +208,20 @@ class _Server:
             self.cgroups[pid] = cgroup
         self.children[pid] = folder
         return {"pid": pid, "uid": uid}
+
+    def _keep_only(self, token: str) -> None:
+        """In a freshly forked sandbox: forget every other evaluation this server serves.
+
+        Its memory is a copy of the server's, which env code can walk (frames, ``gc``): other
+        evaluations' makers (env ids, kwargs) and file rules go before any env code runs. Their
+        environments never were here (see ``_receive_environment``). Residual: bytes the server
+        freed (earlier requests' pickles) may linger in the copied heap until reused; they hold
+        no environment, only makers' ids and kwargs, which the request's owner chose to send.
+        """
+        self.makers = {token: self.makers[token]}
+        self.files = {t: rules for t, rules in self.files.items() if t == token}
+        self.children, self.cgroups, self.stale_cgroups = {}, {}, []
+        gc.collect()
 
     def kill(self, pids: list[int], exiting: tuple[int, ...] = ()) -> dict[str, Any]:
         # ``exiting``: sandboxes whose channel closed. A host mirrors its sandbox's end a moment
@@ -272,7 +284,6 @@ class _Server:
                     answer = self.prepare(*request[1:])
                 elif op == "forget":
                     self.makers.pop(request[1], None)
-                    self.environments.pop(request[1], None)
                     self.files.pop(request[1], None)
                     answer = {"ok": True}
                 else:
@@ -343,6 +354,38 @@ def _recv_frame(sock: socket.socket, buf: bytearray) -> bytes | None:
         buf.extend(chunk)
 
 
+def _recv_exactly(sock: socket.socket, n: int) -> bytes | None:
+    data = bytearray()
+    while len(data) < n:
+        chunk = sock.recv(n - len(data))
+        if not chunk:
+            return None
+        data.extend(chunk)
+    return bytes(data)
+
+
+def _receive_environment(sock: socket.socket) -> dict[str, str] | None:
+    """The sandbox's environment: the first frame the worker sends on its socket (JSON).
+
+    Sent to this sandbox alone after the fork, so the fork server, which serves every
+    evaluation of its worker, never holds one evaluation's granted variables (``--sandbox-env``)
+    for another's sandboxes to find in the memory they inherit.
+    """
+    # Exactly one frame: whatever follows (the first request) stays on the socket for ``serve``.
+    head = _recv_exactly(sock, 4)
+    size = int.from_bytes(head or b"", "little")
+    if head is None or size > wire.MAX_FRAME:
+        return None
+    body = _recv_exactly(sock, size)
+    if body is None:
+        return None
+    environment = json.loads(body)
+    if not isinstance(environment, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in environment.items()):
+        raise wire.ProtocolError("the sandbox's environment is not a str -> str mapping")
+    return environment
+
+
 def _check_sandbox_namespaces(new_user: bool) -> str | None:
     """Can a sandbox get a pid namespace of its own here? None, or why not (tried in a child)."""
     r, w = os.pipe()
@@ -393,8 +436,7 @@ def _count_capped_forks() -> int:
 
 def _namespace_host(fd: int, maker: Callable[[], Any], k: int, limits: lim.SandboxLimits,
                     folder: str, uid: int | None, netns: bool, server_pid: int,
-                    new_user: bool, environment: dict[str, str],
-                    files: lim.FileRules | None = None) -> int:
+                    new_user: bool, files: lim.FileRules | None = None) -> int:
     """The process the server knows as the sandbox: a pid namespace, its init, the sandbox.
 
     Three processes: this host (in the server's namespace, the one the server kills and reaps),
@@ -412,8 +454,7 @@ def _namespace_host(fd: int, maker: Callable[[], Any], k: int, limits: lim.Sandb
     if init == 0:
         code = EXIT_SETUP
         try:
-            code = _namespace_init(fd, maker, k, limits, folder, uid, netns, new_user, environment,
-                                   files)
+            code = _namespace_init(fd, maker, k, limits, folder, uid, netns, new_user, files)
         finally:
             os._exit(code)
     os.close(fd)
@@ -434,14 +475,14 @@ def _namespace_host(fd: int, maker: Callable[[], Any], k: int, limits: lim.Sandb
 
 def _namespace_init(fd: int, maker: Callable[[], Any], k: int, limits: lim.SandboxLimits,
                     folder: str, uid: int | None, netns: bool, new_user: bool,
-                    environment: dict[str, str], files: lim.FileRules | None = None) -> int:
+                    files: lim.FileRules | None = None) -> int:
     """Pid 1 of a sandbox's namespace: fork the sandbox, reap everything, exit when it does."""
     lim.set_parent_death_signal(0)  # its parent lives outside the namespace: getppid() is 0
     child = os.fork()
     if child == 0:
         code = EXIT_SETUP
         try:
-            code = _sandbox_main(fd, maker, k, limits, folder, uid, netns, 1, environment,
+            code = _sandbox_main(fd, maker, k, limits, folder, uid, netns, 1,
                                  own_pidns=True, own_user=new_user, files=files)
         finally:
             os._exit(code)
@@ -459,11 +500,12 @@ def _namespace_init(fd: int, maker: Callable[[], Any], k: int, limits: lim.Sandb
 
 def _sandbox_main(fd: int, maker: Callable[[], Any], k: int, limits: lim.SandboxLimits,
                   folder: str, uid: int | None, netns: bool, parent: int,
-                  environment: dict[str, str], *, own_pidns: bool, own_user: bool,
+                  *, own_pidns: bool, own_user: bool,
                   files: lim.FileRules | None = None) -> int:
     """Confine this freshly forked process, then serve env requests until the socket closes.
 
     ``files`` (``process`` level): what it may open besides its folder (``lim.restrict_files``).
+    Its environment is the first frame on its socket (``_receive_environment``).
     """
     os.setpgid(0, 0)
     devnull = os.open(os.devnull, os.O_RDWR)
@@ -475,6 +517,10 @@ def _sandbox_main(fd: int, maker: Callable[[], Any], k: int, limits: lim.Sandbox
         lim.unshare_network()
     os.chdir(folder)
     fresh_global_rng()  # not the server's numpy state; before Landlock and seccomp below
+    sock = socket.socket(fileno=fd)
+    environment = _receive_environment(sock)
+    if environment is None:
+        return 0  # the worker closed the channel before sending it
     # Exactly the allow-listed environment the worker prepared (evalfleet.sandbox.environment).
     os.environ.clear()
     os.environ.update(environment, HOME=folder, TMPDIR=folder)
@@ -489,7 +535,6 @@ def _sandbox_main(fd: int, maker: Callable[[], Any], k: int, limits: lim.Sandbox
     confined = files is not None and lim.restrict_files(files, folder, limits) is None
     lim.install_sandbox_filter(own_pidns)
     lim.arm_cpu_budget(limits.cpu_seconds_per_episode)
-    sock = socket.socket(fileno=fd)
     return _Sandbox(maker, k, limits, own_pidns, confined).serve(sock)
 
 

@@ -268,7 +268,7 @@ class ProcessSlots:
         if self._token not in server.prepared:
             answer = server.call(
                 ("prepare", self._token, self._maker_blob, list(sys.path), self._preload,
-                 self._environment, tuple(self._packages), self._data),
+                 tuple(self._packages), self._data),
                 self.limits.start_timeout_s,
             )
             if not answer.get("ok"):
@@ -281,7 +281,15 @@ class ProcessSlots:
 
     def _spawn(self, boxes: list[int]) -> None:
         answers, pairs = self._fork(boxes)
+        # Each sandbox's environment goes to it alone, over its own socket: the fork server,
+        # shared by every evaluation of this worker, never holds it (--sandbox-env values).
+        environment = wire.frame(json.dumps(self._environment).encode())
         for b, ours, answer in zip(boxes, pairs, answers, strict=True):
+            ours.settimeout(self.limits.start_timeout_s)
+            try:
+                ours.sendall(environment)
+            except OSError:
+                pass  # a sandbox already gone: its first request finds out, as for any death
             ours.setblocking(False)
             pid = int(answer["pid"])
             box = _Box(ours, pid, f"{_PREFIX[self.isolation]}{b}-pid{pid}")

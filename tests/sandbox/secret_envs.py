@@ -55,6 +55,50 @@ class Names(CartPoleEnv):
                      "home_is_cwd": float(os.environ.get("HOME") == os.getcwd())}
 
 
-for _name in ("Leak", "Names"):
+class Recon(CartPoleEnv):
+    """Healthy CartPole that searches the memory it inherited from its fork server.
+
+    At reset it walks its call stack up to the fork server's frames and puts in its ``info``
+    one ``seen:TEXT`` entry per string it finds in their locals and in the server object's state
+    (an evaluation's env ids, environments, granted variables), and the number of env makers
+    the server object holds as ``makers``.
+    """
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None
+              ) -> tuple[np.ndarray, dict[str, Any]]:
+        import sys
+
+        obs, info = super().reset(seed=seed, options=options)
+        seen: set[str] = set()
+        makers = 0.0
+
+        def walk(value: Any, depth: int = 0) -> None:
+            if depth > 4:
+                return
+            if isinstance(value, str):
+                seen.add(value[:200])
+            elif isinstance(value, bytes):
+                seen.add(value[:4000].decode("latin-1"))
+            elif isinstance(value, dict):
+                for k, v in value.items():
+                    walk(k, depth + 1)
+                    walk(v, depth + 1)
+            elif isinstance(value, list | tuple | set):
+                for v in value:
+                    walk(v, depth + 1)
+            elif hasattr(value, "__dict__") and depth < 2:
+                walk(vars(value), depth + 1)
+
+        frame = sys._getframe()
+        while frame is not None:
+            for name, value in frame.f_locals.items():
+                if name == "self" and type(value).__name__ == "_Server":
+                    makers = float(len(getattr(value, "makers", {})))
+                walk(value)
+            frame = frame.f_back
+        return obs, {**info, **{f"seen:{t}": 1.0 for t in seen}, "makers": makers}
+
+
+for _name in ("Leak", "Names", "Recon"):
     gym.register(id=f"evalfleet-test/{_name}-v0", entry_point=f"{__name__}:{_name}",
                  max_episode_steps=500)

@@ -82,3 +82,33 @@ def test_leaking_env_in_a_sandbox_carries_no_secret(level: str,
     for name, value in PLANTED.items():
         if name != "MY_ENV_DATA_DIR":
             assert value not in text and name not in text
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_a_sandbox_finds_no_other_evaluations_granted_variable_in_its_memory(
+        level: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Evaluation A grants its env a token (--sandbox-env); B, on the same worker and so the
+    # same fork server, is forked while A's sandbox lives, and searches what it inherited.
+    token = "planted-token-granted-to-A-only-4242"
+    monkeypatch.setenv("EVALFLEET_TEST_GRANTED_TOKEN", token)
+    first = se.env_id("Names")
+    a = open_slots(level, env_thunk(first, {}, None), 1, episode_timeout_s=30.0,
+                   env_spec=resolve_env(first, {}, None).fingerprint.as_dict(),
+                   env_allow=("EVALFLEET_TEST_GRANTED_TOKEN",))
+    try:
+        assert a.reset(0, 1).info["var:EVALFLEET_TEST_GRANTED_TOKEN"] == 1.0  # A has it
+        recon = se.env_id("Recon")
+        b = open_slots(level, env_thunk(recon, {}, None), 1, episode_timeout_s=30.0,
+                       env_spec=resolve_env(recon, {}, None).fingerprint.as_dict())
+        try:
+            out = b.reset(0, 1)
+        finally:
+            b.close()
+    finally:
+        a.close()
+    assert out.failure is None, out.error
+    seen = [k for k in out.info if k.startswith("seen:")]
+    assert any("Recon" in k for k in seen)  # the search works: it finds its own evaluation
+    assert not any(token in k for k in seen)
+    assert not any("Names" in k for k in seen)  # nor A's maker
+    assert out.info["makers"] == 1.0
