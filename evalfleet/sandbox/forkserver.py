@@ -223,6 +223,41 @@ class _Server:
         self.children, self.cgroups, self.stale_cgroups = {}, {}, []
         gc.collect()
 
+    def cpu(self, pids: list[int]) -> dict[str, Any]:
+        """CPU seconds each sandbox ``pids`` (hosts) has used, with all its descendants.
+
+        Read from ``/proc`` here, outside the sandbox: its threads, its children and what they
+        reaped (``utime + stime + cutime + cstime`` of every process under its host). None for
+        a pid that is not a live sandbox of this server.
+        """
+        tick = os.sysconf("SC_CLK_TCK")
+        kids: dict[int, list[int]] = {}
+        spent: dict[int, int] = {}
+        for name in os.listdir("/proc"):
+            if not name.isdigit():
+                continue
+            try:
+                with open(f"/proc/{name}/stat", "rb") as fh:
+                    data = fh.read()
+                fields = data[data.rindex(b")") + 2:].split()
+                pid = int(name)
+                kids.setdefault(int(fields[1]), []).append(pid)
+                spent[pid] = sum(int(f) for f in fields[11:15])
+            except (OSError, ValueError, IndexError):
+                continue  # gone meanwhile
+        seconds: list[float | None] = []
+        for pid in pids:
+            if pid not in self.children:
+                seconds.append(None)
+                continue
+            total, stack = 0, [pid]
+            while stack:
+                p = stack.pop()
+                total += spent.get(p, 0)
+                stack.extend(kids.get(p, ()))
+            seconds.append(total / tick)
+        return {"seconds": seconds}
+
     def kill(self, pids: list[int], exiting: tuple[int, ...] = ()) -> dict[str, Any]:
         # ``exiting``: sandboxes whose channel closed. A host mirrors its sandbox's end a moment
         # after it; killing it first would turn a SIGSEGV or an out-of-memory exit into SIGKILL.
@@ -280,6 +315,8 @@ class _Server:
                     answer = self.spawn(token, k, limits, netns, fds[0])
                 elif op == "kill":
                     answer = self.kill(request[1], *request[2:])
+                elif op == "cpu":
+                    answer = self.cpu(request[1])
                 elif op == "prepare":
                     answer = self.prepare(*request[1:])
                 elif op == "forget":

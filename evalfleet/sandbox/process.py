@@ -66,6 +66,8 @@ __all__ = ["PIDS_CGROUP_ROOT", "ForkServer", "ForkServerError", "ProcessSlots", 
 logger = logging.getLogger(__name__)
 
 _PREFIX = {"process": "proc", "bwrap": "bwrap"}
+#: How often (wall seconds, at most) the worker asks the fork server for its sandboxes' CPU time.
+CPU_CHECK_S = 1.0
 
 
 # -- slots -----------------------------------------------------------------------------------------
@@ -182,6 +184,11 @@ class ProcessSlots:
         # single request is still bounded by the worker's own clock (step/reset timeout).
         self._budget = [math.inf] * n
         self._lost: dict[int, tuple[str, str]] = {}
+        # CPU seconds each box had used when its latest episode began (None: not measured yet),
+        # as its fork server reads them from /proc: the sandbox cannot lift this budget (it can
+        # raise its own soft RLIMIT_CPU, the first line, to the unlimited hard limit).
+        self._cpu_base: dict[int, float | None] = {}
+        self._cpu_checked = time.monotonic()
         self._sel = selectors.DefaultSelector()
         self._server: ForkServer | None = None
         self.spawned = 0
@@ -223,6 +230,7 @@ class ProcessSlots:
         """Before a new episode on each slot of ``items``: its budget whole, its sandbox forked."""
         for slot, _ in items:
             self._budget[slot] = self._episode_timeout_s
+            self._cpu_base[slot // self._k] = None
         for attempt in (1, 2):
             missing = sorted({slot // self._k for slot, _ in items
                               if self._boxes[slot // self._k] is None})
@@ -365,6 +373,7 @@ class ProcessSlots:
             deadlines[b] = now + box.allowed
             self._flush(b, box)
         self._collect(deadlines, expected, op, op_timeout)
+        self._check_cpu()
         for b, positions in by_box.items():
             box = self._boxes[b]
             if box is not None and box.reply is not None:
@@ -453,6 +462,45 @@ class ProcessSlots:
                     pending.discard(b)
         if doomed:
             self._reap(list(doomed), doomed)
+
+    def _check_cpu(self) -> None:
+        """Kill the boxes past their episode's CPU budget (at most every ``CPU_CHECK_S``).
+
+        Measured by the fork server from /proc, outside the sandbox; the episode's baseline is
+        the first measure after its reset, so up to ``CPU_CHECK_S`` × the CPUs it can use may
+        go uncounted. Its slots end as ``timeout``.
+        """
+        now = time.monotonic()
+        server = self._server
+        if now - self._cpu_checked < CPU_CHECK_S or server is None or not server.alive:
+            return
+        self._cpu_checked = now
+        live = [(b, box) for b, box in enumerate(self._boxes)
+                if box is not None and box.dead is None]
+        if not live:
+            return
+        try:
+            answer = server.call(("cpu", [box.pid for _, box in live]),
+                                 self.limits.start_timeout_s)
+        except ForkServerError as err:
+            logger.warning("fork server failed while reading CPU time: %s", err)
+            return
+        budget = self.limits.cpu_seconds_per_episode
+        over: dict[int, tuple[str, str] | None] = {}
+        for (b, box), seconds in zip(live, answer.get("seconds") or [], strict=False):
+            if seconds is None:
+                continue
+            base = self._cpu_base.get(b)
+            if base is None:
+                self._cpu_base[b] = float(seconds)
+            elif seconds - base > budget:
+                over[b] = (EndReason.TIMEOUT.value,
+                           f"sandbox {box.name} used {seconds - base:.1f} s of CPU time in its "
+                           f"episode, past its budget of {budget} s (cpu_seconds_per_episode, "
+                           "counted from outside the sandbox, threads and child processes "
+                           "included); killed with its process group")
+        if over:
+            self._reap(list(over), over)
 
     def _timeout_text(self, b: int, op: str, op_timeout: float) -> str:
         box = self._boxes[b]

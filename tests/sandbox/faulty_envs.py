@@ -315,9 +315,42 @@ class SlowStep(CartPoleEnv):
         return super().step(action)
 
 
+def _burn() -> None:
+    import hashlib
+
+    block = b"x" * (1 << 20)
+    while True:
+        hashlib.sha256(block).digest()  # releases the GIL: the threads burn CPUs in parallel
+
+
+class LiftCpu(CartPoleEnv):
+    """Lifts its own RLIMIT_CPU at reset, then burns CPU in 2 threads while answering each step
+    in 50 ms: 100 steps, then terminated. Its info says the soft CPU limit it ended with."""
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None
+              ) -> tuple[np.ndarray, dict[str, Any]]:
+        import threading
+
+        resource.setrlimit(resource.RLIMIT_CPU, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+        if not getattr(self, "_burning", False):
+            for _ in range(2):
+                threading.Thread(target=_burn, daemon=True).start()
+            self._burning = True
+        self._t = 0
+        return super().reset(seed=seed, options=options)
+
+    def step(self, action: Any) -> tuple[Any, Any, bool, bool, dict[str, Any]]:
+        time.sleep(0.05)
+        self._t += 1
+        obs, _, _, _, _ = super().step(action)
+        done = self._t >= 100
+        info = {"cpu_soft_limit": float(resource.getrlimit(resource.RLIMIT_CPU)[0])} if done else {}
+        return obs, 1.0, done, False, info
+
+
 FAULTY = ("RaiseOnStep", "Hang", "Segfault", "NaNReward", "MemoryHog", "Connect", "WriteOutside",
           "ReadFiles", "ForkBomb", "CpuBurner", "Daemon")
 
-for _name in (*FAULTY, "Introspect", "SlowStep", "CrashOnce", "FrozenClock"):
+for _name in (*FAULTY, "Introspect", "SlowStep", "CrashOnce", "FrozenClock", "LiftCpu"):
     gym.register(id=f"evalfleet-test/{_name}-v0", entry_point=f"{__name__}:{_name}",
                  max_episode_steps=500)
