@@ -26,7 +26,7 @@ import logging
 import os
 import re
 import reprlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -544,14 +544,17 @@ def resolve_env(env_id: str, kwargs: dict[str, Any], max_steps: int | None) -> R
 
 
 def resolve_env_for(env_id: str, kwargs: dict[str, Any], max_steps: int | None, isolation: str,
-                    limits: Any = None, timeout_s: float = 120.0) -> ResolvedEnv:
+                    limits: Any = None, timeout_s: float = 120.0,
+                    env_allow: Sequence[str] = ()) -> ResolvedEnv:
     """``resolve_env``, wherever the env's code may run for an evaluation at ``isolation``.
 
     In this process for envs shipped with gymnasium or evalfleet, and for ``inprocess`` (asked
     for knowingly). An env from someone else's module (``untrusted_module``) is imported and
     made in a sandbox of the evaluation's level (``process`` for ``auto``), which answers its
     description: its code never runs in the driver nor in a worker, where credentials, the Dask
-    client and the results are. ``limits``: the sandbox's ``SandboxLimits``.
+    client and the results are. ``limits``: the sandbox's ``SandboxLimits``; ``env_allow``: the
+    variables the evaluation grants its sandboxes (``--sandbox-env``), so an env that reads one
+    when it is made describes itself as its episodes will see it.
     """
     if resolved_here(env_id, isolation):
         return resolve_env(env_id, kwargs, max_steps)
@@ -561,7 +564,7 @@ def resolve_env_for(env_id: str, kwargs: dict[str, Any], max_steps: int | None, 
     level = isolation if isolation in ("process", "bwrap") else "process"
     slots = ProcessSlots(env_thunk(env_id, kwargs, max_steps), 1, level=level,
                          episode_timeout_s=timeout_s, limits=limits,
-                         env_spec={"env_id": env_id, "kwargs": kwargs})
+                         env_spec={"env_id": env_id, "kwargs": kwargs}, env_allow=env_allow)
     try:
         facts = slots.describe()
     finally:

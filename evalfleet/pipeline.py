@@ -190,7 +190,8 @@ def receive_unloaded(request: EvalRequest) -> tuple[Received, Callable[..., Rece
     t0 = time.perf_counter()
     check_folders(request)
     env = resolve_env_for(request.env, request.env_kwargs, request.max_steps, request.isolation,
-                          sandbox_limits(request), request.episode_timeout_s)
+                          sandbox_limits(request), request.episode_timeout_s,
+                          request.sandbox_env_allow)
     # An env resolved in a sandbox described itself: its entry point is its word, not a reason
     # to trust it (``auto`` runs it in sandboxes whatever it names).
     isolation = resolve_isolation(request.isolation, env.fingerprint.entry_point

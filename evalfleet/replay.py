@@ -300,6 +300,8 @@ class ReplaySandbox:
     """The observation space's shape (observations cross the sandbox flat)."""
     fps: float | None = None
     """The env's ``render_fps``, as its sandbox described it (videos' frame rate)."""
+    env_allow: tuple[str, ...] = ()
+    """The variables the evaluation grants its sandboxes (``--sandbox-env``): replays see them too."""
 
     def open(self, env_id: str, env_kwargs: Mapping[str, Any], max_steps: int | None,
              render: bool) -> EnvSlots:
@@ -307,7 +309,7 @@ class ReplaySandbox:
         make = functools.partial(make_env, env_id, dict(env_kwargs), max_steps)
         return open_slots(self.level, framed_thunk(make, render), 1,
                           episode_timeout_s=self.episode_timeout_s, env_spec=self.env_spec,
-                          limits=self.limits)
+                          limits=self.limits, env_allow=self.env_allow)
 
 
 def _framed(out: SlotOutcome, shape: tuple[int, ...] | None

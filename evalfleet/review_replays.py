@@ -62,10 +62,12 @@ def replay_sandbox(request: EvalRequest, isolation: str) -> ReplaySandbox | None
     if isolation == "inprocess":
         return None
     env = resolve_env_for(request.env, request.env_kwargs, request.max_steps, isolation,
-                          sandbox_limits(request), request.episode_timeout_s)
+                          sandbox_limits(request), request.episode_timeout_s,
+                          request.sandbox_env_allow)
     shape = tuple(env.observation_space.shape) if env.observation_space.shape else None
     return ReplaySandbox(isolation, request.episode_timeout_s, env.fingerprint.as_dict(),
-                         sandbox_limits(request), shape, fps=env.render_fps)
+                         sandbox_limits(request), shape, fps=env.render_fps,
+                         env_allow=tuple(request.sandbox_env_allow))
 
 
 def review_replays(request: EvalRequest, artifact: PolicyArtifact, isolation: str,
@@ -82,7 +84,8 @@ def review_replays(request: EvalRequest, artifact: PolicyArtifact, isolation: st
     try:
         episodes, expected, reasons = replay_inputs(table, chosen)
         env = resolve_env_for(request.env, request.env_kwargs, request.max_steps, isolation,
-                              sandbox_limits(request), request.episode_timeout_s)
+                              sandbox_limits(request), request.episode_timeout_s,
+                              request.sandbox_env_allow)
         policy = load_policy(artifact.format, artifact.payload, artifact.factory, artifact.source,
                              env.action_space, device=device, deterministic=request.deterministic)
         with tempfile.TemporaryDirectory(prefix="evalfleet-videos-") as videos:

@@ -111,7 +111,7 @@ def _resolve(request: EvalRequest, isolation: str) -> Any:
     if resolved is None:
         resolved = _resolved[key] = resolve_env_for(
             request.env, request.env_kwargs, request.max_steps, isolation,
-            sandbox_limits(request), request.episode_timeout_s)
+            sandbox_limits(request), request.episode_timeout_s, request.sandbox_env_allow)
     return resolved
 
 

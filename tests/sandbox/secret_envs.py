@@ -99,6 +99,15 @@ class Recon(CartPoleEnv):
         return obs, {**info, **{f"seen:{t}": 1.0 for t in seen}, "makers": makers}
 
 
-for _name in ("Leak", "Names", "Recon"):
+class NeedsData(CartPoleEnv):
+    """Healthy CartPole that needs ``MY_ENV_DATA_DIR`` (a granted variable) when it is made."""
+
+    def __init__(self, render_mode: str | None = None) -> None:
+        if "MY_ENV_DATA_DIR" not in os.environ:
+            raise RuntimeError("MY_ENV_DATA_DIR is not set: where is my data?")
+        super().__init__(render_mode=render_mode)
+
+
+for _name in ("Leak", "Names", "Recon", "NeedsData"):
     gym.register(id=f"evalfleet-test/{_name}-v0", entry_point=f"{__name__}:{_name}",
                  max_episode_steps=500)

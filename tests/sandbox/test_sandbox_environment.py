@@ -112,3 +112,30 @@ def test_a_sandbox_finds_no_other_evaluations_granted_variable_in_its_memory(
     assert not any(token in k for k in seen)
     assert not any("Names" in k for k in seen)  # nor A's maker
     assert out.info["makers"] == 1.0
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_a_variable_granted_to_the_episodes_reaches_stage_1_and_the_replays(
+        level: str, monkeypatch: pytest.MonkeyPatch, example_policy: str, tmp_path) -> None:
+    """An env that reads a granted variable when it is made failed stage 1 (exit 2): the sandbox
+    that describes the env, and those that replay its episodes, were opened without the grant."""
+    from evalfleet.errors import EvalfleetError
+    from evalfleet.models import EvalRequest
+    from evalfleet.pipeline import receive
+    from evalfleet.review_replays import replay_sandbox
+
+    monkeypatch.setenv("MY_ENV_DATA_DIR", PLANTED["MY_ENV_DATA_DIR"])
+    fields = dict(env=se.env_id("NeedsData"), policy=example_policy, episodes=4, isolation=level,
+                  output=tmp_path / "out")
+    with pytest.raises(EvalfleetError, match="MY_ENV_DATA_DIR is not set"):
+        receive(EvalRequest.build(**fields))  # not granted: the env's own error, at stage 1
+    request = EvalRequest.build(**fields, sandbox_env_allow=["MY_ENV_DATA_DIR"])
+    received = receive(request)
+    assert received.isolation == level
+    sandbox = replay_sandbox(request, level)
+    assert sandbox is not None
+    slots = sandbox.open(request.env, {}, None, render=False)
+    try:
+        assert slots.reset(0, 1).failure is None
+    finally:
+        slots.close()
