@@ -106,7 +106,7 @@ def _resolve(request: EvalRequest, isolation: str) -> Any:
     else:
         files = named_files(dict(request.env_kwargs))
     key = (request.env, repr(sorted(request.env_kwargs.items())), request.max_steps, isolation,
-           repr(sorted(files.items())))
+           repr(sorted(files.items())), tuple(request.sandbox_env_allow))
     resolved = _resolved.get(key)
     if resolved is None:
         resolved = _resolved[key] = resolve_env_for(
