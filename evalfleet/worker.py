@@ -50,7 +50,7 @@ def _publish(topic: str, message: dict[str, Any]) -> None:
         pass
 
 
-_resolved: dict[tuple[str, str, int | None, str, str], Any] = {}
+_resolved: dict[tuple[str, str, int | None, str, str, tuple[str, ...]], Any] = {}
 
 #: glibc ``mallopt`` parameters (malloc.h).
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
