@@ -219,6 +219,7 @@ class FeedBackLane:
         future = self._pool.submit(context.run, recorded_feed_back, request)
         self._futures[request.request_id] = future
         future.add_done_callback(lambda f: self._check(request, report, f))
+        future.add_done_callback(lambda f: release_history_claim(request))  # cancelled, too
         return future
 
     def result(self, request_id: str) -> Future[EvalReport] | None:
