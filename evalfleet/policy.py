@@ -289,7 +289,12 @@ def forward_in_blocks(
             padded[:k] = block
             padded[k:] = block[-1]
             block = padded
-        out = run(block)
+        try:
+            out = run(block)
+        except Exception:
+            if rows > k:  # raised as the real rows raise it: its text names their count, not ours
+                run(x[start:start + k])
+            raise
         if rows > k:
             if out.ndim == 0 or len(out) != rows:
                 raise ValueError(f"policy returned {out.shape} for a batch of {rows} rows: expected "

@@ -101,3 +101,11 @@ def test_a_row_count_dependent_policy_pads_every_block_to_full_size() -> None:
 def test_a_policy_that_returns_no_row_per_observation_is_an_error() -> None:
     with pytest.raises(ValueError, match="one output row per observation row"):
         forward_in_blocks(lambda x: x[:1], np.zeros((3, 2), np.float32), PAD_ROWS)
+
+
+def test_a_policy_error_names_the_real_rows_not_the_padding() -> None:
+    def narrow(x: np.ndarray) -> np.ndarray:
+        raise RuntimeError(f"mat1 and mat2 shapes cannot be multiplied ({len(x)}x4 and 8x2)")
+
+    with pytest.raises(RuntimeError, match=r"\(3x4 and 8x2\)"):
+        forward_in_blocks(narrow, np.zeros((3, 4), np.float32), PAD_ROWS)
