@@ -48,6 +48,8 @@ logger = logging.getLogger(__name__)
 
 #: Modules imported on every worker before making envs, so evalfleet's own ids resolve.
 BUILTIN_ENV_MODULES = ("envs",)
+#: The ids those modules register begin so.
+BUNDLED_ID_PREFIX = "evalfleet/"
 
 
 def import_env_modules(env_id: str) -> None:
@@ -57,13 +59,19 @@ def import_env_modules(env_id: str) -> None:
     first on the import path (``PYTHONPATH``, site-packages) is refused before it is imported
     (``ForeignEnvsPackage``, an ``EnvSpecError``' sibling), never run outside a sandbox.
     """
-    from evalfleet.sandbox.isolation import import_project_envs
+    from evalfleet.sandbox.isolation import ForeignEnvsPackage, import_project_envs
 
     for name in BUILTIN_ENV_MODULES:
         try:
             import_project_envs(name)
         except ImportError:  # evalfleet's envs are optional for users' own ids
             logger.debug("could not import %s", name)
+        except ForeignEnvsPackage as err:
+            if env_id.startswith(BUNDLED_ID_PREFIX):
+                raise
+            # Not needed for this id (a Gymnasium or a user's own env): the other package named
+            # 'envs' (an RL project's own folder, often) stays unimported, and the id runs.
+            logger.debug("evalfleet's bundled envs skipped for %s: %s", env_id, err)
     if ":" in env_id:
         module = env_id.split(":", 1)[0]
         try:

@@ -85,3 +85,24 @@ def test_a_foreign_envs_package_runs_neither_in_the_fork_server_nor_in_a_sandbox
     line = next(x for x in done.stdout.splitlines() if x.startswith("outcome"))
     assert line.startswith("outcome env_error ForeignEnvsPackage"), line
     assert ran == []  # neither the fork server (root, unconfined) nor the sandbox ran it
+
+
+def test_another_envs_package_stays_unimported_and_an_id_that_needs_none_of_ours_runs(
+        tmp_path: Path) -> None:
+    """An RL project's own ``envs`` folder beside the user's script: refusing every env for it
+    (CartPole included) would be a regression; only evalfleet's own ids need the bundled envs."""
+    done, ran = _run(tmp_path, """
+        import gymnasium
+        from evalfleet.envspec import import_env_modules
+        import_env_modules("CartPole-v1")
+        gymnasium.make("CartPole-v1").reset(seed=0)
+        print("cartpole ran")
+        try:
+            import_env_modules("evalfleet/Inventory-v0")
+        except Exception as err:
+            print("refused", type(err).__name__)
+        """)
+    assert done.returncode == 0, done.stderr
+    assert "cartpole ran" in done.stdout
+    assert "refused ForeignEnvsPackage" in done.stdout
+    assert ran == []
