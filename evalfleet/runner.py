@@ -590,12 +590,12 @@ class ShardRun:
                 np.add(length, 1, out=length)  # the shard's arrays, updated in place
                 np.add(ret, rewards, out=ret)
                 self._track(None, rewards)
-                self._nan_observations(step_idx, buf, buf, freed)
+                self._nan_observations(step_idx, buf, freed)
             else:
                 length[step_idx] += 1
                 ret[step_idx] += rewards
                 self._track(step_idx, rewards)
-                self._nan_observations(step_idx, buf[step_idx], buf, freed)
+                self._nan_observations(step_idx, buf, freed)
             return
         counted = finite.copy()  # finite rewards of steps the episode goes on after
         counted[list(ended)] = False
@@ -625,18 +625,17 @@ class ShardRun:
                 reason = EndReason.TERMINATED if out.terminated else EndReason.TRUNCATED
                 self.finish(s, reason.value, None, out.info)
                 freed.append(s)
-        going = step_idx[self.live[step_idx]]
-        self._nan_observations(going, buf[going], buf, freed)
+        self._nan_observations(step_idx[self.live[step_idx]], buf, freed)
 
-    def _nan_observations(self, rows: npt.NDArray[np.intp], obs: npt.NDArray[np.float32],
-                          buf: npt.NDArray[np.float32], freed: list[int]) -> None:
-        """End as ``env_error`` the episodes of ``rows`` whose new observation (``obs``) has a NaN.
+    def _nan_observations(self, rows: npt.NDArray[np.intp], buf: npt.NDArray[np.float32],
+                          freed: list[int]) -> None:
+        """End as ``env_error`` the episodes of ``rows`` whose new observation in ``buf`` has a NaN.
 
         A NaN observation is the env's fault, never a state a policy can act on: fed on, a torch
         policy's logits turned NaN and the episode ended as the *policy's* error, and a callable's
         action was whatever its arithmetic made of it, with no alarm.
         """
-        if not np.isnan(obs).any():  # one vectorised pass; the rest only when one is there
+        if not len(rows) or not np.isnan(buf).any():  # one pass, no copy; rows only when one is there
             return
         flat = buf[rows].reshape(len(rows), -1)
         for pos in np.flatnonzero(np.isnan(flat).any(axis=1)).tolist():
