@@ -502,17 +502,20 @@ def gate(report: EvalReport) -> int:
     # Pairs the comparison left out (no row of the best checkpoint, or the harness failed on a
     # side) may be exactly where the two differ: a pass resting on the rest is no pass.
     # Failures of the policy scoring above its completed episodes flatter it the same way.
+    # So does a reward that may be gamed: the return rose while the task outcome did not, or
+    # the outcome went unreported on seeds where the earlier checkpoint reported it.
     biased = [a.split(":", 1)[0] for a in report.alarms
               if a.startswith(("history_pairs_unmatched:", "history_pairs_harness:",
-                               "policy_failures_flatter:", "history_pairs_policy_flatter:"))]
+                               "policy_failures_flatter:", "history_pairs_policy_flatter:",
+                               "reward_outcome_divergence:", "outcome_unreported:"))]
     if verdict in GATE_PASSES and not biased:
         return EXIT_OK
     if verdict != "regression":
         why = (f"the training run's history could not be read ({history['error']})"
                if history.get("error") else
                f"verdict {verdict!r} with {' and '.join(biased)} (the paired comparison left "
-               "out pairs where the two may differ, or failures of the policy scored above its "
-               "completed episodes)" if biased else
+               "out pairs where the two may differ, failures of the policy scored above its "
+               "completed episodes, or the reward may be gamed)" if biased else
                f"verdict {verdict!r}: {history.get('note') or 'no comparison was made'}")
         print(f"evalfleet: gate: step {report.step} could not be compared with the best earlier "
               f"checkpoint of training run {report.training_run_id!r}, so it does not pass: {why}. "

@@ -93,6 +93,9 @@ ENTROPY_FLOOR = 0.1
 LENGTH_SHIFT_RATIO = 0.5
 #: Rise of the failure rate (absolute) that raises the alarm, with the new rate's CI above the old.
 FAILURE_JUMP = 0.05
+#: ``outcome_unreported``: share of the seeds whose outcome the previous checkpoint reported and
+#: this one does not (its episodes end where the env reports none, e.g. at the step cap).
+OUTCOME_SILENT_SHARE = 0.1
 
 TAG_RUN = "evalfleet.training_run_id"
 TAG_STEP = "evalfleet.step"
@@ -211,18 +214,21 @@ def evaluations(tracking_uri: str, training_run_id: str) -> list[Checkpoint]:
     return out
 
 
-#: Alarms of an evaluation whose policy failures flattered its return: never a best checkpoint.
+#: Alarms of an evaluation whose policy failures flattered its return.
 FLATTERED = frozenset({"policy_failures_flatter", "history_pairs_policy_flatter"})
+#: Alarms of an evaluation that is never a best checkpoint, and whose ``--gate`` does not pass:
+#: its return is flattered by its failures, or its reward may be gamed.
+NEVER_BEST = FLATTERED | {"reward_outcome_divergence", "outcome_unreported"}
 
 
 def best_checkpoint(earlier: list[Checkpoint]) -> Checkpoint | None:
     """The latest earlier checkpoint that was best when evaluated; else the highest mean return.
 
-    Harness faults never count, nor checkpoints whose policy failures flattered them
-    (``FLATTERED``: their gate did not pass). The fallback covers runs logged before verdicts
-    were tagged.
+    Harness faults never count, nor checkpoints whose policy failures flattered them or whose
+    reward may be gamed (``NEVER_BEST``: their gate did not pass). The fallback covers runs
+    logged before verdicts were tagged.
     """
-    usable = [c for c in earlier if not c.harness_fault and not FLATTERED.intersection(c.alarms)]
+    usable = [c for c in earlier if not c.harness_fault and not NEVER_BEST.intersection(c.alarms)]
     marked = [c for c in usable if c.best]
     if marked:
         return max(marked, key=lambda c: c.step)
@@ -350,16 +356,18 @@ def _entropy(shares: list[float]) -> float:
     return float(-(p * np.log(p)).sum())
 
 
-def outcome_values(table: pa.Table, metric: str | None) -> dict[int, float]:
+def outcome_values(table: pa.Table, metric: str | None, *, broken_fail: bool = True
+                   ) -> dict[int, float]:
     """Per scored episode (by index): 1/0 success, or the named final-info metric.
 
-    An episode the policy broke counts as not successful; a metric it never reported is left out.
+    An episode the policy broke counts as not successful (``broken_fail=False``: it is left out,
+    leaving only what the env itself reported); a metric it never reported is left out.
     """
     kinds = outcomes(table)
     out: dict[int, float] = {}
     rows = table.select(["episode_index", "success", "metrics"]).to_pylist()
     for row, scored, broken in zip(rows, kinds.scored, kinds.policy, strict=True):
-        if not scored:
+        if not scored or (broken and not broken_fail):
             continue
         if metric is None:
             value: float | None = 0.0 if broken else (None if row["success"] is None
@@ -421,7 +429,23 @@ def drift_alarms(new: pa.Table, old: pa.Table, steps: tuple[int, int], *, seed: 
     prev, cur = steps
     ret = _paired(_by_index(new, "return"), _by_index(old, "return"), seed)
     name = outcome_metric or "success rate"
-    out = _paired(outcome_values(new, outcome_metric), outcome_values(old, outcome_metric), seed)
+    new_out, old_out = outcome_values(new, outcome_metric), outcome_values(old, outcome_metric)
+    out = _paired(new_out, old_out, seed)
+    scored_new = _by_index(new, "return")
+    # Seeds whose outcome the old side's env reported, and that the new side played out.
+    asked = [i for i in outcome_values(old, outcome_metric, broken_fail=False) if i in scored_new]
+    silent = sum(i not in new_out for i in asked)
+    if len(asked) >= stats.MIN_PAIRS and silent > OUTCOME_SILENT_SHARE * len(asked):
+        # The outcome check pairs only the seeds both sides reported: episodes that now end
+        # where the env says nothing (stalling to the step cap) left it with none, or with the
+        # flattering rest, and a reward-gaming checkpoint was new_best with no alarm.
+        alarms.append(_alarm(
+            "outcome_unreported", f"share of seeds whose {name} is no longer reported",
+            silent / len(asked), f"> {OUTCOME_SILENT_SHARE}", steps,
+            f"{name} was reported on {len(asked)} seeds at step {prev}; at step {cur} {silent} of "
+            f"them end with none (e.g. at the step cap), so the outcome check sees only the "
+            f"other {len(asked) - silent}: a policy can hide its failures that way; look at the "
+            "episodes before promoting", outcome=name, silent=silent, reported_before=len(asked)))
     if ret is not None and ret.ci.low > 0 and out is not None:
         constant = out.ci.low == out.ci.high == out.mean_diff == 0.0
         falls = out.ci.high < 0
@@ -569,6 +593,11 @@ def assess(
         out["alarms_note"] = f"episodes of the previous checkpoint (step {previous.step}) are gone"
     out["previous_step"] = previous.step
     out["alarms"] = alarms
+    withheld = sorted(NEVER_BEST.intersection(a["alarm"] for a in alarms))
+    if is_best and withheld:  # the reward may be gamed: the best stays where it was
+        out.update(best_step=None if best is None else best.step,
+                   best_policy_sha256=None if best is None else best.policy_sha256,
+                   best_withheld=withheld)
     return out
 
 

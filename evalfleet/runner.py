@@ -30,6 +30,7 @@ from evalfleet.records import MAX_COUNTED_ACTIONS, EpisodeRecord
 from evalfleet.redaction import Redactor
 from evalfleet.sandbox.slots import BatchEnvSlots, EnvSlots, SlotOutcome, error_text, is_finite
 from evalfleet.seeds import action_rng
+from evalfleet.stats import MAX_ABS_VALUE
 
 logger = logging.getLogger(__name__)
 
@@ -151,6 +152,11 @@ def _step_via_many(
                 continue
         ended[pos] = out
     return rewards, ended
+
+
+def _return_text(value: float, steps: int) -> str:
+    return (f"return {float(value)!r} after step {int(steps)} exceeds {MAX_ABS_VALUE:g} in magnitude "
+            "(each reward was finite; their sum cannot be aggregated): rescale the rewards")
 
 
 def _obs_error(obs: Any, obs_out: npt.NDArray[np.float32], err: BaseException) -> str:
@@ -590,12 +596,12 @@ class ShardRun:
                 np.add(length, 1, out=length)  # the shard's arrays, updated in place
                 np.add(ret, rewards, out=ret)
                 self._track(None, rewards)
-                self._nan_observations(step_idx, buf, freed)
             else:
                 length[step_idx] += 1
                 ret[step_idx] += rewards
                 self._track(step_idx, rewards)
-                self._nan_observations(step_idx, buf, freed)
+            self._returns_out_of_range(step_idx, freed)
+            self._nan_observations(step_idx, buf, freed)
             return
         counted = finite.copy()  # finite rewards of steps the episode goes on after
         counted[list(ended)] = False
@@ -622,10 +628,28 @@ class ShardRun:
                 continue
             ret[s] += reward
             if out is not None:
-                reason = EndReason.TERMINATED if out.terminated else EndReason.TRUNCATED
-                self.finish(s, reason.value, None, out.info)
+                if abs(ret[s]) > MAX_ABS_VALUE:
+                    self.finish(s, EndReason.INVALID_REWARD.value, _return_text(ret[s], length[s]), {})
+                else:
+                    reason = EndReason.TERMINATED if out.terminated else EndReason.TRUNCATED
+                    self.finish(s, reason.value, None, out.info)
                 freed.append(s)
+        self._returns_out_of_range(step_idx[self.live[step_idx]], freed)
         self._nan_observations(step_idx[self.live[step_idx]], buf, freed)
+
+    def _returns_out_of_range(self, rows: npt.NDArray[np.intp], freed: list[int]) -> None:
+        """End as ``invalid_reward`` the episodes of ``rows`` whose return left the statistics' range.
+
+        Each reward was finite, but a return above ``MAX_ABS_VALUE`` in magnitude (or a sum that
+        overflowed to inf) cannot be aggregated: it stopped the whole evaluation at stage 6, after
+        every episode had run, with nothing written. It is the env's failure, one row.
+        """
+        ret = self.ret
+        if not len(rows) or (ret.max() <= MAX_ABS_VALUE and ret.min() >= -MAX_ABS_VALUE):
+            return
+        for s in rows[np.abs(ret[rows]) > MAX_ABS_VALUE].tolist():
+            self.finish(s, EndReason.INVALID_REWARD.value, _return_text(ret[s], self.length[s]), {})
+            freed.append(s)
 
     def _nan_observations(self, rows: npt.NDArray[np.intp], buf: npt.NDArray[np.float32],
                           freed: list[int]) -> None:

@@ -34,6 +34,7 @@ from evalfleet.intervals import (
     METHOD_T,
     METHOD_TWO_VALUES,
     METHOD_WILSON,
+    SAME_VALUE_RTOL,
     Interval,
     StatsInputError,
     auto_interval,
@@ -79,7 +80,7 @@ MeanCIMethod = Literal["auto", "percentile", "bca", "t"]
 Bounds = tuple[float, float]
 
 #: Largest accepted magnitude of a value: squares and cubes of deviations stay far from overflow.
-_MAX_ABS: Final = 1e100
+MAX_ABS_VALUE: Final = 1e100
 _MIN_BOOT: Final = 100
 _PERCENTILES: Final = (("p5", 5.0), ("p25", 25.0), ("p50", 50.0), ("p75", 75.0), ("p95", 95.0))
 _MEAN_CI_METHODS: Final = ("auto", "percentile", "bca", "t")
@@ -334,7 +335,13 @@ def paired_comparison(
     n_boot = _check_n_boot(n_boot)
     seed = _check_seed(seed)
 
-    diffs = np.sort(new_arr - base_arr)
+    raw = new_arr - base_arr
+    # Differences within float rounding of the returns' magnitude are ties, as equal returns
+    # are one value in the headline (``SAME_VALUE_RTOL``): two policies whose actions differ in
+    # their last bits got "better" with a CI of [2.4e-16, 2.7e-16], and the gate exited 4.
+    tol = SAME_VALUE_RTOL * float(max(np.max(np.abs(new_arr)), np.max(np.abs(base_arr))))
+    rounded = np.where(np.abs(raw) <= tol, 0.0, raw)
+    diffs = np.sort(rounded)
     sorted_new = np.sort(new_arr)
     sorted_base = np.sort(base_arr)
 
@@ -355,8 +362,8 @@ def paired_comparison(
             boot_new - boot_base, unpaired_diff, level, METHOD_PERCENTILE
         )
 
-    wins = int(np.count_nonzero(new_arr > base_arr))
-    ties = int(np.count_nonzero(new_arr == base_arr))
+    wins = int(np.count_nonzero(rounded > 0.0))
+    ties = int(np.count_nonzero(rounded == 0.0))
     if diffs.size < MIN_PAIRS:
         verdict = "too few pairs"
     elif ci.low > 0.0:
@@ -466,11 +473,11 @@ def _finite_returns(values: ArrayLike, name: str) -> FloatArray:
 
 
 def _check_magnitude(arr: FloatArray, name: str) -> None:
-    big = np.abs(arr) > _MAX_ABS
+    big = np.abs(arr) > MAX_ABS_VALUE
     if big.any():
         i = int(np.argmax(big))
         raise StatsInputError(
-            f"{name} must have magnitude at most {_MAX_ABS:g} (got {float(arr[i])!r} at index "
+            f"{name} must have magnitude at most {MAX_ABS_VALUE:g} (got {float(arr[i])!r} at index "
             f"{i}); rescale the rewards, such values overflow the variance"
         )
 

@@ -100,6 +100,11 @@ def flatten_metrics(report: dict[str, Any]) -> dict[str, float]:
         m["eval/success_rate"] = report["success"]["rate"]
         m["eval/success_ci_low"] = report["success"]["ci"]["low"]
         m["eval/success_ci_high"] = report["success"]["ci"]["high"]
+        if "rate_unreported_as_failure" in report["success"]:  # beside it, wherever it goes
+            m["eval/success_rate_unreported_as_failure"] = report["success"]["rate_unreported_as_failure"]
+    # Every alarm line of the report (its own and the history's): a chart of the trainer's run
+    # shows at which steps a number came with one.
+    m["eval/alarm_count"] = len(report.get("alarms") or [])
     if report.get("adaptive"):
         m["eval/adaptive_rounds"] = len(report["adaptive"]["rounds"])
         m["eval/ci_halfwidth"] = report["adaptive"]["achieved_halfwidth"]
@@ -169,7 +174,7 @@ def history_metrics(history: dict[str, Any] | None) -> dict[str, float]:
 
 def history_tags(report: dict[str, Any]) -> dict[str, str]:
     """Tags that make an evaluation findable again by its training run and comparable (pairable)."""
-    from evalfleet.history import FLATTERED, report_protocol
+    from evalfleet.history import NEVER_BEST, report_protocol
 
     tags = {"evalfleet.protocol": report_protocol(report),
             "evalfleet.env_spec_hash": str(report.get("env_spec_hash"))}
@@ -179,8 +184,8 @@ def history_tags(report: dict[str, Any]) -> dict[str, str]:
     history = report.get("history") or {}
     if history.get("verdict"):
         tags["evalfleet.verdict"] = str(history["verdict"])
-        flattered = {str(a).split(":", 1)[0] for a in report.get("alarms") or []} & FLATTERED
-        tags["evalfleet.best"] = str(history.get("best_step") == report.get("step") and not flattered
+        never = {str(a).split(":", 1)[0] for a in report.get("alarms") or []} & NEVER_BEST
+        tags["evalfleet.best"] = str(history.get("best_step") == report.get("step") and not never
                                      and history["verdict"] in ("first", "new_best")).lower()
         tags["evalfleet.best_step"] = str(history.get("best_step"))
     if history.get("outcome_metric"):
@@ -190,8 +195,9 @@ def history_tags(report: dict[str, Any]) -> dict[str, str]:
 
 #: Metrics an evaluation also logs into the trainer's own run (same store), at the training step.
 TRAINER_METRICS = ("eval/reward", "eval/reward_ci_low", "eval/reward_ci_high", "eval/success_rate",
-                   "eval/failure_rate", "eval/episode_length", "eval/verdict", "eval/outcome",
-                   "eval/action_entropy")
+                   "eval/success_rate_unreported_as_failure", "eval/failure_rate",
+                   "eval/episode_length", "eval/verdict", "eval/outcome", "eval/action_entropy",
+                   "eval/alarm_count")
 
 
 def log_into_trainer_run(client: Any, report: dict[str, Any], metrics: dict[str, float],

@@ -343,9 +343,10 @@ def test_evaluator_result_carries_verdict_alarms_and_the_best_checkpoint(store, 
                    runner=lambda request: next(reports)) as ev:
         results = [ev.evaluate(torch.nn.Linear(4, 2), step=s) for s in (1, 2, 3)]
     assert [r["eval/verdict"] for r in results] == ["first", "new_best", "regression"]
-    assert [r["eval/best_step"] for r in results] == [1, 2, 2]
+    # The gamed step 2 is new_best by its return, but its reward may be gamed: the best stays 1.
+    assert [r["eval/best_step"] for r in results] == [1, 1, 1]
     assert results[1]["eval/alarms"] == ["reward_outcome_divergence", "action_distribution_shift"]
-    assert (ev.best_step, ev.best_policy_sha256) == (2, gamed.policy_sha256)
+    assert (ev.best_step, ev.best_policy_sha256) == (1, first.policy_sha256)
 
 
 def test_history_figure_plots_the_rows_it_is_given():
@@ -605,3 +606,78 @@ def test_earlier_checkpoints_that_were_all_harness_faults_give_no_pass(store, ca
                             "earlier checkpoint") for a in later.alarms), later.alarms
     assert gate(later) == EXIT_GATE_UNDECIDED
     assert "could not be compared with the best earlier checkpoint" in capsys.readouterr().err
+
+
+def _with_column(table, name: str, values: list) -> object:
+    import pyarrow as pa
+
+    i = table.schema.get_field_index(name)
+    return table.set_column(i, table.schema.field(i), pa.array(values, table.schema.field(i).type))
+
+
+def test_episodes_that_stop_reporting_the_outcome_are_an_alarm_no_best_and_no_pass(store, capsys):
+    # Planted: the env puts 'success' only in the final info of a delivery, so a policy that
+    # farms tips until the step cap ends every episode with none. Before, the outcome check had
+    # no pairs and fell silent: new_best, tagged best, and the gate passed it.
+    evaluate_checkpoint(store, "careless", 100, run="quiet")
+    farmer = _table("tip_farmer")
+    quiet = _with_column(farmer, "success", [None] * farmer.num_rows)
+    gamed = evaluate_checkpoint(store, "tip_farmer", 200, run="quiet", table=quiet)
+    h = gamed.history
+    assert h["verdict"] == "new_best"  # the return rose...
+    alarm = next(a for a in h["alarms"] if a["alarm"] == "outcome_unreported")
+    assert (alarm["value"], alarm["silent"], alarm["reported_before"]) == (1.0, EPISODES, EPISODES)
+    assert alarm["steps"] == [100, 200]
+    assert "reward_outcome_divergence" not in {a["alarm"] for a in h["alarms"]}
+    assert any(a.startswith("outcome_unreported: success rate was reported on 40 seeds at step 100")
+               for a in gamed.alarms)
+    # ...but it is no best checkpoint, and the gate does not pass it.
+    assert h["best_step"] == 100 and h["best_withheld"] == ["outcome_unreported"]
+    assert gate(gamed) == EXIT_GATE_UNDECIDED
+    assert "with outcome_unreported" in capsys.readouterr().err
+    found = checkpoints(f"sqlite:///{store / 'mlflow.db'}", "quiet")
+    assert [(c.step, c.best) for c in found] == [(100, True), (200, False)]
+    later = evaluate_checkpoint(store, "careful", 300, run="quiet")
+    assert later.history["compared_with"]["step"] == 100
+
+
+def test_a_gamed_reward_is_never_the_best_checkpoint_and_the_gate_does_not_pass(store):
+    evaluate_checkpoint(store, "careless", 100, run="gamed-gate")
+    gamed = evaluate_checkpoint(store, "tip_farmer", 200, run="gamed-gate")
+    assert gamed.history["verdict"] == "new_best"
+    assert gamed.history["best_step"] == 100
+    assert gamed.history["best_withheld"] == ["reward_outcome_divergence"]
+    assert gate(gamed) == EXIT_GATE_UNDECIDED
+    later = evaluate_checkpoint(store, "careful", 300, run="gamed-gate")
+    assert later.history["compared_with"]["step"] == 100
+
+
+def test_returns_equal_up_to_float_rounding_are_no_regression(store):
+    # Planted: the same episodes with every return one ulp lower (continuous actions differing
+    # in their last bits). Before, the zero-width interval of the differences was "worse": a
+    # regression, exit 4.
+    evaluate_checkpoint(store, "careful", 1, run="ulp")
+    table = _table("careful")
+    lower = [float(np.nextafter(r, -np.inf)) for r in table.column("return").to_pylist()]
+    same = evaluate_checkpoint(store, "careful", 2, run="ulp", table=_with_column(table, "return", lower))
+    c = same.history["comparison"]
+    assert same.history["verdict"] == "not_distinguishable"
+    assert c["mean_diff"] == 0.0 and c["ci"]["low"] == c["ci"]["high"] == 0.0
+    assert gate(same) == EXIT_OK
+
+
+def test_the_trainers_run_gets_the_alarm_count_and_the_pessimistic_success_rate(store):
+    # Planted: the env reports 'success' only on a delivery. The rate over reporting episodes is
+    # 1.0; before, that alone reached the trainer's charts, with no alarm there.
+    uri = f"sqlite:///{store / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    trainer = client.create_run(client.create_experiment("training-partial")).info.run_id
+    table = _table("careless")
+    partial = _with_column(table, "success", [s or None for s in table.column("success").to_pylist()])
+    report = evaluate_checkpoint(store, "careless", 1, run=trainer, table=partial)
+    assert report.success["rate"] == 1.0
+    metrics = client.get_run(trainer).data.metrics
+    wins = sum(bool(s) for s in table.column("success").to_pylist())
+    assert metrics["eval/success_rate"] == 1.0
+    assert metrics["eval/success_rate_unreported_as_failure"] == pytest.approx(wins / EPISODES)
+    assert metrics["eval/alarm_count"] == len(report.alarms) >= 1

@@ -810,3 +810,15 @@ def test_sparse_win_draw_loss_returns_keep_the_level_at_a_hundred_episodes() -> 
         ci = mean_ci(x, seed=0)
         covered += ci.low <= 0.0 <= ci.high
     assert covered / sims >= 0.945, covered / sims
+
+
+def test_paired_differences_within_float_rounding_are_ties_not_a_verdict():
+    # 0.3 against 0.1 + 0.2 (one ulp apart): before, a zero-width CI at -5.6e-17, "worse".
+    same = stats.paired_comparison([0.3] * 20, [0.1 + 0.2] * 20, seed=0)
+    assert same.verdict == "not distinguishable"
+    assert (same.mean_diff, same.ci.low, same.ci.high, same.p_improvement) == (0.0, 0.0, 0.0, 0.5)
+    mixed = stats.paired_comparison([0.3] * 15 + [0.1 + 0.2] * 5, [0.1 + 0.2] * 20, seed=0)
+    assert mixed.verdict == "not distinguishable"
+    # A real difference, however small against the returns' spread, is still one.
+    x = np.random.default_rng(0).normal(size=50)
+    assert stats.paired_comparison(x + 1e-9, x, seed=0).verdict == "better"

@@ -77,7 +77,9 @@ def test_gamed_checkpoint_alarms_everywhere_and_a_regression_gates(
     names = [a["alarm"] for a in gamed.history["alarms"]]
     assert names == ["reward_outcome_divergence", "action_distribution_shift"]  # ...but gamed
     [body] = bodies
-    assert body["history"]["verdict"] == "new_best" and body["history"]["best_step"] == 2
+    # ...so it is no best checkpoint: the best stays step 1, and later steps are judged by it.
+    assert body["history"]["verdict"] == "new_best" and body["history"]["best_step"] == 1
+    assert body["history"]["best_withheld"] == ["reward_outcome_divergence"]
     assert [a["alarm"] for a in body["history"]["alarms"]] == names
     assert any(a.startswith("reward_outcome_divergence:") for a in body["alarms"])
     saved = json.loads(open(gamed.outputs["report"]).read())
@@ -87,11 +89,12 @@ def test_gamed_checkpoint_alarms_everywhere_and_a_regression_gates(
     run = MlflowClient(gamed.outputs["mlflow_uri"]).get_run(gamed.outputs["mlflow_run_id"])
     assert run.data.tags["evalfleet.verdict"] == "new_best"
     assert run.data.tags["evalfleet.alarm.reward_outcome_divergence"] == "true"
+    assert run.data.tags["evalfleet.best"] == "false"
     assert "history.png" in {a.path for a in MlflowClient(gamed.outputs["mlflow_uri"])
                              .list_artifacts(run.info.run_id)}
 
     capsys.readouterr()
     assert run_cli(evaluate, _args(tmp_path, "careless", 3)) == EXIT_REGRESSION
     err = capsys.readouterr().err
-    assert "gate: step 3 is a regression against the best checkpoint (step 2)" in err
+    assert "gate: step 3 is a regression against the best checkpoint (step 1)" in err
     assert f"(exit {EXIT_REGRESSION})" in err
