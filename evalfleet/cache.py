@@ -10,7 +10,10 @@ Key = sha256 over canonical JSON of:
   version of the package that provides it, of the module a ``module:EnvId-v0`` id imports and of
   the wrappers' packages (``evalfleet.envspec``);
 - the protocol: base seed, max steps, deterministic flag;
-- inference: the device kind ('cpu' or 'cuda', 'auto' resolved) and dtype (float32);
+- inference: the device kind ('cpu' or 'cuda', 'auto' resolved), dtype (float32) and the
+  policy forward's block layout (it changes a torch policy's last bits);
+- the environment the env's code sees (``env_environment``): the whole inherited one in-process,
+  an allow-list in a sandbox, and each ``--sandbox-env`` grant by name and sha256 of its value;
 - versions: evalfleet, gymnasium, numpy, torch, and the episode table's schema.
 
 A *code version* (``evalfleet.provenance``) is a distribution's version when it was installed from
@@ -22,7 +25,11 @@ same way: a development checkout's edits change the key too.
 The episode count is not in the key: an entry holds episodes by index, so a request for 3,000
 episodes after one for 1,000 reuses 0..999 and runs only 1,000..2,999 (a top-up), and the result
 equals a cold 3,000-episode run because episode ``i`` always has seed ``ledger(seed, i)``.
-Isolation level and worker count are not in the key: they must not change results.
+The worker count is not in the key: it must not change results. The isolation level is in it
+only as what the env sees of the environment (inherited or allow-listed): an in-process result
+was served for ``--isolation process``, whose env saw another environment. What an in-process
+env reads of the inherited environment beyond the grants is not keyed: name such a variable with
+``--sandbox-env``.
 
 Rows that failed for infrastructural reasons (timeout, crashed, oom) or through the policy's
 runtime (policy_error) are never stored; env failures that are deterministic for a seed are,
@@ -75,7 +82,7 @@ import os
 import shutil
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -97,6 +104,23 @@ logger = logging.getLogger(__name__)
 CACHEABLE_REASONS = ("terminated", "truncated", "env_error", "invalid_reward", "invalid_action")
 
 
+def env_environment(isolation: str, granted: Iterable[str],
+                    values: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """What an env's code sees of the environment, for the key: its class and each granted value.
+
+    In-process the env inherits the worker's whole environment; in a sandbox an allow-list and
+    the ``--sandbox-env`` grants (their values by sha256: the key is stored in manifests, a
+    secret is not). A run with ``HUNT_GAIN=3`` granted was served for the request without it,
+    and an in-process result for ``--isolation process``: the env read what it was given.
+    """
+    values = os.environ if values is None else values
+    seen = "inherited" if isolation == "inprocess" else "allow-list"
+    return {"class": seen, "granted": {
+        name: None if values.get(name) is None
+        else hashlib.sha256(str(values[name]).encode()).hexdigest()[:16]
+        for name in sorted(set(granted))}}
+
+
 def cache_key(ingredients: dict[str, Any]) -> str:
     """sha256 (hex) over the canonical JSON of ``ingredients``."""
     blob = json.dumps(ingredients, sort_keys=True, separators=(",", ":"), default=str).encode()
@@ -106,8 +130,12 @@ def cache_key(ingredients: dict[str, Any]) -> str:
 def key_ingredients(
     policy: dict[str, Any], env: dict[str, Any], seed: int, max_steps: int | None,
     deterministic: bool, versions: dict[str, str], inference: dict[str, str],
+    environment: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Everything that can change an episode's outcome (see the module docstring)."""
+    """Everything that can change an episode's outcome (see the module docstring).
+
+    ``environment``: what the env's code sees of the process environment (``env_environment``).
+    """
     return {
         "policy": {k: policy[k] for k in ("sha256", "format", "factory", "output_kind",
                                           "factory_sha256", "code")},
@@ -115,7 +143,9 @@ def key_ingredients(
         # A stochastic protocol names its sampler: a new way of drawing actions is new episodes.
         "protocol": {"seed": seed, "max_steps": max_steps, "deterministic": deterministic,
                      **({} if deterministic else {"sampler": ACTION_SAMPLER})},
-        "inference": {"device": inference["device"], "dtype": inference["dtype"]},
+        # All of it: the forward's block layout changes a torch policy's last bits.
+        "inference": dict(inference),
+        **({} if environment is None else {"environment": environment}),
         "versions": {k: versions[k] for k in ("evalfleet", "gymnasium", "numpy", "torch")},
         "episode_schema": SCHEMA_VERSION,
     }

@@ -10,9 +10,10 @@ import json
 import logging
 import os
 import shutil
+import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
-from contextlib import AbstractContextManager
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -30,9 +31,16 @@ from evalfleet.audit import (
     reward_integrity,
     step_rewards,
 )
-from evalfleet.cache import EpisodeCache, Lookup, cache_key, default_cache_dir, key_ingredients
+from evalfleet.cache import (
+    EpisodeCache,
+    Lookup,
+    cache_key,
+    default_cache_dir,
+    env_environment,
+    key_ingredients,
+)
 from evalfleet.claims import claim_path, claimed, describe, release, wait_for_earlier
-from evalfleet.envspec import resolve_env_for, resolved_here
+from evalfleet.envspec import named_files, resolve_env_for, resolved_here
 from evalfleet.errors import RequestError, StaleWorkerCode
 from evalfleet.models import EvalReport, EvalRequest, PolicyHandle, Shard, ShardPlan, with_missing
 from evalfleet.planning import plan_shards
@@ -214,6 +222,7 @@ def receive_unloaded(request: EvalRequest) -> tuple[Received, Callable[..., Rece
         request.deterministic, harness_versions(),
         {"device": inference_device(placement.device, artifact.format), "dtype": INFERENCE_DTYPE,
          "blocks": f"{FORWARD_ROWS} rows padded to a multiple of {PAD_ROWS}"},
+        env_environment(isolation, request.sandbox_env_allow),
     )
     received = Received(artifact, env.fingerprint.as_dict(), env.fingerprint.spec_hash, isolation,
                         cache_key(ingredients), ingredients, time.perf_counter() - t0,
@@ -343,6 +352,23 @@ def harness_versions() -> dict[str, str]:
 def episode_cache(request: EvalRequest) -> EpisodeCache:
     """The request's episode cache."""
     return EpisodeCache(request.cache_dir or default_cache_dir(request.output))
+
+
+@contextmanager
+def key_held(request: EvalRequest, key: str) -> Iterator[None]:
+    """The cache key's lock held (``EpisodeCache.exclusive``): one evaluation per key at a time.
+
+    A ``--refresh`` then drops what the key holds (the entry and any shard files) before it runs
+    anything: its own shard files are the only rows a later run can resume from. Before, a
+    refresh killed part-way left the distrusted entry in place, and the next plain run took its
+    rows for the indices it held and the refresh's for the rest (mean 400: 600 from the entry,
+    200 from the refresh, the truth 200), with no alarm.
+    """
+    cache = episode_cache(request)
+    with cache.exclusive(key):
+        if request.cache == "refresh":
+            cache.remove(key)
+        yield
 
 
 def lookup(request: EvalRequest, received: Received, indices: Sequence[int] | None = None) -> Lookup:
@@ -551,6 +577,12 @@ def summarize(
         comparison = compare_with_baseline(collected.table, baseline[0], request.seed, baseline[1])
     alarms += [a for a in (determinism_audit_alarm(audit), unmatched_pairs_alarm(comparison),
                            harness_pairs_alarm(comparison), policy_pairs_alarm(comparison)) if a]
+    changed = inputs_changed(request, received, done=True) if collected.fresh.num_rows else []
+    if changed:  # its episodes mix two versions of what the key names: no number of it holds
+        alarms.append(
+            f"inputs_changed: {'; '.join(changed)} changed while the episodes ran, so they mix "
+            "both versions; nothing of this evaluation was cached. Keep the env's code and files "
+            "as they are while it runs, and run it again")
     returns = report.returns
     if schedule.interval is not None:
         # Adaptive: the 95% interval is the last look's Bonferroni-adjusted one (audit.py).
@@ -563,6 +595,7 @@ def summarize(
         "returns": returns,
         "timings": dict(timings, aggregate=time.perf_counter() - t0),
         "alarms": alarms,
+        "harness_fault": report.harness_fault or bool(changed),
         "audit": audit,
         "adaptive": schedule.summary(),
         "comparison": comparison,
@@ -976,7 +1009,7 @@ def store_in_cache(request: EvalRequest, received: Received, collected: Collecte
     if not (collected.fresh.num_rows or collected.resumed or request.cache == "refresh"):
         return 0
     audit = determinism_audit(collected.table, collected.audit_rows) if request.audit else None
-    if audit and audit["mismatches"]:
+    if (audit and audit["mismatches"]) or inputs_changed(request, received):
         episode_cache(request).discard_shards(received.cache_key)  # persisted as shards finished
         return 0
     return episode_cache(request).store(received.cache_key, collected.table,
@@ -991,7 +1024,7 @@ def persist_shard(request: EvalRequest, received: Received, shard: Shard, table:
     finished shard holds. Audit shards (re-runs) and the cache off persist nothing; a failing
     write is logged and left to the final ``store_in_cache``, never costing the evaluation.
     """
-    if request.cache == "off" or shard.audit:
+    if request.cache == "off" or shard.audit or inputs_changed(request, received):
         return 0
     try:
         return episode_cache(request).persist_shard(received.cache_key, table)
@@ -999,6 +1032,41 @@ def persist_shard(request: EvalRequest, received: Received, shard: Shard, table:
         logger.warning("could not persist shard %d's episodes (%s); they are stored when the "
                        "evaluation ends", shard.shard_id, err)
         return 0
+
+
+#: What ``inputs_changed`` found during each evaluation of this process, by request id.
+_changed: dict[str, list[str]] = {}
+_changed_lock = threading.Lock()
+
+
+def inputs_changed(request: EvalRequest, received: Received, *, done: bool = False) -> list[str]:
+    """What the cache key names that is no longer as stage 1 read it, found now or earlier in the run.
+
+    The code versions of the env's and the policy's modules, the files the env's kwargs name and
+    evalfleet's own code, read again from disk (~10 ms). A sandbox imports the env's code afresh,
+    and an env reads its scenario file when it runs: an edit during the run made later episodes
+    run other code, and their rows were stored under the key of the code before it, then served
+    for it (mean 353 for a truth of 200). Nothing of such a run is persisted or stored, and its
+    report carries the ``inputs_changed`` alarm (``summarize``). ``done``: the last look, which
+    forgets the request.
+    """
+    ing = received.cache_ingredients
+    env = ing.get("env") or {}
+    code = {**(env.get("code") or {}), **((ing.get("policy") or {}).get("code") or {})}
+    found = [f"the code of {top!r} ({want} -> {have})" for top, want in sorted(code.items())
+             if want != "unknown" and (have := code_version(top)[1]) != want]
+    for path, digest in sorted((env.get("files") or {}).items()):
+        have = named_files(path).get(path, "gone")
+        if have != digest:
+            found.append(f"the file {path} (sha256 {digest[:12]} -> {have[:12]})")
+    harness = (ing.get("versions") or {}).get("evalfleet")
+    if harness is not None and harness_versions()["evalfleet"] != harness:
+        found.append(f"evalfleet's own code ({harness} -> {harness_versions()['evalfleet']})")
+    with _changed_lock:
+        seen = _changed.pop(request.request_id, []) if done else _changed.setdefault(
+            request.request_id, [])
+        seen += [f for f in found if f not in seen]
+        return list(seen)
 
 
 def shard_persister(request: EvalRequest, received: Received, planned: Planned

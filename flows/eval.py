@@ -20,8 +20,8 @@ from evalfleet.pipeline import (
     baseline_request,
     cached_baseline,
     check_hash_baseline,
-    episode_cache,
     history_claim,
+    key_held,
     receive,
     received_before_flow,
     same_policy,
@@ -57,7 +57,7 @@ def stages(request: EvalRequest, address: str | None) -> EvalReport:
     """The seven stages of ``eval_flow``, each a task run (stage 4 one per shard)."""
     received = receive_weights(request)                                          # 1 receive weights
     schedule, collected = RoundSchedule(request), None
-    with episode_cache(request).exclusive(received.cache_key):                   # one run per key
+    with key_held(request, received.cache_key):                                  # one run per key
         planned = spawn_sandboxes(request, received, address, request.episodes)  # 2 spawn sandboxes
         handle = distribute_policy(request, received, planned, address)          # 3 distribute policy
         with installed(handle, address), dask.annotate(resources=gpu(received)), \

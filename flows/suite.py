@@ -27,7 +27,7 @@ from evalfleet.callback import check_callback
 from evalfleet.cluster import client_for, fleet_cluster, installed, worker_slots
 from evalfleet.errors import SuiteError
 from evalfleet.models import EvalReport, EvalRequest
-from evalfleet.pipeline import Collected, Received, episode_cache, lookup, receive, store_in_cache
+from evalfleet.pipeline import Collected, Received, key_held, lookup, receive, store_in_cache
 from evalfleet.sandbox.isolation import probe_in_background
 from evalfleet.suite import Suite, SuiteReport, baseline_requests, task_requests
 from evalfleet.suite_report import (
@@ -110,7 +110,7 @@ def run_tasks(suite: Suite, requests: list[EvalRequest], address: str | None) ->
     per_task = max(1, worker_slots(address) // len(requests)) if address and requests else None
     with ExitStack() as keep:
         for request, rec in zip(requests, received, strict=True):  # one run per key
-            keep.enter_context(episode_cache(request).exclusive(rec.cache_key))
+            keep.enter_context(key_held(request, rec.cache_key))
         planned = stage(spawn_all)(requests, quote(received), address, per_task)          # 2
         first = next((i for i, p in enumerate(planned) if p.shards), 0)
         handle = keep.enter_context(installed(stage(distribute_policy)(

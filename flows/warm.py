@@ -38,8 +38,8 @@ from evalfleet.pipeline import (
     Received,
     collect,
     distribute,
-    episode_cache,
     history_claim,
+    key_held,
     plan,
     receive,
     release_history_claim,
@@ -92,7 +92,7 @@ def stages_here(request: EvalRequest, address: str, lane: FeedBackLane) -> EvalR
     """``evaluate_warm``'s stages 1-6, and stage 7 queued on ``lane``."""
     received = receive(request)                                                  # 1
     schedule = RoundSchedule(request)
-    with episode_cache(request).exclusive(received.cache_key):
+    with key_held(request, received.cache_key):
         planned = plan(request, received, address, request.episodes)             # 2
         planned = spawn(request, received, address, planned)
         handle = distribute(request, received, address if planned.shards else None)  # 3

@@ -14,7 +14,7 @@ import evalfleet
 import evalfleet.cache
 from evalfleet.cache import EpisodeCache
 from evalfleet.models import EvalRequest
-from evalfleet.pipeline import Collected, episode_cache, lookup, receive, store_in_cache
+from evalfleet.pipeline import Collected, episode_cache, key_held, lookup, receive, store_in_cache
 from evalfleet.records import EPISODE_SCHEMA, EpisodeRecord, records_to_table
 
 
@@ -364,6 +364,29 @@ def test_an_interrupted_refresh_never_mixes_into_the_entry(tmp_path):
     for answer in answers:  # one row per index, whichever request asked
         assert answer == {i: answers[-1][i] for i in answer}
     assert answers[-1] == {**{i: 1.0 for i in range(10)}, 10: 2.0, 11: 2.0, 12: 1.0, 13: 1.0}
+
+
+def test_a_refresh_drops_the_distrusted_entry_before_it_runs(example_policy, tmp_path):
+    """A --refresh killed part-way: the next plain run resumes from the refresh's rows alone.
+
+    Before, the entry it distrusted stayed, and the next request for more episodes took its rows
+    for the indices it held and the refresh's for the rest: mean 400 from 600 and 200, no alarm.
+    """
+    request = EvalRequest.build(policy=example_policy, episodes=8, output=tmp_path)
+    key = receive(request).cache_key
+    cache = episode_cache(request)
+    with cache.exclusive(key):
+        cache.store(key, _returns(range(4), 600.0), {})
+        cache.persist_shard(key, _returns([4], 600.0))  # an older run's shard, from the same inputs
+    refresh = request.model_copy(update={"cache": "refresh"})
+    with key_held(refresh, key):
+        assert cache.lookup(key, range(8)).stored.num_rows == 0  # dropped before anything ran
+        cache.persist_shard(key, _returns(range(3), 200.0))  # its first shard; then it is killed
+    found = lookup(request, receive(request))
+    assert _answer(found) == {0: 200.0, 1: 200.0, 2: 200.0}
+    assert (found.missing, found.resumed) == ([3, 4, 5, 6, 7], 3)
+    with key_held(request, key):  # a plain run keeps what the key holds
+        assert cache.lookup(key, range(8)).stored.num_rows == 3
 
 
 def test_the_shard_file_written_last_wins_an_index(tmp_path):

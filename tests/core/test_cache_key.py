@@ -24,6 +24,7 @@ from gymnasium.envs.registration import WrapperSpec
 
 import evalfleet
 import evalfleet.cluster
+import evalfleet.pipeline
 from evalfleet import cache as cache_mod
 from evalfleet.cache import cache_key
 from evalfleet.errors import EnvSpecError
@@ -573,7 +574,9 @@ PLANTED: dict[str, list[str]] = {
     "code version of the package providing the env": ["env_source", "env_registering_module",
                                                       "env_wrapper_source"],
     "base seed": ["seed", "max_steps", "deterministic"],
-    "inference device": ["device", "auto_on_a_gpu_machine"],
+    "inference device": ["device", "auto_on_a_gpu_machine", "forward_blocks"],
+    "what the env sees of the environment": ["isolation_class", "granted_variable",
+                                             "granted_value"],
     "evalfleet": ["evalfleet_version", "gymnasium_version", "numpy_version", "torch_version"],
     "episode table schema": ["schema"],
 }
@@ -665,6 +668,21 @@ def test_each_planted_change_is_a_miss(change, base, tmp_path, monkeypatch, requ
         fields["env"] = f"{name}:{env_id}"
         key = _key(**fields)
         source.write_text(source.read_text() + "# edit\n")
+    elif change == "forward_blocks":  # c272878 meant it in the key; key_ingredients dropped it
+        monkeypatch.setattr(evalfleet.pipeline, "PAD_ROWS", 16)
+    elif change == "isolation_class":  # an in-process result was served for a sandboxed request
+        fields["isolation"] = "process"
+    elif change in ("granted_variable", "granted_value"):
+        # A run with HUNT_GAIN=3 granted was served for the request without it (mean 600, truth 200).
+        fields["isolation"] = "process"
+        monkeypatch.setenv("EVALFLEET_TEST_GAIN", "3")
+        if change == "granted_variable":
+            key = _key(**fields)
+            fields["sandbox_env_allow"] = ["EVALFLEET_TEST_GAIN"]
+        else:
+            fields["sandbox_env_allow"] = ["EVALFLEET_TEST_GAIN"]
+            key = _key(**fields)
+            monkeypatch.setenv("EVALFLEET_TEST_GAIN", "4")
     elif change == "seed":
         fields["seed"] = 1
     elif change == "max_steps":
@@ -701,7 +719,7 @@ def test_each_planted_change_is_a_miss(change, base, tmp_path, monkeypatch, requ
     {"workers": 1},
     {"workers": 7},
     {"concurrency": 3},
-    {"isolation": "process"},
+    {"isolation": "inprocess"},  # what auto resolves CartPole to
     {"request_id": "other"},
     {"training_run_id": "t", "step": 9},
     {"episodes": 500},
@@ -932,3 +950,14 @@ def test_a_step_cap_spelled_out_as_the_registered_one_is_the_same_key_and_protoc
         timings={}, cache={}, run_seconds=1.0).model_dump(mode="json"))
         for cap, received in ((None, implicit), (500, explicit))}
     assert len(protocols) == 1
+
+
+def test_a_granted_variable_is_keyed_by_its_values_digest_not_its_value(base, monkeypatch):
+    monkeypatch.setenv("EVALFLEET_TEST_TOKEN", "s3cret-value")
+    fields = {**base, "isolation": "process", "sandbox_env_allow": ["EVALFLEET_TEST_TOKEN"]}
+    ingredients = _received(**fields).cache_ingredients
+    assert ingredients["environment"]["class"] == "allow-list"
+    assert ingredients["environment"]["granted"]["EVALFLEET_TEST_TOKEN"] == hashlib.sha256(
+        b"s3cret-value").hexdigest()[:16]
+    assert "s3cret-value" not in str(ingredients)
+    assert _received(**base).cache_ingredients["environment"] == {"class": "inherited", "granted": {}}
