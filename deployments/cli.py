@@ -43,6 +43,7 @@ from deployments import (
     resolve_secret,
 )
 from deployments.webhook import add_egress_options
+from deployments.webhook.receiver import check_service_settings
 from evalfleet.callback import CALLBACK_SECRET_ENV
 from evalfleet.egress import ALLOWED_HOSTS_ENV, PUBLIC_ENV
 from evalfleet.redaction import register_secret
@@ -412,6 +413,8 @@ def serve(args: argparse.Namespace) -> int:
     def _on_signal(signum: int, frame: FrameType | None) -> None:
         stop.set()
 
+    check_service_settings(isolation=args.isolation, output=Path(args.output).resolve(),
+                           mlflow_uri=args.mlflow_uri, experiment=args.experiment)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _on_signal)
     service = Service(args)

@@ -18,7 +18,7 @@ from typing import Any, NoReturn
 from evalfleet.console import QUIET_ENV, configure_console, quiet_environment
 from evalfleet.environ import restored_environment
 from evalfleet.errors import EvalfleetError, RequestError, Stopped
-from evalfleet.models import OUTPUT_MISSING, EvalReport, EvalRequest
+from evalfleet.models import OUTPUT_MISSING, RECORDING_INCOMPLETE, EvalReport, EvalRequest
 from evalfleet.server import SERVER_MODE_ENV
 from evalfleet.summary import percent, summary_text
 
@@ -409,6 +409,10 @@ def run_suite(evaluate_suite: SuiteEvaluator | None, args: argparse.Namespace) -
     print(f"suite report: {report.outputs.get('report_html') or report.outputs.get('report')}")
     if "prefect_lost" in report.outputs:
         print(f"prefect_lost: {report.outputs['prefect_lost']}")
+    recording = [a for a in report.alarms if f"{RECORDING_INCOMPLETE}: " in a]  # never waived
+    if recording:
+        print(f"evalfleet: harness fault in a suite task: {'; '.join(recording)}", file=sys.stderr)
+        return EXIT_HARNESS_FAULT
     if report.harness_fault and not args.allow_failures:
         print("evalfleet: harness fault in a suite task: more than 5% of its episodes failed in the "
               "harness (pass --allow-failures to exit 0 anyway)", file=sys.stderr)
@@ -467,12 +471,14 @@ def _run_eval(evaluate: Callable[[EvalRequest], EvalReport], args: argparse.Name
         return EXIT_FAILED
     write_report(args.report, report)
     print(summary_text(report))
-    if report.harness_fault and not args.allow_failures:
-        recording = [a for a in report.alarms if a.startswith("recording_incomplete")]
+    # A recording asked for and not written is a missing output, never waived: --allow-failures
+    # is about coverage. It exited 0 with 0 of 2 videos, as the hint below once suggested.
+    recording = [a for a in report.alarms if a.startswith(f"{RECORDING_INCOMPLETE}: ")]
+    if recording or (report.harness_fault and not args.allow_failures):
         why = "; ".join(recording) if recording else (
-            f"more than 5% of episodes failed in the harness (coverage {percent(report.coverage, 1)})")
-        print(f"evalfleet: harness fault: {why} (pass --allow-failures to exit 0 anyway)",
-              file=sys.stderr)
+            f"more than 5% of episodes failed in the harness (coverage {percent(report.coverage, 1)})"
+            " (pass --allow-failures to exit 0 anyway)")
+        print(f"evalfleet: harness fault: {why}", file=sys.stderr)
         return EXIT_HARNESS_FAULT
     if report.missing_outputs:
         return output_missing(report.missing_outputs)

@@ -314,15 +314,20 @@ class EvalRequest(_Frozen):
                 "watches across a training run's checkpoints, and this evaluation is on none "
                 f"(training_run_id {self.training_run_id!r}, step {self.step!r}): pass "
                 "--training-run-id and --step with it, or drop it.")
-        cap = self.max_episodes if self.max_episodes is not None else self.episodes
+        # An adaptive evaluation may stop after its first round: only those episodes are sure.
+        # Bounded by max_episodes, 10 trajectories and 6 videos were asked for and 4 of each
+        # written (the first round's 4) with no alarm.
+        cap = self.episodes
         for name in ("record_trajectories", "record_video"):
             k = getattr(self, name)
             if k < 0:
                 raise RequestError(f"'{name}' must be >= 0 (got {k!r}).")
             if k > cap:
+                sure = (" for sure (an adaptive one may stop after its first round of "
+                        f"--episodes {cap})" if self.max_episodes is not None else "")
                 raise RequestError(
-                    f"'{name}' asks for {k} recorded episodes, but this evaluation runs at most "
-                    f"{cap}: ask for at most {cap}, or run more episodes.")
+                    f"'{name}' asks for {k} recorded episodes, but this evaluation runs {cap}"
+                    f"{sure}: ask for at most {cap}, or run more episodes.")
 
     @model_validator(mode="after")
     def _check_retries(self) -> EvalRequest:
@@ -479,18 +484,24 @@ class EvalReport(_Frozen):
 
     @property
     def missing_outputs(self) -> list[str]:
-        """Outputs asked for that stage 7 could not produce (its ``output_missing`` alarms).
+        """Outputs asked for that stage 7 could not produce.
 
+        Its ``output_missing`` alarms, and fewer videos or trajectories than asked
+        (``recording_incomplete``, whole).
         The numbers stand (Parquet and the cache are written first), but a run with any is a
-        failed run: the CLI exits ``EXIT_OUTPUT_MISSING`` and ``Evaluator.flush`` raises.
+        failed run: the CLI exits ``EXIT_OUTPUT_MISSING`` (``EXIT_HARNESS_FAULT`` first for a
+        recording, which ``--allow-failures`` does not waive) and ``Evaluator.flush`` raises.
         """
         prefix = f"{OUTPUT_MISSING}: "
-        return [a.removeprefix(prefix) for a in self.alarms if a.startswith(prefix)]
+        return [a.removeprefix(prefix) for a in self.alarms if a.startswith(prefix)] + [
+            a for a in self.alarms if a.startswith(f"{RECORDING_INCOMPLETE}: ")]
 
 
 #: The alarm prefix of an output asked for and not produced (the review's files, the MLflow run,
 #: the trainer's callback).
 OUTPUT_MISSING = "output_missing"
+#: The alarm prefix of fewer videos or trajectories written than asked for.
+RECORDING_INCOMPLETE = "recording_incomplete"
 
 
 def with_missing(alarms: list[str], missing: list[str]) -> list[str]:

@@ -9,7 +9,9 @@ import functools
 import json
 import logging
 import os
+import re
 import shutil
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -42,7 +44,15 @@ from evalfleet.cache import (
 from evalfleet.claims import claim_path, claimed, describe, release, wait_for_earlier
 from evalfleet.envspec import named_files, resolve_env_for, resolved_here
 from evalfleet.errors import RequestError, StaleWorkerCode
-from evalfleet.models import EvalReport, EvalRequest, PolicyHandle, Shard, ShardPlan, with_missing
+from evalfleet.models import (
+    RECORDING_INCOMPLETE,
+    EvalReport,
+    EvalRequest,
+    PolicyHandle,
+    Shard,
+    ShardPlan,
+    with_missing,
+)
 from evalfleet.planning import plan_shards
 from evalfleet.policy import (
     FORWARD_ROWS,
@@ -284,6 +294,9 @@ def check_folders(request: EvalRequest) -> None:
     folders = [("--output", Path(request.output)), ("--output", Path(request.output) / "runs")]
     if request.cache != "off":
         folders.append(("--cache-dir", episode_cache(request).root))
+    store = local_store_folder(request.mlflow_uri) if request.mlflow_uri else None
+    if store is not None:  # a store that can never be made was queued for, and exit 0
+        folders.append(("--mlflow-uri", store))
     for option, folder in folders:
         there = folder
         while not there.exists() and there.parent != there:
@@ -292,10 +305,37 @@ def check_folders(request: EvalRequest) -> None:
             raise RequestError(
                 f"{option} {str(folder)!r} cannot be a folder: {str(there)!r} is a file. Pass a "
                 "folder path (it is made if missing), or move the file.")
-        if not os.access(there, os.W_OK | os.X_OK):
+        if not _can_make_in(there):
             raise RequestError(
                 f"{option} {str(folder)!r} cannot be written: this user may not write in "
                 f"{str(there)!r}. Pass a folder you can write.")
+
+
+def _can_make_in(folder: Path) -> bool:
+    """Whether a folder can be made in ``folder``: tried, and removed at once.
+
+    ``os.access`` says yes to root everywhere, /proc included, where an MLflow store then could
+    never be made: the run was queued for it, and the evaluation exited 0.
+    """
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return False
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".evalfleet-probe-", dir=folder))
+    except OSError:
+        return False
+    return True
+
+
+def local_store_folder(uri: str) -> Path | None:
+    """The folder a file-based MLflow store lives in (SQLite's file's, a file store's), or None."""
+    if uri.startswith("sqlite:///"):
+        path = uri.removeprefix("sqlite:///")
+        return None if path in ("", ":memory:") else Path(path).parent
+    if uri.startswith("file:"):
+        from urllib.parse import unquote, urlparse
+
+        return Path(unquote(urlparse(uri).path))
+    return None if re.match(r"^[A-Za-z][A-Za-z0-9+.-]+:", uri) else Path(uri)
 
 
 def received_before_flow(
@@ -707,7 +747,7 @@ def recording_shortfall(request: EvalRequest, table: pa.Table, videos: int, traj
     if not short:
         return None
     reasons = "; ".join(dict.fromkeys(why)) or "no reason was given"
-    return f"recording_incomplete: wrote {', '.join(short)} asked for ({reasons})"
+    return f"{RECORDING_INCOMPLETE}: wrote {', '.join(short)} asked for ({reasons})"
 
 
 def review_skipped(request: EvalRequest, collected: Collected) -> str | None:
@@ -886,6 +926,9 @@ def feed_back(
         logger.error("MLflow logging failed (%s); results are in %s", err, folder)
         outputs["mlflow_error"] = f"{type(err).__name__}: {err}"
         missing.append(f"the MLflow run (neither logged nor queued): {outputs['mlflow_error']}")
+    if "mlflow_permanent" in outputs:  # queued, but no later try can log it as the store is
+        missing.append(f"the MLflow run: {outputs['mlflow_permanent']}; it is queued as "
+                       f"{outputs['mlflow_queued']}: fix the store, then 'evalfleet mlflow flush'")
     if "mlflow_run_id" in outputs:  # the store answers: log what earlier runs had to queue
         flushed = flush_queued(request.output)
         if flushed:
@@ -1109,16 +1152,31 @@ def baseline_request(request: EvalRequest, episodes: int) -> EvalRequest:
     })
 
 
+def receive_baseline(request: EvalRequest) -> tuple[EvalRequest, Received]:
+    """The baseline's request and stage 1, its errors naming the baseline's own options.
+
+    A missing ``--baseline`` file was "policy file ... does not exist", with advice to pass
+    ``--policy-factory``: the policy named was fine, and the option to fix was another.
+    """
+    other = baseline_request(request, request.episodes)
+    try:
+        return other, receive(other)
+    except RequestError as err:
+        text = str(err).replace("--policy-factory", "--baseline-factory")
+        raise type(err)(f"--baseline {request.baseline!r}: {text}") from err
+
+
 def check_hash_baseline(request: EvalRequest, received: Received) -> None:
     """Stage 1 for a ``sha256:`` baseline: its episodes are found before anything runs.
 
-    ``cached_baseline`` over the episodes every run pairs on (a fixed count, or an adaptive
-    run's first round): where the cache and the logged runs lack some, the error comes now, not
-    after the evaluated policy ran.
+    ``cached_baseline`` over every episode the run may pair on (a fixed count, or an adaptive
+    run's ``max_episodes``: it pairs on all it ran, and may run them all): where the cache and
+    the logged runs lack some, the error comes now, not after the evaluated policy ran. Checked
+    on the first round only, an adaptive run ran 40 episodes, then exited 2 with no report.
     """
     if request.baseline and request.baseline.startswith("sha256:") and not same_policy(
             request, received):
-        cached_baseline(request, received, request.episodes)
+        cached_baseline(request, received, request.max_episodes or request.episodes)
 
 
 def cached_baseline(request: EvalRequest, received: Received, episodes: int) -> tuple[pa.Table, str]:

@@ -413,10 +413,24 @@ MLFLOW_HTTP_BOUNDS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUE
 
 
 def _attempts(attempts: int, wait_s: tuple[float, float]) -> Any:
-    from tenacity import Retrying, stop_after_attempt, wait_exponential
+    from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_exponential
 
     return Retrying(stop=stop_after_attempt(attempts), reraise=True,
+                    retry=retry_if_exception(lambda err: permanent_store_error(err) is None),
                     wait=wait_exponential(multiplier=wait_s[0], max=wait_s[1]))
+
+
+def permanent_store_error(err: BaseException) -> str | None:
+    """What about the store makes logging fail however often it is tried; None for anything else.
+
+    A deleted experiment stays deleted: a run queued for it was never logged, by the next
+    evaluation or by ``evalfleet mlflow flush``, and the evaluation exited 0.
+    """
+    text = str(err)
+    if "must be in the 'active' state" in text:
+        return ("its experiment is deleted in the store: restore it ('mlflow experiments restore') "
+                "or pass another --experiment")
+    return None
 
 
 def pending_dir(output: Path) -> Path:
@@ -443,7 +457,7 @@ def log_or_queue(
                 run_id = log_evaluation(tracking_uri, experiment, report, params, artifacts, run_name)
         return {"mlflow_uri": tracking_uri, "mlflow_run_id": run_id}
     except Exception as err:  # noqa: BLE001 - any store failure queues the run
-        error = f"{type(err).__name__}: {err}"[:1000]
+        error, failure = f"{type(err).__name__}: {err}"[:1000], err
     entry = {"tracking_uri": tracking_uri, "experiment": experiment, "report": report,
              "params": {k: str(v) for k, v in params.items()},
              "artifacts": [str(Path(a).resolve()) for a in artifacts], "run_name": run_name,
@@ -457,7 +471,10 @@ def log_or_queue(
     logger.error("MLflow logging failed after %d attempts (%s); queued as %s: the next evaluation "
                  "writing to %s, or 'evalfleet mlflow flush --output %s', logs it", attempts,
                  error, path, output, output)
-    return {"mlflow_error": error, "mlflow_queued": str(path.resolve())}
+    out = {"mlflow_error": error, "mlflow_queued": str(path.resolve())}
+    if (why := permanent_store_error(failure)) is not None:
+        out["mlflow_permanent"] = why
+    return out
 
 
 def _bound_http() -> None:

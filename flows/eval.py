@@ -22,7 +22,7 @@ from evalfleet.pipeline import (
     check_hash_baseline,
     history_claim,
     key_held,
-    receive,
+    receive_baseline,
     received_before_flow,
     same_policy,
     shard_persister,
@@ -122,8 +122,7 @@ def evaluate(request: EvalRequest) -> EvalReport:
         check_hash_baseline(request, received)  # a 'sha256:' baseline's episodes, or an error
         checked = [(request, received)]
         if request.baseline and not request.baseline.startswith("sha256:"):  # its stage 1
-            other = baseline_request(request, request.episodes)
-            checked.append((other, receive(other)))
+            checked.append(receive_baseline(request))
         probe_in_background()  # the report's sandbox manifest (~1 s of child processes)
         cluster = nullcontext(None) if hit else fleet_cluster(
             request.dask_address, request.workers, worker_preload(received), single_use=True)

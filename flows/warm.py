@@ -32,7 +32,7 @@ from prefect import flow
 from evalfleet.audit import RoundSchedule
 from evalfleet.cluster import WorkersWatch, client_for, installed, lost_workers
 from evalfleet.errors import ClusterLost, OutputsMissing
-from evalfleet.models import OUTPUT_MISSING, EvalReport, EvalRequest
+from evalfleet.models import OUTPUT_MISSING, RECORDING_INCOMPLETE, EvalReport, EvalRequest
 from evalfleet.pipeline import (
     Collected,
     Received,
@@ -274,8 +274,8 @@ class FeedBackLane:
             final = future.result()
             problems = list(final.missing_outputs)
             had = {a.split(":", 1)[0] for a in returned.alarms}
-            late = [a for a in final.alarms
-                    if a.split(":", 1)[0] not in had and a.split(":", 1)[0] != OUTPUT_MISSING]
+            late = [a for a in final.alarms if a.split(":", 1)[0] not in had
+                    and a.split(":", 1)[0] not in (OUTPUT_MISSING, RECORDING_INCOMPLETE)]
             if late:
                 problems.append("alarms the returned result did not carry: " + "; ".join(late))
             if final.harness_fault and not returned.harness_fault:

@@ -104,3 +104,21 @@ def test_a_retried_log_leaves_no_half_logged_runs_nor_repeated_trainer_points(tm
                               f"tags.`evalfleet.training_run_id` = '{trainer}'")
     assert [r.info.status for r in runs] == ["FINISHED"]
     assert [(m.step, m.value) for m in client.get_metric_history(trainer, "eval/reward")] == [(7, 1.0)]
+
+
+def test_a_deleted_experiment_is_no_store_to_wait_for(tmp_path: Path) -> None:
+    # Before, the run was queued as for a store that is down, retried with waits, and the
+    # evaluation exited 0; no flush could ever log it.
+    from mlflow.tracking import MlflowClient
+
+    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(tracking_uri=store)
+    client.delete_experiment(client.create_experiment("gone"))
+    t0 = time.monotonic()
+    out = log_or_queue(tmp_path, store, "gone", REPORT, {}, [], "run", wait_s=(5.0, 5.0))
+    assert time.monotonic() - t0 < 5.0  # tried once: no wait between pointless attempts
+    assert out["mlflow_permanent"].startswith("its experiment is deleted in the store: restore it")
+    assert Path(out["mlflow_queued"]).exists()  # kept: restored, a flush logs it
+    client.restore_experiment(client.get_experiment_by_name("gone").experiment_id)
+    [done] = flush_pending(tmp_path)
+    assert "mlflow_run_id" in done, done

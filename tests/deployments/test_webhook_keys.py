@@ -75,3 +75,24 @@ def test_serve_refuses_a_prefect_port_another_server_holds_before_starting_anyth
                            r"the Prefect server cannot start there .* pass --prefect-port 0"):
             service.start()
         assert service.children == []
+
+
+def test_serve_and_the_receiver_refuse_settings_no_evaluation_can_use(tmp_path: Any) -> None:
+    # Started with them, the service said "ready" and answered every valid delivery 400, blaming
+    # the trainer's body.
+    import pytest
+
+    from deployments.cli import build_parser, serve
+    from deployments.webhook.cli import build_parser as receiver_parser
+    from deployments.webhook.cli import config_from_args
+
+    args = build_parser().parse_args(["--isolation", "bogus", "--state-dir", str(tmp_path / "s"),
+                                      "--output", str(tmp_path / "out")])
+    with pytest.raises(SystemExit, match=r"the service's settings .* make no valid evaluation: "
+                       r".*isolation"):
+        serve(args)
+    args = receiver_parser().parse_args(["--experiment", "", "--prefect-api-url",
+                                         "http://127.0.0.1:9/api", "--output", str(tmp_path / "out")])
+    with pytest.raises(SystemExit, match=r"make no valid evaluation: 'experiment' is empty"):
+        config_from_args(args)
+    assert not (tmp_path / "out").exists() and not (tmp_path / "s").exists()

@@ -82,6 +82,20 @@ def test_fewer_videos_than_asked_fail_the_run(prefect_server, tmp_path):
     assert alarm and re.search(r"wrote [01] of 2 videos asked for", alarm[0]), report.alarms
     assert "renderer lost its context" in alarm[0]
     assert report.harness_fault
+    assert report.missing_outputs == alarm  # the API's list of what was asked and is not there
+
+
+def test_allow_failures_never_waives_a_recording_asked_for(prefect_server, tmp_path, capsys):
+    # Before, --allow-failures (a coverage setting) turned 0 of 2 videos into exit 0, as the
+    # exit-3 message itself suggested.
+    from evalfleet.cli import EXIT_HARNESS_FAULT, run_cli
+
+    args = ["--env", "tests.flows.render_envs:RenderDiesLater-v0", "--policy",
+            "tests.flows.user_envs:toward_goal", "--episodes", "6", "--concurrency", "6",
+            "--record-video", "2", "--output", str(tmp_path / "out"), "--quiet", "--allow-failures"]
+    assert run_cli(evaluate, args) == EXIT_HARNESS_FAULT
+    err = capsys.readouterr().err
+    assert "harness fault: recording_incomplete: wrote" in err and "--allow-failures" not in err
 
 
 def test_cli_refuses_a_recording_it_cannot_make(tmp_path):

@@ -107,6 +107,12 @@ def test_a_hash_baseline_missing_episodes_fails_before_anything_runs(prefect_ser
                                 baseline=f"sha256:{base_report.policy_sha256[:16]}", **common)
     with pytest.raises(RequestError, match="the cache holds 10 of the 20 episodes to pair on"):
         evaluate(request)
+    # An adaptive run pairs on every episode it runs, up to --max-episodes: its first round was
+    # checked alone, and 40 episodes ran before the exit 2, with no report.
+    adaptive = request.model_copy(update={"episodes": 10, "target_ci_halfwidth": 0.01,
+                                          "max_episodes": 40})
+    with pytest.raises(RequestError, match="the cache holds 10 of the 40 episodes to pair on"):
+        evaluate(adaptive)
     assert [p.name for p in (tmp_path / "out" / "runs").iterdir()] == [base_report.request_id]
     stored = {e.get("policy_sha256") for e in episode_cache(request).entries()}
     assert stored == {base_report.policy_sha256}

@@ -196,9 +196,13 @@ def test_a_report_path_that_cannot_be_written_fails_before_anything_runs(tmp_pat
         (dict(outcome_metric="profit", step=3),
          r"\(training_run_id None, step 3\)"),
         (dict(episodes=10, record_video=20),
-         r"'record_video' asks for 20 recorded episodes, but this evaluation runs at most 10"),
+         r"'record_video' asks for 20 recorded episodes, but this evaluation runs 10: ask for"),
         (dict(episodes=10, record_trajectories=11, target_ci_halfwidth=1.0, max_episodes=10),
-         r"'record_trajectories' asks for 11 recorded episodes, but this evaluation runs at most 10"),
+         r"'record_trajectories' asks for 11 recorded episodes, but this evaluation runs 10 for sure"),
+        # An adaptive run may stop after its first round: 4 of 6 videos were written, exit 0.
+        (dict(episodes=4, record_video=6, target_ci_halfwidth=1000.0, max_episodes=20),
+         r"'record_video' asks for 6 recorded episodes, but this evaluation runs 4 for sure \(an "
+         r"adaptive one may stop after its first round of --episodes 4\)"),
     ],
 )
 def test_options_that_would_do_nothing_or_less_are_refused(fields, message, example_policy):
@@ -210,7 +214,7 @@ def test_options_that_would_do_nothing_or_less_are_refused(fields, message, exam
 
 def test_the_same_options_where_they_take_effect_are_accepted(example_policy):
     EvalRequest.build(policy=example_policy, episodes=10, target_ci_halfwidth=1.0, max_episodes=40,
-                      record_video=20, record_trajectories=40)
+                      record_video=10, record_trajectories=10)
     EvalRequest.build(policy=example_policy, baseline=example_policy, baseline_factory="m:f")
     EvalRequest.build(policy=example_policy, outcome_metric="profit", training_run_id="r", step=0)
 
@@ -277,6 +281,27 @@ def test_an_output_or_cache_folder_that_is_a_file_fails_before_anything_runs(
     with pytest.raises(RequestError, match=r"cannot be a folder: '.*a-file' is a file"):
         _evaluate(policy=example_policy, episodes=4, **fields)
     assert not (tmp_path / "out").exists()  # nothing made
+
+
+def test_an_mlflow_store_that_can_never_be_made_fails_before_anything_runs(
+        no_spawn, tmp_path, example_policy):
+    # Before, the run was queued for a store under /proc and the evaluation exited 0.
+    with pytest.raises(RequestError, match=r"--mlflow-uri '/proc/evalfleet-nope' cannot be "
+                       r"written: this user may not write in '/proc'"):
+        _evaluate(policy=example_policy, episodes=4, output=tmp_path / "out",
+                  mlflow_uri="sqlite:////proc/evalfleet-nope/mlflow.db")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_missing_baseline_file_is_named_as_the_baseline(no_spawn, tmp_path, example_policy):
+    # Before: "policy file ... does not exist ... --policy-factory", about a policy that was fine.
+    missing = tmp_path / "nonexistent.pt"
+    with pytest.raises(RequestError) as err:
+        _evaluate(policy=example_policy, episodes=4, output=tmp_path / "out", baseline=str(missing))
+    text = str(err.value)
+    assert text.startswith(f"--baseline {str(missing)!r}: ") and "does not exist" in text
+    assert "--policy-factory" not in text
+    assert not (tmp_path / "out").exists()
 
 
 def test_sandbox_options_for_an_in_process_evaluation_are_refused(no_spawn, tmp_path,
