@@ -219,7 +219,8 @@ def _stage6(table: pa.Table, baseline: pa.Table, audit_rows: pa.Table) -> EvalRe
                           baseline="sha256:" + "ee" * 6)
     received = SimpleNamespace(env_spec={"env_id": ENV}, env_spec_hash="spec", isolation="inprocess",
                                artifact=SimpleNamespace(summary=lambda: {"sha256": "ab" * 32}),
-                               cache_key="k", seconds=0.0, device="cpu", device_fallback=None)
+                               cache_key="k", cache_ingredients={}, seconds=0.0, device="cpu",
+                               device_fallback=None)
     collected = Collected(table=table, fresh=table, audit_rows=audit_rows, run_seconds=1.0,
                           seconds=0.0, plan_cached=0, plan_seconds=0.0, cache_status="off",
                           cache_corrupt=False)
