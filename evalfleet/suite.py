@@ -7,6 +7,7 @@ A suite file::
     episodes = 200              # optional defaults for every task
     max_steps = 500
     gamma = 1.0                 # optimality-gap target of normalised scores
+    reps = 2000                 # bootstrap resamples of every interval, 100 to 100,000
     task_review = false         # each task's replays, plots and report.html (default: off)
 
     [[task]]
@@ -47,6 +48,7 @@ from evalfleet.aggregates import normalise, probability_of_improvement, summary
 from evalfleet.errors import RequestError, SuiteError
 from evalfleet.models import EvalReport, EvalRequest
 from evalfleet.scoring import scored_returns
+from evalfleet.stats import _MIN_BOOT
 
 __all__ = [
     "Normalisation",
@@ -65,6 +67,14 @@ _TASK_KEYS: Final = ("name", "env", "kwargs", "grid", "episodes", "max_steps", "
 _NORMALISE_KEYS: Final = ({"random", "reference"}, {"min", "max"})
 #: Most tasks a grid may expand into (a typo like 1000 values should not spawn 1000 evaluations).
 MAX_TASKS: Final = 200
+#: Fewest bootstrap resamples of the aggregates' intervals: the statistics' own floor. With
+#: ``reps = 1`` every "95% CI" was one resample, zero width, and the IQM's did not even hold its
+#: point estimate (0.694 outside [0.691, 0.691] on 8 CartPole episodes).
+MIN_REPS: Final = _MIN_BOOT
+#: Most bootstrap resamples: past it the intervals gain nothing and the draws outgrow memory
+#: (``reps = 1_000_000_000``, a typo for 1000, ran every task, then died in a MemoryError, exit 1:
+#: the performance profile alone keeps 41 floats per resample, 328 GB). 100,000 keep ~35 MB.
+MAX_REPS: Final = 100_000
 
 
 class _Frozen(BaseModel):
@@ -250,6 +260,11 @@ def parse_suite(data: dict[str, Any], source: str = "<suite>") -> Suite:
         raise _fail(source, f"{len(tasks)} tasks after grid expansion, more than {MAX_TASKS}; "
                     "split the suite or shrink its grids.")
     reps = _positive_int(head.get("reps", 2000), f"{source} [suite]", "reps")
+    if not MIN_REPS <= reps <= MAX_REPS:
+        raise _fail(source, f"[suite] 'reps' (bootstrap resamples of every aggregate's 95% interval) "
+                    f"must be between {MIN_REPS} and {MAX_REPS:,} (got {reps:,}): fewer leave the "
+                    "interval's 2.5% tails a handful of resamples, more gain nothing and outgrow "
+                    "memory. Use 2000 (the default), or drop 'reps'.")
     review = head.get("task_review", False)
     if not isinstance(review, bool):
         raise _fail(source, f"[suite] 'task_review' must be true or false (got {review!r}).")

@@ -157,7 +157,7 @@ def test_the_baselines_harness_faults_and_alarms_are_the_suites() -> None:
     clean P(improvement) on the 40% of its episodes that ran."""
     from evalfleet.suite_report import build_suite_report
 
-    suite = parse_suite({"suite": {"episodes": 100, "reps": 50},
+    suite = parse_suite({"suite": {"episodes": 100, "reps": 100},
                          "task": [{"env": "CartPole-v1", "normalise": {"random": 0, "reference": 1}}]})
     base = EvalRequest(env="CartPole-v1", policy="x", baseline="y", episodes=100, seed=0)
     rng = np.random.default_rng(0)
@@ -214,7 +214,7 @@ def test_nearly_equal_bounds_are_refused_and_a_far_out_score_is_an_alarm() -> No
 
     with pytest.raises(SuiteError, match=r"'normalise' needs random != reference \(got 1.0 and "):
         _suite(normalise={"random": 1.0, "reference": 1.0 + 1e-12})
-    suite = parse_suite({"suite": {"episodes": 50, "reps": 50}, "task": [
+    suite = parse_suite({"suite": {"episodes": 50, "reps": 100}, "task": [
         {"name": "close", "env": "CartPole-v1", "normalise": {"random": -1.0, "reference": -0.999}},
         {"name": "fine", "env": "Acrobot-v1", "normalise": {"random": -500, "reference": -60}}]})
     base = EvalRequest(env="CartPole-v1", policy="x", episodes=50, seed=0)
@@ -226,3 +226,16 @@ def test_nearly_equal_bounds_are_refused_and_a_far_out_score_is_an_alarm() -> No
     (alarm,) = [a for a in report.alarms if a.startswith("score_out_of_range:")]
     assert "task 'close' has a mean normalised score of 4" in alarm
     assert "random/reference = -1 / -0.999" in alarm
+
+
+@pytest.mark.parametrize("reps", [1, 99, 100_001, 1_000_000_000])
+def test_bootstrap_resamples_outside_what_an_interval_needs_are_refused(reps) -> None:
+    # reps = 1 gave every aggregate a zero-width "95% CI" (the IQM's, [0.691, 0.691], not even
+    # holding its point 0.694); reps = 1e9 ran every task, then died in a MemoryError, exit 1.
+    task = {"env": "CartPole-v1", "episodes": 8, "normalise": {"min": 0, "max": 500}}
+    with pytest.raises(SuiteError, match=rf"\[suite\] 'reps' \(bootstrap resamples of every "
+                       rf"aggregate's 95% interval\) must be between 100 and 100,000 \(got {reps:,}\)"):
+        parse_suite({"suite": {"reps": reps}, "task": [task]}, "reps.toml")
+    assert [parse_suite({"suite": {"reps": r}, "task": [task]}).reps for r in (100, 100_000)] == [
+        100, 100_000]
+
