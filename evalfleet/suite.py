@@ -205,6 +205,15 @@ def parse_suite(data: dict[str, Any], source: str = "<suite>") -> Suite:
     gamma = head.get("gamma", 1.0)
     if isinstance(gamma, bool) or not isinstance(gamma, int | float) or not math.isfinite(gamma):
         raise _fail(source, f"[suite] 'gamma' must be a finite number (got {gamma!r}).")
+    # The optimality gap is mean(max(gamma - score, 0)), and a normalised score is 0 at the random
+    # policy's return (or the min): a target at or below it is met by every policy that does no
+    # worse than random. gamma = -5 made the gap 0 for any CartPole policy, as if each were optimal.
+    if gamma <= 0:
+        raise _fail(source, f"[suite] 'gamma' (the optimality gap's target score) must be > 0, above "
+                    f"the random policy's normalised score of 0 (got {gamma!r}): at or below it a "
+                    "policy no better than random has a gap of 0. Use 1 (the reference's score, the "
+                    "default), or a higher target; for raw returns, normalise the tasks "
+                    "({ min = A, max = B }) first.")
     planned = 0  # tasks after grid expansion, counted before any grid is expanded
     for entry in entries:
         grid = entry.get("grid") if isinstance(entry, dict) else None
@@ -225,6 +234,10 @@ def parse_suite(data: dict[str, Any], source: str = "<suite>") -> Suite:
         if not isinstance(env, str) or not env:
             raise _fail(where, f"'env' must be a Gymnasium id such as 'CartPole-v1' (got {env!r}).")
         where = f"{source} task {i + 1} ({entry.get('name', env)})"
+        # An empty name fell back to the env id: the task was not named what the file said.
+        if "name" in entry and (not isinstance(entry["name"], str) or not entry["name"].strip()):
+            raise _fail(where, f"'name' must be a non-empty string (got {entry['name']!r}); give the "
+                        "task a name, or drop 'name' to name it after its env id.")
         kwargs = entry.get("kwargs", {})
         if not isinstance(kwargs, dict):
             raise _fail(where, f"'kwargs' must be a table of gym.make kwargs (got {kwargs!r}).")

@@ -239,3 +239,21 @@ def test_bootstrap_resamples_outside_what_an_interval_needs_are_refused(reps) ->
     assert [parse_suite({"suite": {"reps": r}, "task": [task]}).reps for r in (100, 100_000)] == [
         100, 100_000]
 
+
+@pytest.mark.parametrize("gamma", [-5, 0, 0.0])
+def test_an_optimality_gap_target_at_or_below_the_random_policy_is_refused(gamma) -> None:
+    # gamma = -5: the gap mean(max(gamma - score, 0)) was 0 for any policy, exit 0.
+    task = {"env": "CartPole-v1", "episodes": 4, "normalise": {"min": 0, "max": 500}}
+    with pytest.raises(SuiteError, match=rf"gamma.toml: \[suite\] 'gamma' \(the optimality gap's "
+                       rf"target score\) must be > 0, .* \(got {gamma!r}\)"):
+        parse_suite({"suite": {"gamma": gamma}, "task": [task]}, "gamma.toml")
+    assert parse_suite({"suite": {"gamma": 0.5}, "task": [task]}).gamma == 0.5
+
+
+@pytest.mark.parametrize("name", ["", "  ", 7])
+def test_a_task_name_that_is_empty_is_refused_not_replaced_by_the_env_id(name) -> None:
+    # name = "" named the task 'CartPole-v1' without a word.
+    with pytest.raises(SuiteError, match=r"task 1 \(.*\): 'name' must be a non-empty string "
+                       rf"\(got {name!r}\)"):
+        _suite(name=name)
+    assert _suite().tasks[0].name == "CartPole-v1"  # no name at all: the env id's, as documented
