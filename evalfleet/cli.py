@@ -41,6 +41,21 @@ EXIT_FAILED = 1
 EXIT_OUTPUT_MISSING = 5
 
 
+#: Options each task of a suite sets for itself (``--suite``): given with one, they were ignored.
+SUITE_SETS = ("--env", "--env-kwargs", "--episodes", "--max-steps")
+#: The namespace attribute that holds the ``SUITE_SETS`` options given on the command line.
+GIVEN = "given_options"
+
+
+class _Given(argparse.Action):
+    """Store the value and note that the option was given: its default may be typed out too."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: str | Sequence[Any] | None, option_string: str | None = None) -> None:
+        setattr(namespace, self.dest, values)
+        setattr(namespace, GIVEN, {*getattr(namespace, GIVEN, ()), option_string or self.dest})
+
+
 #: What ``python flows/eval.py --help`` and ``evalfleet eval --help`` say first.
 EVAL_DESCRIPTION = (
     "Evaluate a policy on a Gymnasium env: many episodes at once on a Dask cluster, results to "
@@ -60,20 +75,21 @@ def build_parser(prog: str = "python flows/eval.py") -> argparse.ArgumentParser:
 def add_eval_arguments(p: argparse.ArgumentParser) -> None:
     """Add the evaluation's options to ``p`` (the standalone parser or ``evalfleet eval``)."""
     d = EvalRequest.model_fields
-    p.add_argument("--env", default=d["env"].default,
+    p.add_argument("--env", default=d["env"].default, action=_Given,
                    help="Gymnasium id; 'my_pkg.envs:Warehouse-v0' imports my_pkg.envs first")
-    p.add_argument("--env-kwargs", default="{}", help="JSON object of kwargs for gym.make")
+    p.add_argument("--env-kwargs", default="{}", action=_Given, help="JSON object of kwargs for gym.make")
     p.add_argument("--policy", default=EXAMPLE_POLICY,
                    help="TorchScript file, state_dict file (with --policy-factory), or "
                    "'module:function' (numpy obs batch -> actions)")
     p.add_argument("--policy-factory", default=None,
                    help="'module:function' returning the nn.Module for a state_dict")
-    p.add_argument("--episodes", type=int, default=d["episodes"].default, help="episodes to run")
+    p.add_argument("--episodes", type=int, default=d["episodes"].default, action=_Given,
+                   help="episodes to run")
     p.add_argument("--concurrency", type=int, default=d["concurrency"].default,
                    help="environment instances alive at once across the cluster")
     p.add_argument("--seed", type=int, default=d["seed"].default,
                    help="base seed; episode i is reset with ledger(seed, i)")
-    p.add_argument("--max-steps", type=int, default=None,
+    p.add_argument("--max-steps", type=int, default=None, action=_Given,
                    help="episode step cap (default: the env's registered max_episode_steps)")
     p.add_argument("--stochastic", action="store_true",
                    help="sample actions from the policy's logits (seeded per episode) "
@@ -146,7 +162,8 @@ def add_eval_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--suite", default=None, metavar="SUITE_TOML",
                    help="evaluate on every task of a suite file (envs, kwargs grids, episodes, "
                    "normalisation; see examples/suite.toml) and aggregate across tasks; --env, "
-                   "--env-kwargs, --episodes and --max-steps then come from the suite")
+                   "--env-kwargs, --episodes and --max-steps come from the suite and are refused "
+                   "with it")
     p.add_argument("--ephemeral-server", action="store_true",
                    help="with no PREFECT_API_URL, start a Prefect server for this run only instead "
                    "of the shared local one (evalfleet server status|stop)")
@@ -381,6 +398,14 @@ def run_suite(evaluate_suite: SuiteEvaluator | None, args: argparse.Namespace) -
                     "--gate compares one evaluation with the best earlier checkpoint of its "
                     "training run; a suite has no such verdict across its tasks. Drop --gate, or "
                     "gate each task as its own evaluation (--env ... --gate).")
+            given = [option for option in SUITE_SETS if option in getattr(args, GIVEN, ())]
+            if given:  # each was ignored, exit 0: the tasks ran with the suite file's values
+                raise RequestError(
+                    f"{', '.join(given)} cannot be used with --suite: the suite file "
+                    f"{args.suite!r} sets each task's env, env kwargs, episodes and step cap, so "
+                    "they would be ignored. Drop them, or set them in the suite file ('env', "
+                    "'kwargs', 'episodes', 'max_steps' of a [[task]]; 'episodes' and 'max_steps' "
+                    "of [suite] for every task).")
             suite = load_suite(args.suite)
             base = request_from_args(args)
             check_report_path(args.report)

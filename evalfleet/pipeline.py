@@ -267,20 +267,43 @@ SANDBOX_OPTIONS = {"sandbox_read": "--sandbox-read", "sandbox_write": "--sandbox
                    "step_timeout_s": "--step-timeout"}
 
 
+def sandbox_options_given(request: EvalRequest) -> list[str]:
+    """The CLI options of the sandbox-only fields ``request`` sets to other than their defaults."""
+    fields = type(request).model_fields
+    return [flag for name, flag in SANDBOX_OPTIONS.items()
+            if getattr(request, name) != fields[name].get_default(call_default_factory=True)]
+
+
 def check_no_sandbox_options(request: EvalRequest) -> None:
     """An evaluation that runs in-process is refused sandbox options it was given: they do nothing.
 
     A timeout, a memory limit or a read grant set for episodes that then ran without a sandbox
     (``auto`` keeps gymnasium's and evalfleet's own envs in-process) was accepted and ignored.
-    A suite's tasks are exempt: one set of options serves tasks of several isolation levels.
+    A suite's tasks are exempt: one set of options serves tasks of several isolation levels
+    (``check_suite_sandbox_options`` refuses them when no task runs in a sandbox).
     """
-    fields = type(request).model_fields
-    given = [flag for name, flag in SANDBOX_OPTIONS.items()
-             if getattr(request, name) != fields[name].get_default(call_default_factory=True)]
+    given = sandbox_options_given(request)
     if given:
         raise RequestError(
             f"{', '.join(given)} apply to process/bwrap sandboxes, but this evaluation runs its "
             f"envs in-process (isolation {request.isolation!r} for {request.env!r}): they would do "
+            "nothing. Pass --isolation process to run the envs in sandboxes, or drop them.")
+
+
+def check_suite_sandbox_options(base: EvalRequest, tasks: Sequence[tuple[EvalRequest, Received]]
+                                ) -> None:
+    """A suite none of whose tasks runs in a sandbox is refused the sandbox options it was given.
+
+    The options serve every task, so one in-process task among sandboxed ones is no reason to
+    refuse them; with every task in-process they do nothing (``--step-timeout 3 --sandbox-memory-mb
+    2000`` on a CartPole suite was accepted and ignored, exit 0).
+    """
+    given = sandbox_options_given(base)
+    if given and tasks and all(rec.isolation == "inprocess" for _, rec in tasks):
+        envs = ", ".join(dict.fromkeys(repr(r.env) for r, _ in tasks))
+        raise RequestError(
+            f"{', '.join(given)} apply to process/bwrap sandboxes, but every task of this suite "
+            f"runs its env in-process (isolation {base.isolation!r} for {envs}): they would do "
             "nothing. Pass --isolation process to run the envs in sandboxes, or drop them.")
 
 

@@ -27,7 +27,15 @@ from evalfleet.callback import check_callback
 from evalfleet.cluster import client_for, fleet_cluster, installed, worker_slots
 from evalfleet.errors import SuiteError
 from evalfleet.models import EvalReport, EvalRequest
-from evalfleet.pipeline import Collected, Received, key_held, lookup, receive, store_in_cache
+from evalfleet.pipeline import (
+    Collected,
+    Received,
+    check_suite_sandbox_options,
+    key_held,
+    lookup,
+    receive,
+    store_in_cache,
+)
 from evalfleet.sandbox.isolation import probe_in_background
 from evalfleet.suite import Suite, SuiteReport, baseline_requests, task_requests
 from evalfleet.suite_report import (
@@ -203,6 +211,7 @@ def evaluate_suite(suite: Suite, base: EvalRequest) -> SuiteReport:
     groups = [mine] + ([baseline_requests(mine, base.baseline, base.baseline_factory)]
                        if base.baseline else [])
     checked = [(r, receive(r)) for group in groups for r in group]
+    check_suite_sandbox_options(base, checked)
     probe_in_background()  # the reports' sandbox manifest (~1 s of child processes), meanwhile
     for group in groups:  # one group holds all its tasks' cache locks at once
         same_as(suite, [rec.cache_key for r, rec in checked if r in group])

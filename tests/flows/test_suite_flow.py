@@ -150,3 +150,50 @@ def test_bad_suites_fail_before_anything_is_spawned(tmp_path, monkeypatch, capsy
                    '[[task]]\nname = "b"\nenv = "evalfleet/Inventory-v0"\nepisodes = 5\n')
     assert run_cli(evaluate, argv, evaluate_suite) == 2
     assert "suite tasks 'a' and 'b' are the same evaluation" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("options,named", [
+    (["--env", "Acrobot-v1"], "--env"),
+    (["--episodes", "500"], "--episodes"),  # the default typed out is still an option given
+    (["--episodes", "50", "--env", "Acrobot-v1", "--max-steps", "10", "--env-kwargs", '{"foo": 1}'],
+     "--env, --env-kwargs, --episodes, --max-steps"),
+])
+def test_options_the_suite_sets_are_refused_with_it(tmp_path, monkeypatch, capsys, options, named):
+    # Each was ignored, exit 0: the tasks ran the suite file's env, kwargs, episodes and step cap.
+    monkeypatch.setattr(suite_module, "fleet_cluster", refuse)
+    monkeypatch.setattr(suite_module, "prefect_api", refuse)
+    path = tmp_path / "suite.toml"
+    path.write_text('[suite]\nepisodes = 8\n[[task]]\nname = "cp"\nenv = "CartPole-v1"\n')
+    argv = ["--suite", str(path), "--output", str(tmp_path / "out"), *options]
+    assert run_cli(evaluate, argv, refuse) == 2
+    err = capsys.readouterr().err
+    assert f"evalfleet: error: {named} cannot be used with --suite: the suite file '{path}' sets each " \
+           "task's env, env kwargs, episodes and step cap, so they would be ignored" in err
+
+
+def test_sandbox_options_are_refused_for_a_suite_whose_every_task_runs_in_process(
+        tmp_path, monkeypatch, capsys):
+    # --step-timeout 3 --sandbox-memory-mb 2000 on a CartPole suite: accepted and ignored, exit 0.
+    monkeypatch.setattr(suite_module, "fleet_cluster", refuse)
+    monkeypatch.setattr(suite_module, "prefect_api", refuse)
+    path = tmp_path / "suite.toml"
+    path.write_text('[suite]\nepisodes = 8\n[[task]]\nenv = "CartPole-v1"\n[[task]]\nenv = "CartPole-v0"\n')
+    argv = ["--suite", str(path), "--output", str(tmp_path / "out"), "--step-timeout", "3",
+            "--sandbox-memory-mb", "2000"]
+    assert run_cli(evaluate, argv, evaluate_suite) == 2
+    assert ("--sandbox-memory-mb, --step-timeout apply to process/bwrap sandboxes, but every task of "
+            "this suite runs its env in-process (isolation 'auto' for 'CartPole-v1', 'CartPole-v0'): "
+            "they would do nothing") in capsys.readouterr().err
+
+
+def test_sandbox_options_serve_a_suite_with_a_task_in_a_sandbox(tmp_path):
+    """One set of options serves every task: an in-process task beside a sandboxed one is no
+    reason to refuse them."""
+    from types import SimpleNamespace
+
+    from evalfleet.pipeline import check_suite_sandbox_options
+
+    base = EvalRequest.build(policy="envs.suite_policies:random", step_timeout_s=3.0, output=tmp_path)
+    tasks = [(base, SimpleNamespace(isolation="inprocess")), (base, SimpleNamespace(isolation="process"))]
+    check_suite_sandbox_options(base, tasks)
+    check_suite_sandbox_options(EvalRequest.build(policy=base.policy, output=tmp_path), tasks[:1])
