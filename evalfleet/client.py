@@ -42,7 +42,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from evalfleet.errors import EvalfleetError, OutputsMissing, PolicyError
+from evalfleet.errors import EvalfleetError, OutputsMissing, PolicyError, SuiteError
 from evalfleet.models import EvalReport, EvalRequest
 from evalfleet.runners import EvaluationFailed, Runner, find_runner, load_runner
 from evalfleet.snapshots import PolicyWriter, WeightSnapshot, factory_ref, snapshot_weights
@@ -139,11 +139,12 @@ class Evaluator:
     """Evaluate training weights on the fleet, blocking (``evaluate``) or not (``trigger_eval``).
 
     Args:
-        env: Gymnasium id of the evaluation env (``'module:EnvId-v0'`` imports ``module`` first).
+        env: Gymnasium id of the evaluation env (``'module:EnvId-v0'`` imports ``module`` first);
+            default ``'CartPole-v1'``.
         policy_factory: ``'module:function'`` or a module-level function building the
             ``nn.Module``; weights then travel as a state_dict. Without it an ``nn.Module`` is
             compiled to TorchScript, and a bare state_dict is refused.
-        num_episodes: Episodes per evaluation.
+        num_episodes: Episodes per evaluation (default 100).
         busy_policy: What ``trigger_eval`` does while an evaluation is pending: ``'error'``
             raises ``EvaluatorBusy``, ``'queue'`` runs requests in order, ``'skip'`` drops the new
             request (logged, counted in ``skipped``, returns None).
@@ -155,18 +156,19 @@ class Evaluator:
         runner: ``runner(request) -> EvalReport``; default: the ``local`` runner registered in
             the ``evalfleet.runners`` entry point group (the flow on a local cluster).
         suite: A suite file (``suite.toml``, see ``evalfleet.suite``): each evaluation runs every
-            task of the suite (``env`` and ``num_episodes`` are then unused) and the result holds
-            the suite's aggregates (``eval/suite/iqm``, ...; ``eval/reward`` is the IQM). Needs a
-            runner with a ``suite(suite, request)`` method, as the default one has.
+            task of the suite (its tasks set the env, episodes, kwargs and step cap: ``env``,
+            ``num_episodes``, ``env_kwargs`` and ``max_steps`` are refused with it) and the
+            result holds the suite's aggregates (``eval/suite/iqm``, ...; ``eval/reward`` is the
+            IQM). Needs a runner with a ``suite(suite, request)`` method, as the default one has.
         **request_fields: Any other ``EvalRequest`` field (``seed``, ``env_kwargs``, ``workers``,
             ``dask_address``, ``output``, ``mlflow_uri``, ``experiment``, ``max_steps``, ...).
     """
 
     def __init__(
         self,
-        env: str = "CartPole-v1",
+        env: str | None = None,
         policy_factory: str | Callable[..., Any] | None = None,
-        num_episodes: int = 100,
+        num_episodes: int | None = None,
         *,
         busy_policy: str = "error",
         on_result: Callable[[Result], None] | None = None,
@@ -177,7 +179,7 @@ class Evaluator:
         suite: str | Path | None = None,
         **request_fields: Any,
     ) -> None:
-        if not isinstance(env, str):
+        if env is not None and not isinstance(env, str):
             raise TypeError(
                 f"'env' must be a Gymnasium id string (got {type(env).__name__}): workers build "
                 "their own env instances by id, e.g. 'CartPole-v1' or 'my_pkg.envs:Maze-v0'."
@@ -193,6 +195,20 @@ class Evaluator:
                 "arguments (env, policy_factory, num_episodes, device, training_run_id) and the "
                 "'step' of each call."
             )
+        if suite is not None:
+            # The suite's tasks set these: Evaluator(suite=..., env="Acrobot-v1", num_episodes=50)
+            # ran the suite file's envs and budgets, without a word.
+            given = [name for name, value in (("env", env), ("num_episodes", num_episodes))
+                     if value is not None] + [name for name in ("env_kwargs", "max_steps")
+                                              if name in request_fields]
+            if given:
+                raise SuiteError(
+                    f"{', '.join(map(repr, given))} cannot be used with 'suite': the suite file "
+                    f"{str(suite)!r} sets each task's env, env kwargs, episodes and step cap, so "
+                    "they would be ignored. Drop them, or set them in the suite file ('env', "
+                    "'kwargs', 'episodes', 'max_steps' of a [[task]]).")
+        env = "CartPole-v1" if env is None else env
+        num_episodes = 100 if num_episodes is None else num_episodes
         self.factory = factory_ref(policy_factory) if policy_factory is not None else None
         if self.factory is not None:  # a factory that cannot be imported fails here, not at step 1
             from evalfleet.policy import import_object

@@ -51,3 +51,21 @@ def test_bad_suite_fails_at_construction_and_plain_runners_are_refused(tmp_path:
     with Evaluator(output=tmp_path, runner=lambda r: None, suite=bad) as ev, \
             pytest.raises(EvaluationFailed, match="cannot run suites"):
         ev.evaluate(torch.nn.Sequential(torch.nn.Linear(4, 2)), timeout=120)
+
+
+@pytest.mark.parametrize("arguments,named", [
+    ({"env": "Acrobot-v1"}, "'env'"),
+    ({"num_episodes": 100}, "'num_episodes'"),  # the default typed out is still an argument given
+    ({"env": "Acrobot-v1", "num_episodes": 50, "max_steps": 10, "env_kwargs": {"foo": 1}},
+     "'env', 'num_episodes', 'env_kwargs', 'max_steps'"),
+])
+def test_arguments_the_suite_sets_are_refused_at_construction(tmp_path: Path, arguments, named) -> None:
+    # Evaluator(suite=..., env="Acrobot-v1", num_episodes=50, max_steps=10) ran the suite file's
+    # envs and budgets without a word.
+    path = tmp_path / "suite.toml"
+    path.write_text(SUITE)
+    with pytest.raises(SuiteError, match=rf"^{named} cannot be used with 'suite': the suite file "
+                       rf"'{path}' sets each task's env, env kwargs, episodes and step cap"):
+        Evaluator(output=tmp_path, runner=SuiteRunner(), suite=path, **arguments)
+    with Evaluator(output=tmp_path, runner=SuiteRunner(), suite=path, seed=3) as ev:
+        assert ev._template.env == "CartPole-v1" and ev._template.episodes == 100
