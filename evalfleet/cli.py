@@ -352,14 +352,36 @@ def exit_now(code: int) -> NoReturn:
     os._exit(code)
 
 
-def check_report_path(path: str | None) -> None:
+def report_inputs(args: argparse.Namespace) -> list[tuple[str, str | None]]:
+    """The options that may name an input file, with their values (``check_report_path``).
+
+    A ``--policy-factory`` or ``--baseline-factory`` is a ``module:function``, not a path.
+    """
+    return [("--policy", args.policy), ("--baseline", args.baseline),
+            ("--suite", getattr(args, "suite", None))]
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        return a.exists() and b.exists() and os.path.samefile(a, b)
+    except OSError:  # a name too long, a folder that may not be listed: not the same file
+        return False
+
+
+def check_report_path(path: str | None, inputs: Sequence[tuple[str, str | None]] = ()) -> None:
     """``--report``'s file can be written: its folder made, the file opened, before anything runs.
 
-    A report asked for and not written after the evaluation ran would be a result lost.
+    A report asked for and not written after the evaluation ran would be a result lost. Nor may
+    it be one of ``inputs`` (option, value; ``report_inputs``): ``--report my_policy.pt
+    --policy my_policy.pt`` replaced the policy file with the report JSON, exit 0.
     """
     if not path:
         return
     target = Path(path)
+    for option, value in inputs:  # the same file by any name: a relative path, a link
+        if value and _same_file(target, Path(value)):
+            raise RequestError(f"--report {path!r} is the {option} file {value!r}: writing the "
+                               "report there would overwrite it. Give --report another path.")
     existed = target.exists()
     try:
         if target.is_dir():
@@ -408,7 +430,7 @@ def run_suite(evaluate_suite: SuiteEvaluator | None, args: argparse.Namespace) -
                     "of [suite] for every task).")
             suite = load_suite(args.suite)
             base = request_from_args(args)
-            check_report_path(args.report)
+            check_report_path(args.report, report_inputs(args))
             if evaluate_suite is None:
                 raise RequestError("--suite needs the suite flow: run python flows/eval.py or "
                                    "evalfleet eval.")
@@ -477,7 +499,7 @@ def _run_eval(evaluate: Callable[[EvalRequest], EvalReport], args: argparse.Name
                     "--gate compares this evaluation with the best earlier checkpoint of its "
                     "training run: it needs --training-run-id and --step (got "
                     f"{request.training_run_id!r}, {request.step!r}). Pass both, or drop --gate.")
-            check_report_path(args.report)
+            check_report_path(args.report, report_inputs(args))
             report = evaluate(request)
     except EvalfleetError as err:
         print(f"evalfleet: error: {err}", file=sys.stderr)

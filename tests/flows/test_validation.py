@@ -182,6 +182,39 @@ def test_a_report_path_that_cannot_be_written_fails_before_anything_runs(tmp_pat
     assert seen and report.parent.is_dir() and not report.exists()
 
 
+def test_a_report_path_that_names_an_input_file_is_refused(tmp_path, capsys, monkeypatch,
+                                                          example_policy):
+    """``--report my_policy.pt --policy my_policy.pt`` replaced the policy with the report JSON,
+    exit 0; so did ``--report`` naming the ``--baseline`` or ``--suite`` file. Refused (exit 2),
+    by any name of the same file, before anything runs; the input is left as it was."""
+    import shutil
+
+    from evalfleet.cli import EXIT_BAD_REQUEST, run_cli
+
+    def refuse(*args):
+        raise AssertionError("the evaluation ran with a --report that overwrites an input")
+
+    policy = tmp_path / "my_policy.pt"
+    shutil.copy(example_policy, policy)
+    before = policy.read_bytes()
+    suite = tmp_path / "suite.toml"
+    suite.write_text('[[task]]\nenv = "CartPole-v1"\nepisodes = 4\n')
+    (tmp_path / "link.pt").symlink_to(policy)
+    monkeypatch.chdir(tmp_path)
+    out = ["--output", str(tmp_path / "out")]
+    for argv, option, value in [
+            (["--policy", str(policy), "--report", str(policy)], "--policy", str(policy)),
+            (["--policy", "my_policy.pt", "--report", str(tmp_path / "link.pt")], "--policy",
+             "my_policy.pt"),
+            (["--baseline", str(policy), "--report", "./my_policy.pt"], "--baseline", str(policy)),
+            (["--suite", str(suite), "--report", str(suite)], "--suite", str(suite))]:
+        assert run_cli(refuse, [*argv, *out], refuse) == EXIT_BAD_REQUEST
+        err = capsys.readouterr().err
+        assert (f"--report {argv[-1]!r} is the {option} file {value!r}: writing the report there "
+                "would overwrite it. Give --report another path.") in err
+    assert policy.read_bytes() == before and suite.read_text().startswith("[[task]]")
+
+
 @pytest.mark.parametrize(
     "fields,message",
     [
