@@ -23,6 +23,7 @@ import importlib
 import inspect
 import json
 import logging
+import math
 import os
 import re
 import reprlib
@@ -97,6 +98,8 @@ def check_env_kwargs(env_id: str, kwargs: Mapping[str, Any]) -> None:
 
     def walk(value: Any, where: str) -> None:
         kind = type(value)
+        if kind is float and not math.isfinite(value):  # NaN and Infinity are not JSON either
+            raise _not_json(env_id, where, value)
         if kind in _JSON_SCALARS:
             return
         if kind is list:
@@ -121,7 +124,7 @@ def _not_json(env_id: str, where: str, value: Any) -> EnvSpecError:
     kind = type(value)
     return EnvSpecError(
         f"env {env_id!r}: env kwarg {where} must be a JSON value (dict with str keys, list, str, "
-        f"int, float, bool or None; got {kind.__module__}.{kind.__qualname__}: "
+        f"int, finite float, bool or None; got {kind.__module__}.{kind.__qualname__}: "
         f"{reprlib.repr(value)}). The cache key, the report and MLflow's params hold kwargs as "
         "JSON, so they must carry exactly what the env receives: pass the JSON equivalent "
         "(array.tolist(), float(x) or int(x), a list for a tuple) and convert it in the env's "

@@ -101,6 +101,34 @@ def check_tracking_uri(uri: str) -> None:
             f"(known: {', '.join(sorted(MLFLOW_SCHEMES | plugins))}).")
 
 
+class _NonFinite(ValueError):
+    """A NaN or Infinity constant in JSON text (``json.loads``'s ``parse_constant``)."""
+
+
+def _no_constant(name: str) -> Any:
+    raise _NonFinite(name)
+
+
+def non_finite_path(value: Any, where: str) -> tuple[str, str] | None:
+    """``(path, value)`` of the first non-finite float in ``value`` (dicts, lists), else None."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return where, repr(value)
+    items = (value.items() if isinstance(value, dict)
+             else enumerate(value) if isinstance(value, list | tuple) else ())
+    for key, item in items:
+        found = non_finite_path(item, f"{where}[{key!r}]")
+        if found is not None:
+            return found
+    return None
+
+
+def _non_finite_kwarg(value: str, where: str) -> str:
+    at = f" at {where}" if where else ""
+    return (f"'env_kwargs' must hold finite numbers (got {value}{at}): NaN and Infinity are not "
+            "JSON, so the cache key, the report and MLflow's params could not hold what the env "
+            "receives (the report showed null). Pass a finite number, or null for None.")
+
+
 class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -202,7 +230,11 @@ class EvalRequest(_Frozen):
     def _parse_kwargs(cls, value: Any) -> Any:
         if isinstance(value, str):
             try:
-                value = json.loads(value) if value.strip() else {}
+                # NaN and Infinity are not JSON, but json.loads takes them: the env got NaN (truthy:
+                # a flag such as CartPole's sutton_barto_reward turned on) and the report null.
+                value = json.loads(value, parse_constant=_no_constant) if value.strip() else {}
+            except _NonFinite as err:
+                raise RequestError(_non_finite_kwarg(str(err), "")) from None
             except json.JSONDecodeError as err:
                 raise RequestError(
                     f"'env_kwargs' must be a JSON object (got {value!r}: {err.msg} at column "
@@ -212,6 +244,9 @@ class EvalRequest(_Frozen):
             raise RequestError(
                 f"'env_kwargs' must be a JSON object / dict (got {type(value).__name__}: {value!r})."
             )
+        where = non_finite_path(value, "")
+        if where is not None:
+            raise RequestError(_non_finite_kwarg(where[1], where[0]))
         return value
 
     @model_validator(mode="after")

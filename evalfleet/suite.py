@@ -46,7 +46,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from evalfleet.aggregates import normalise, probability_of_improvement, summary
 from evalfleet.errors import RequestError, SuiteError
-from evalfleet.models import EvalReport, EvalRequest
+from evalfleet.models import EvalReport, EvalRequest, non_finite_path
 from evalfleet.scoring import scored_returns
 from evalfleet.stats import _MIN_BOOT
 
@@ -250,6 +250,12 @@ def parse_suite(data: dict[str, Any], source: str = "<suite>") -> Suite:
             steps = _positive_int(steps, where, "max_steps")
         base = str(entry.get("name") or env.rsplit(":", 1)[-1].rsplit("/", 1)[-1])
         points = _grid(entry.get("grid"), where)
+        for name, values in (("kwargs", kwargs), ("grid", entry.get("grid") or {})):
+            bad = non_finite_path(values, "")
+            if bad is not None:  # TOML has nan and inf; gym.make would get them, the report null
+                raise _fail(where, f"'{name}{bad[0]}' must be a finite number (got {bad[1]}): "
+                            "NaN and inf are not JSON, so the cache key, the report and MLflow's "
+                            "params could not hold what the env receives.")
         overlap = sorted(set(points[0]) & set(kwargs))
         if overlap:
             raise _fail(where, f"{overlap!r} are both in 'kwargs' and 'grid'; keep each in one.")

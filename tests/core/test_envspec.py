@@ -33,12 +33,20 @@ def test_module_without_a_distribution_is_hashed_by_source():
 # --- what the fingerprint makes of kwargs ------------------------------------------------------
 
 def test_plain_json_kwargs_pass_and_the_rest_is_refused_with_its_path():
-    envspec.check_env_kwargs("X-v0", {"a": [1, 2.5, None, True, {"b": "c"}], "d": float("inf")})
+    envspec.check_env_kwargs("X-v0", {"a": [1, 2.5, None, True, {"b": "c"}], "d": 1e308})
     with pytest.raises(EnvSpecError) as err:
         envspec.check_env_kwargs("X-v0", {"a": [1, {"b": (1, 2)}]})
     message = str(err.value)
     assert "env 'X-v0': env kwarg 'a'[1]['b'] must be a JSON value" in message
     assert "got builtins.tuple: (1, 2)" in message and "a list for a tuple" in message
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_non_finite_kwargs_are_refused_with_their_path(bad):
+    # NaN is not JSON: the env got NaN (truthy) while the key, report and params held null.
+    with pytest.raises(EnvSpecError, match=r"env kwarg 'a'\[0\]\['b'\] must be a JSON value "
+                       r"\(.*finite float.*got builtins.float: (nan|inf|-inf)\)"):
+        envspec.check_env_kwargs("X-v0", {"a": [{"b": bad}]})
 
 
 class _Opaque:

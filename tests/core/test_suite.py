@@ -96,6 +96,11 @@ def test_the_shipped_example_parses() -> None:
                 "normalise": [{"min": 0, "max": 1}]}]}, "list of 1 tables but the grid expands into 2"),
     ({"task": [{"env": "CartPole-v1", "episodes": 5}, {"env": "CartPole-v1", "episodes": 6}]},
      r"task names \['CartPole-v1'\] appear twice"),
+    # TOML has nan and inf: the env got them, the report null.
+    ({"task": [{"env": "CartPole-v1", "episodes": 5, "kwargs": {"a": {"b": float("nan")}}}]},
+     r"'kwargs\['a'\]\['b'\]' must be a finite number \(got nan\)"),
+    ({"task": [{"env": "CartPole-v1", "episodes": 5, "grid": {"a": [1.0, float("-inf")]}}]},
+     r"'grid\['a'\]\[1\]' must be a finite number \(got -inf\)"),
 ])
 def test_bad_suites_say_what_is_wrong(data, match) -> None:
     with pytest.raises(SuiteError, match=match) as info:

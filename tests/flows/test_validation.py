@@ -74,6 +74,19 @@ def test_bad_fields(field, value, message, example_policy):
         EvalRequest.build(policy=example_policy, **{field: value})
 
 
+@pytest.mark.parametrize("kwargs,got", [
+    ('{"sutton_barto_reward": NaN}', r"got NaN"),
+    ('{"a": [1, Infinity]}', r"got Infinity"),
+    ('{"a": -Infinity}', r"got -Infinity"),
+    ({"a": {"b": [float("nan")]}}, r"got nan at \['a'\]\['b'\]\[0\]"),
+])
+def test_non_finite_env_kwargs_are_refused(kwargs, got, example_policy):
+    # json.loads takes NaN: CartPole got a truthy sutton_barto_reward, the report said null.
+    with pytest.raises(RequestError, match=rf"'env_kwargs' must hold finite numbers \({got}.*"
+                       r"NaN and Infinity are not JSON"):
+        EvalRequest.build(policy=example_policy, env_kwargs=kwargs)
+
+
 def test_bad_env_kwargs_for_the_constructor(no_spawn, example_policy):
     with pytest.raises(EnvSpecError, match=r"could not be made with kwargs \{'gravity': 1\}"):
         _evaluate(policy=example_policy, env_kwargs='{"gravity": 1}')
