@@ -28,6 +28,10 @@ MIN_HASH_PREFIX = 12
 _HASH_PREFIX = re.compile(rf"[0-9a-fA-F]{{{MIN_HASH_PREFIX},64}}")
 _INFO_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_.\-/]{0,127}")
 _RUN_ID = re.compile(r"[A-Za-z0-9._\-:/@+]{1,256}")
+#: Largest finite timeout, seconds (about 11.6 days); inf is no limit. A longer wait overflowed
+#: where the shards wait (threading's TIMEOUT_MAX, ~292 years, for a forward; epoll's int
+#: milliseconds, ~24.8 days, for a sandbox's answer) once the cluster was up.
+MAX_TIMEOUT_S = 1_000_000.0
 
 
 class EndReason(StrEnum):
@@ -307,12 +311,14 @@ class EvalRequest(_Frozen):
                 f"'max_episodes' ({self.max_episodes}) must be >= 'episodes' ({self.episodes})."
             )
         self._check_asked_for()
-        # NaN passed '<= 0' checks (every episode then timed out); inf means no limit.
+        # NaN passed '<= 0' checks (every episode then timed out); inf means no limit, and every
+        # wait takes it as such (a wait of inf seconds, or of 1e10, overflowed).
         for name in ("step_timeout_s", "policy_timeout_s", "episode_timeout_s"):
             value = getattr(self, name)
-            if not value > 0:
+            if not (value > 0 and (value <= MAX_TIMEOUT_S or value == math.inf)):
                 raise RequestError(
-                    f"'{name}' must be > 0 seconds, or inf for no limit (got {value!r}).")
+                    f"'{name}' must be > 0 and at most {MAX_TIMEOUT_S:.0f} seconds (about 11.6 "
+                    f"days), or inf for no limit (got {value!r}).")
         if not (self.device in ("auto", "cpu") or self.device.startswith("cuda")):
             raise RequestError(
                 f"Unknown device {self.device!r}. Choose 'auto', 'cpu', 'cuda' or 'cuda:N'."

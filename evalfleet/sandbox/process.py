@@ -425,7 +425,9 @@ class ProcessSlots:
             if not pending:
                 break
             timeout = max(0.0, min(deadlines[b] for b in pending) - now)
-            for key, mask in self._sel.select(timeout):
+            # inf (--step-timeout inf with --episode-timeout inf) is no limit: a select of inf
+            # seconds overflowed epoll's int milliseconds and failed the shard.
+            for key, mask in self._sel.select(None if timeout == math.inf else timeout):
                 b = key.data
                 box = self._boxes[b]
                 if box is None or b in doomed:

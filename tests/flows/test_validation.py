@@ -293,7 +293,13 @@ def test_a_gate_without_a_training_run_fails_before_anything_runs(tmp_path, caps
         ({"seed": -1}, r"'seed' must be an integer in \[0, 2147483647\] \(got -1\)"),
         ({"seed": 2**31}, r"'seed' must be an integer in \[0, 2147483647\] \(got 2147483648\)"),
         ({"step": -1}, r"'step' must be a training step >= 0 \(got -1\)"),
-        ({"episode_timeout_s": float("nan")}, r"'episode_timeout_s' must be > 0 seconds, or inf"),
+        ({"episode_timeout_s": float("nan")}, r"'episode_timeout_s' must be > 0 and at most "
+         r"1000000 seconds \(about 11.6 days\), or inf for no limit \(got nan\)"),
+        # Past threading.TIMEOUT_MAX (or epoll's int milliseconds for the sandboxes'), the shards
+        # failed with OverflowError once the cluster was up.
+        ({"policy_timeout_s": 1e10}, r"'policy_timeout_s' must be > 0 and at most 1000000 seconds"
+         r".*or inf for no limit \(got 10000000000.0\)"),
+        ({"step_timeout_s": 2e6}, r"'step_timeout_s' must be > 0 and at most 1000000 seconds"),
         ({"target_ci_halfwidth": float("nan"), "max_episodes": 600},
          r"'target_ci_halfwidth' must be a finite number > 0 \(got nan\)"),
         ({"experiment": " "}, r"'experiment' is empty"),

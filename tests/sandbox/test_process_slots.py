@@ -97,6 +97,19 @@ def test_rows_equal_inprocess(level: str, k: int) -> None:
     assert box.spawned == math.ceil(7 / k), "a healthy run forks each sandbox exactly once"
 
 
+def test_infinite_step_and_episode_timeouts_are_no_limit() -> None:
+    # "inf for no limit" (the request's own message): a select of inf seconds overflowed, and
+    # every shard failed with OverflowError after the cluster was up.
+    from evalfleet.models import EvalRequest
+    from evalfleet.sandbox.limits import sandbox_limits
+
+    request = EvalRequest.build(policy="m:f", isolation="process", step_timeout_s=math.inf,
+                                episode_timeout_s=math.inf)
+    records, _ = run_direct("process", "CartPole-v1", 4, 2, limits=sandbox_limits(request),
+                            timeout_s=request.episode_timeout_s)
+    assert {r.end_reason for r in records} <= {"terminated", "truncated"}, records
+
+
 @pytest.mark.parametrize("level", SANDBOXED)
 def test_sandbox_confinement_facts(level: str) -> None:
     env = fe.env_id("Introspect")
