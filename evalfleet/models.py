@@ -32,6 +32,10 @@ _RUN_ID = re.compile(r"[A-Za-z0-9._\-:/@+]{1,256}")
 #: where the shards wait (threading's TIMEOUT_MAX, ~292 years, for a forward; epoll's int
 #: milliseconds, ~24.8 days, for a sandbox's answer) once the cluster was up.
 MAX_TIMEOUT_S = 1_000_000.0
+#: Largest sandbox address-space limit, MiB: 128 TiB, the whole user address space of x86-64
+#: Linux (a larger limit limits nothing). Past 2^43 MiB the byte count overflowed setrlimit's
+#: rlim_t in every sandbox, and every episode 'crashed' after the cluster was up.
+MAX_SANDBOX_MEMORY_MB = 128 * 1024 * 1024
 
 
 class EndReason(StrEnum):
@@ -259,6 +263,12 @@ class EvalRequest(_Frozen):
             value = getattr(self, name)
             if value <= 0:
                 raise RequestError(f"'{name}' must be a positive integer (got {value!r}).")
+        if self.sandbox_memory_mb > MAX_SANDBOX_MEMORY_MB:
+            raise RequestError(
+                f"'sandbox_memory_mb' must be at most {MAX_SANDBOX_MEMORY_MB} MiB (128 TiB, the "
+                f"whole address space of a 64-bit process; got {self.sandbox_memory_mb!r}): a "
+                "larger limit does not fit the sandboxes' RLIMIT_AS. Pass the MiB a sandbox may "
+                "use, e.g. 4096.")
         if not 0 <= self.seed <= MAX_BASE_SEED:
             raise RequestError(
                 f"'seed' must be an integer in [0, {MAX_BASE_SEED}] (got {self.seed!r}): the seed "

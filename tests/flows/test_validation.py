@@ -300,6 +300,9 @@ def test_a_gate_without_a_training_run_fails_before_anything_runs(tmp_path, caps
         ({"policy_timeout_s": 1e10}, r"'policy_timeout_s' must be > 0 and at most 1000000 seconds"
          r".*or inf for no limit \(got 10000000000.0\)"),
         ({"step_timeout_s": 2e6}, r"'step_timeout_s' must be > 0 and at most 1000000 seconds"),
+        # Its bytes overflowed setrlimit in every sandbox: every episode 'crashed' (exit 3).
+        ({"sandbox_memory_mb": 10**13}, r"'sandbox_memory_mb' must be at most 134217728 MiB "
+         r"\(128 TiB.*got 10000000000000\): a larger limit does not fit the sandboxes' RLIMIT_AS"),
         ({"target_ci_halfwidth": float("nan"), "max_episodes": 600},
          r"'target_ci_halfwidth' must be a finite number > 0 \(got nan\)"),
         ({"experiment": " "}, r"'experiment' is empty"),
