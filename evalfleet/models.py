@@ -36,6 +36,10 @@ MAX_TIMEOUT_S = 1_000_000.0
 #: Linux (a larger limit limits nothing). Past 2^43 MiB the byte count overflowed setrlimit's
 #: rlim_t in every sandbox, and every episode 'crashed' after the cluster was up.
 MAX_SANDBOX_MEMORY_MB = 128 * 1024 * 1024
+#: Most episodes one evaluation may run (``episodes``, ``max_episodes``, a suite task's). The
+#: driver plans every episode's index and seed at once: 10^8 is a few GiB of plan, 1e12 died of a
+#: bare MemoryError. The webhook's own cap is lower (100,000 per delivery).
+MAX_EPISODES = 100_000_000
 
 
 class EndReason(StrEnum):
@@ -263,6 +267,13 @@ class EvalRequest(_Frozen):
             value = getattr(self, name)
             if value <= 0:
                 raise RequestError(f"'{name}' must be a positive integer (got {value!r}).")
+        for name in ("episodes", "max_episodes"):
+            value = getattr(self, name)
+            if value is not None and value > MAX_EPISODES:
+                raise RequestError(
+                    f"'{name}' must be at most {MAX_EPISODES:,} (got {value:,}): the driver plans "
+                    "every episode's index and seed in memory. Split the run into evaluations with "
+                    "different --seed values.")
         if self.sandbox_memory_mb > MAX_SANDBOX_MEMORY_MB:
             raise RequestError(
                 f"'sandbox_memory_mb' must be at most {MAX_SANDBOX_MEMORY_MB} MiB (128 TiB, the "

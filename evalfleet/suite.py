@@ -46,7 +46,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from evalfleet.aggregates import normalise, probability_of_improvement, summary
 from evalfleet.errors import RequestError, SuiteError
-from evalfleet.models import EvalReport, EvalRequest, non_finite_path
+from evalfleet.models import MAX_EPISODES, EvalReport, EvalRequest, non_finite_path
 from evalfleet.scoring import scored_returns
 from evalfleet.stats import _MIN_BOOT
 
@@ -148,6 +148,13 @@ def _positive_int(value: Any, where: str, name: str) -> int:
     return value
 
 
+def _episodes(value: Any, where: str) -> int:
+    episodes = _positive_int(value, where, "episodes")
+    if episodes > MAX_EPISODES:  # as a single request's: the plan holds every episode at once
+        raise _fail(where, f"'episodes' must be at most {MAX_EPISODES:,} (got {episodes:,}).")
+    return episodes
+
+
 def _normalisation(value: Any, where: str) -> Normalisation | None:
     if value is None:
         return None
@@ -199,7 +206,7 @@ def parse_suite(data: dict[str, Any], source: str = "<suite>") -> Suite:
     entries = data.get("task")
     if not isinstance(entries, list) or not entries:
         raise _fail(source, "no tasks: add at least one [[task]] with an 'env'.")
-    default_episodes = _positive_int(head["episodes"], f"{source} [suite]", "episodes") \
+    default_episodes = _episodes(head["episodes"], f"{source} [suite]") \
         if "episodes" in head else None
     default_steps = head.get("max_steps")
     gamma = head.get("gamma", 1.0)
@@ -244,7 +251,7 @@ def parse_suite(data: dict[str, Any], source: str = "<suite>") -> Suite:
         episodes = entry.get("episodes", default_episodes)
         if episodes is None:
             raise _fail(where, "'episodes' is missing: set it on the task or in [suite].")
-        episodes = _positive_int(episodes, where, "episodes")
+        episodes = _episodes(episodes, where)
         steps = entry.get("max_steps", default_steps)
         if steps is not None:
             steps = _positive_int(steps, where, "max_steps")

@@ -96,6 +96,10 @@ def test_the_shipped_example_parses() -> None:
                 "normalise": [{"min": 0, "max": 1}]}]}, "list of 1 tables but the grid expands into 2"),
     ({"task": [{"env": "CartPole-v1", "episodes": 5}, {"env": "CartPole-v1", "episodes": 6}]},
      r"task names \['CartPole-v1'\] appear twice"),
+    ({"suite": {"episodes": 10**12}, "task": [{"env": "CartPole-v1"}]},
+     r"\[suite\]: 'episodes' must be at most 100,000,000 \(got 1,000,000,000,000\)"),
+    ({"task": [{"env": "CartPole-v1", "episodes": 10**9}]},
+     r"task 1 \(CartPole-v1\): 'episodes' must be at most 100,000,000"),
     # TOML has nan and inf: the env got them, the report null.
     ({"task": [{"env": "CartPole-v1", "episodes": 5, "kwargs": {"a": {"b": float("nan")}}}]},
      r"'kwargs\['a'\]\['b'\]' must be a finite number \(got nan\)"),

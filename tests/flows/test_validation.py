@@ -300,6 +300,11 @@ def test_a_gate_without_a_training_run_fails_before_anything_runs(tmp_path, caps
         ({"policy_timeout_s": 1e10}, r"'policy_timeout_s' must be > 0 and at most 1000000 seconds"
          r".*or inf for no limit \(got 10000000000.0\)"),
         ({"step_timeout_s": 2e6}, r"'step_timeout_s' must be > 0 and at most 1000000 seconds"),
+        # A plan of 1e12 episodes died of a bare MemoryError (exit 1).
+        ({"episodes": 10**12}, r"'episodes' must be at most 100,000,000 \(got 1,000,000,000,000\): "
+         r"the driver plans every episode's index and seed in memory"),
+        ({"target_ci_halfwidth": 1.0, "max_episodes": 10**9},
+         r"'max_episodes' must be at most 100,000,000 \(got 1,000,000,000\)"),
         # Its bytes overflowed setrlimit in every sandbox: every episode 'crashed' (exit 3).
         ({"sandbox_memory_mb": 10**13}, r"'sandbox_memory_mb' must be at most 134217728 MiB "
          r"\(128 TiB.*got 10000000000000\): a larger limit does not fit the sandboxes' RLIMIT_AS"),
