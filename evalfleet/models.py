@@ -14,8 +14,17 @@ import uuid
 from enum import StrEnum
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from evalfleet.errors import RequestError
 from evalfleet.seeds import MAX_BASE_SEED
@@ -40,6 +49,15 @@ MAX_SANDBOX_MEMORY_MB = 128 * 1024 * 1024
 #: driver plans every episode's index and seed at once: 10^8 is a few GiB of plan, 1e12 died of a
 #: bare MemoryError. The webhook's own cap is lower (100,000 per delivery).
 MAX_EPISODES = 100_000_000
+#: A request id names the evaluation's folder (``OUTPUT/runs/<id>``) and files beside it, so it
+#: is a plain file name: no '/', no '..', not hidden. Generated ids are 16 hex digits; a suite's
+#: tasks add '-tNN' and a baseline '-baseline' to theirs.
+MAX_REQUEST_ID = 128
+_REQUEST_ID = re.compile(rf"[A-Za-z0-9_\-][A-Za-z0-9._\-]{{0,{MAX_REQUEST_ID - 1}}}")
+#: The integer fields: a bool is an int to Python and pydantic, and episodes=True ran one episode.
+_INT_FIELDS = ("episodes", "concurrency", "seed", "max_steps", "workers", "envs_per_sandbox",
+               "sandbox_memory_mb", "step", "max_episodes", "record_trajectories", "record_video",
+               "retry_budget", "shard_episodes")
 
 
 class EndReason(StrEnum):
@@ -259,6 +277,49 @@ class EvalRequest(_Frozen):
         where = non_finite_path(value, "")
         if where is not None:
             raise RequestError(_non_finite_kwarg(where[1], where[0]))
+        return value
+
+    @field_validator(*_INT_FIELDS, mode="before")
+    @classmethod
+    def _no_bool(cls, value: Any, info: ValidationInfo) -> Any:
+        if isinstance(value, bool):
+            raise RequestError(f"'{info.field_name}' must be an integer, not a bool (got {value!r}).")
+        return value
+
+    @field_validator("output", "cache_dir", mode="before")
+    @classmethod
+    def _no_empty_path(cls, value: Any, info: ValidationInfo) -> Any:
+        # Path("") is the current folder: results (or the cache) went wherever the run started.
+        if isinstance(value, str) and not value.strip():
+            raise RequestError(
+                f"'{info.field_name}' is empty: name a folder, e.g. 'results'"
+                + (", or leave it out for OUTPUT/cache." if info.field_name == "cache_dir" else "."))
+        return value
+
+    @field_validator("request_id")
+    @classmethod
+    def _safe_request_id(cls, value: str) -> str:
+        if not _REQUEST_ID.fullmatch(value):
+            raise RequestError(
+                f"'request_id' must be 1-{MAX_REQUEST_ID} letters, digits or '._-', not starting "
+                f"with '.' (got {value!r}): it names the run's folder, OUTPUT/runs/<id>. Leave it "
+                "out for a generated one.")
+        return value
+
+    @field_validator("callback_url")
+    @classmethod
+    def _http_callback(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        try:
+            parts = urlsplit(value)
+            host = parts.hostname
+        except ValueError:  # e.g. an unclosed '[' of an IPv6 address
+            host = None
+        if not host or parts.scheme not in ("http", "https"):
+            raise RequestError(
+                f"'callback_url' must be an http(s) URL such as 'https://trainer:8080/evalfleet' "
+                f"(got {value!r}): the report is POSTed there. Leave it out for no callback.")
         return value
 
     @model_validator(mode="after")

@@ -87,6 +87,36 @@ def test_non_finite_env_kwargs_are_refused(kwargs, got, example_policy):
         EvalRequest.build(policy=example_policy, env_kwargs=kwargs)
 
 
+@pytest.mark.parametrize("fields,message", [
+    # The id names OUTPUT/runs/<id>: '../../x' wrote outside the output folder, '' into runs/.
+    ({"request_id": ""}, r"'request_id' must be 1-128 letters, digits or '._-', not starting with "
+     r"'.' \(got ''\): it names the run's folder"),
+    ({"request_id": "../../x"}, r"'request_id' must be .* \(got '../../x'\)"),
+    ({"request_id": ".hidden"}, r"'request_id' must be .* \(got '.hidden'\)"),
+    ({"request_id": "a" * 129}, r"'request_id' must be 1-128"),
+    # An empty callback URL was no callback, silently.
+    ({"callback_url": ""}, r"'callback_url' must be an http\(s\) URL .* \(got ''\)"),
+    ({"callback_url": "ftp://trainer/x"}, r"'callback_url' must be an http\(s\) URL"),
+    ({"callback_url": "http://[::1"}, r"'callback_url' must be an http\(s\) URL"),
+    # A bool is an int to Python: episodes=True ran one episode.
+    ({"episodes": True}, r"^'episodes' must be an integer, not a bool \(got True\)\.$"),
+    ({"step": False, "training_run_id": "r"}, r"'step' must be an integer, not a bool"),
+    # Path('') is the current folder: results went wherever the run started.
+    ({"output": ""}, r"^'output' is empty: name a folder, e.g. 'results'\.$"),
+    ({"cache_dir": " "}, r"'cache_dir' is empty: .* or leave it out for OUTPUT/cache"),
+])
+def test_ids_urls_integers_and_folders_that_would_misbehave_are_refused(fields, message,
+                                                                        example_policy):
+    with pytest.raises(RequestError, match=message):
+        EvalRequest.build(policy=example_policy, **fields)
+
+
+def test_the_ids_the_code_generates_are_accepted(example_policy):
+    request = EvalRequest.build(policy=example_policy, callback_url="http://127.0.0.1:8080/cb")
+    for rid in (request.request_id, f"{request.request_id}-t07", "a" * 128, "run_1.step-3"):
+        EvalRequest.build(policy=example_policy, request_id=rid)
+
+
 def test_bad_env_kwargs_for_the_constructor(no_spawn, example_policy):
     with pytest.raises(EnvSpecError, match=r"could not be made with kwargs \{'gravity': 1\}"):
         _evaluate(policy=example_policy, env_kwargs='{"gravity": 1}')
