@@ -355,6 +355,14 @@ class EvalRequest(_Frozen):
             raise RequestError(
                 f"'max_steps' must be a positive integer or None (got {self.max_steps!r})."
             )
+        kwarg_cap = self.env_kwargs.get("max_episode_steps")
+        if self.max_steps is not None and "max_episode_steps" in self.env_kwargs and (
+                kwarg_cap != self.max_steps):
+            # Both cap the episode: max_steps won, and the report's kwargs showed the other cap.
+            raise RequestError(
+                f"'max_steps' ({self.max_steps}) and env_kwargs' 'max_episode_steps' "
+                f"({kwarg_cap!r}) both cap the episode and disagree: give the cap once, as "
+                "--max-steps N or as max_episode_steps in --env-kwargs.")
         if self.isolation not in ISOLATION_LEVELS:
             raise RequestError(
                 f"Unknown isolation {self.isolation!r}. Choose one of {', '.join(ISOLATION_LEVELS)}."

@@ -128,6 +128,15 @@ def test_a_task_the_request_model_rejects_names_the_task(tmp_path) -> None:
         task_requests(bad, EvalRequest.build(policy="envs.suite_policies:heuristic", output=tmp_path))
 
 
+def test_a_task_whose_two_step_caps_disagree_is_refused_by_name(tmp_path) -> None:
+    suite = parse_suite({"suite": {"episodes": 5, "max_steps": 500},
+                         "task": [{"env": "CartPole-v1", "grid": {"max_episode_steps": [100]}}]})
+    with pytest.raises(SuiteError, match=r"suite task 'CartPole-v1\[max_episode_steps=100\]': "
+                       r"'max_steps' \(500\) and env_kwargs' 'max_episode_steps' \(100\) both cap"):
+        task_requests(suite, EvalRequest.build(policy="envs.suite_policies:heuristic",
+                                               output=tmp_path))
+
+
 def test_options_a_suite_cannot_honour_are_refused(tmp_path) -> None:
     suite = _suite()
     adaptive = EvalRequest.build(policy="envs.suite_policies:heuristic", output=tmp_path,

@@ -117,6 +117,17 @@ def test_the_ids_the_code_generates_are_accepted(example_policy):
         EvalRequest.build(policy=example_policy, request_id=rid)
 
 
+def test_a_step_cap_given_twice_must_agree(example_policy):
+    # --max-steps won silently, and the report's kwargs showed the other cap.
+    with pytest.raises(RequestError, match=r"'max_steps' \(100\) and env_kwargs' "
+                       r"'max_episode_steps' \(200\) both cap the episode and disagree: give the "
+                       r"cap once, as --max-steps N or as max_episode_steps in --env-kwargs"):
+        EvalRequest.build(policy=example_policy, max_steps=100,
+                          env_kwargs='{"max_episode_steps": 200}')
+    EvalRequest.build(policy=example_policy, max_steps=200, env_kwargs='{"max_episode_steps": 200}')
+    EvalRequest.build(policy=example_policy, env_kwargs='{"max_episode_steps": 200}')
+
+
 def test_bad_env_kwargs_for_the_constructor(no_spawn, example_policy):
     with pytest.raises(EnvSpecError, match=r"could not be made with kwargs \{'gravity': 1\}"):
         _evaluate(policy=example_policy, env_kwargs='{"gravity": 1}')
