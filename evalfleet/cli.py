@@ -18,7 +18,13 @@ from typing import Any, NoReturn
 from evalfleet.console import QUIET_ENV, configure_console, quiet_environment
 from evalfleet.environ import restored_environment
 from evalfleet.errors import EvalfleetError, RequestError, Stopped
-from evalfleet.models import OUTPUT_MISSING, RECORDING_INCOMPLETE, EvalReport, EvalRequest
+from evalfleet.models import (
+    OUTPUT_MISSING,
+    RECORDING_INCOMPLETE,
+    EvalReport,
+    EvalRequest,
+    check_training_pair,
+)
 from evalfleet.server import SERVER_MODE_ENV
 from evalfleet.summary import percent, summary_text
 
@@ -430,6 +436,7 @@ def run_suite(evaluate_suite: SuiteEvaluator | None, args: argparse.Namespace) -
                     "of [suite] for every task).")
             suite = load_suite(args.suite)
             base = request_from_args(args)
+            check_training_pair(base)
             check_report_path(args.report, report_inputs(args))
             if evaluate_suite is None:
                 raise RequestError("--suite needs the suite flow: run python flows/eval.py or "
@@ -499,6 +506,7 @@ def _run_eval(evaluate: Callable[[EvalRequest], EvalReport], args: argparse.Name
                     "--gate compares this evaluation with the best earlier checkpoint of its "
                     "training run: it needs --training-run-id and --step (got "
                     f"{request.training_run_id!r}, {request.step!r}). Pass both, or drop --gate.")
+            check_training_pair(request)
             check_report_path(args.report, report_inputs(args))
             report = evaluate(request)
     except EvalfleetError as err:

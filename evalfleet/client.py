@@ -43,7 +43,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from evalfleet.errors import EvalfleetError, OutputsMissing, PolicyError, SuiteError
-from evalfleet.models import EvalReport, EvalRequest
+from evalfleet.models import EvalReport, EvalRequest, check_training_pair
 from evalfleet.runners import EvaluationFailed, Runner, find_runner, load_runner
 from evalfleet.snapshots import PolicyWriter, WeightSnapshot, factory_ref, snapshot_weights
 from evalfleet.storage import read_episodes
@@ -427,6 +427,10 @@ class Evaluator:
         # Validated again: model_copy checks nothing, and a step of 'abc' reached the runner.
         request = EvalRequest.build(**{**self._template.model_dump(), "step": step,
                                        "request_id": uuid.uuid4().hex[:16]})
+        if request.training_run_id is not None:
+            # A call without its step got no history and no verdict. Without a training run id
+            # the step only labels the result (eval/step): that pair stays half.
+            check_training_pair(request)
         job = _Job(request, snapshot, Future())
         self._in_flight += 1
         self._jobs.put(job)

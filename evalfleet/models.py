@@ -131,6 +131,21 @@ def check_tracking_uri(uri: str) -> None:
             f"(known: {', '.join(sorted(MLFLOW_SCHEMES | plugins))}).")
 
 
+def check_training_pair(request: EvalRequest) -> None:
+    """Refuse a training run id without a step, or a step without one, as a user gives them.
+
+    The history finds a run's checkpoints by both: with one alone the evaluation silently got no
+    history and no verdict. Not a model check: the code makes such requests on purpose (a
+    baseline's has no step; an ``Evaluator`` without a run id labels results by step).
+    """
+    if (request.training_run_id is None) != (request.step is None):
+        raise RequestError(
+            f"'training_run_id' ({request.training_run_id!r}) and 'step' ({request.step!r}) go "
+            "together: the history compares a training run's checkpoints by both, and with one "
+            "alone this evaluation would get no history and no verdict. Pass both "
+            "(--training-run-id RUN --step N), or neither.")
+
+
 class _NonFinite(ValueError):
     """A NaN or Infinity constant in JSON text (``json.loads``'s ``parse_constant``)."""
 

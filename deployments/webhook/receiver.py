@@ -34,7 +34,7 @@ from evalfleet.callback import (
 )
 from evalfleet.egress import DEFAULT_MAX_DOWNLOAD_BYTES, EgressPolicy, EgressRefused
 from evalfleet.errors import RequestError
-from evalfleet.models import EvalRequest
+from evalfleet.models import EvalRequest, check_training_pair
 from evalfleet.storage import run_dir
 
 if TYPE_CHECKING:
@@ -337,6 +337,7 @@ class Receiver:
         fields.update(cfg.request_overrides)
         try:
             request = EvalRequest.build(**fields)
+            check_training_pair(request)  # one alone: no history, no verdict, and no word of it
         except RequestError as err:
             raise Rejected(400, "invalid_request", str(err), field_name="body") from None
         return dict(request.model_dump(mode="json"))

@@ -121,6 +121,28 @@ def test_the_evaluators_outcome_metric_works_and_every_calls_step_is_validated(t
         assert seen == []
 
 
+def test_an_evaluator_with_a_training_run_refuses_a_call_without_its_step(tmp_path: Path) -> None:
+    # It ran, tagged with the run and no step: no history, no verdict, and no word of it.
+    with Evaluator(policy_factory="tests.integration.policies:mlp", output=tmp_path / "out",
+                   training_run_id="r1", runner=lambda request: pytest.fail("ran")) as ev:
+        with pytest.raises(RequestError, match=r"'training_run_id' \('r1'\) and 'step' \(None\) "
+                           r"go together"):
+            ev.trigger_eval(mlp())
+    # Without a training run, a step only labels the result (eval/step): accepted.
+    seen: list[Any] = []
+
+    def runner(request: Any) -> Any:
+        seen.append(request)
+        raise RuntimeError("stop")
+
+    with Evaluator(policy_factory="tests.integration.policies:mlp", output=tmp_path / "out",
+                   runner=runner) as ev:
+        ev.trigger_eval(mlp(), step=3)
+        with pytest.raises(Exception, match="stop"):
+            ev.wait(timeout=60)
+    assert [(r.training_run_id, r.step) for r in seen] == [(None, 3)]
+
+
 def test_the_first_call_of_a_local_runner_refuses_an_unknown_env_before_a_cluster(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import flows.local_runner as local

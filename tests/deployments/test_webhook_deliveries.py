@@ -353,3 +353,19 @@ def test_a_run_without_a_report_gets_a_failure_notice_with_its_own_delivery_id(
         ("evaluation.failed", "eval-none:failed", True)]
     assert trainer.calls[0]["body"]["state"] == "FAILED"
     assert trainer.calls[0]["body"]["request_id"] == "eval-none"
+
+
+# ------------------------------------------------------- half a training checkpoint
+
+
+@pytest.mark.parametrize("drop", ["training_run_id", "step"])
+def test_a_training_run_id_or_a_step_alone_is_a_bad_request(
+        receivers: tuple[Receiver, Receiver], prefect: MemoryPrefect, drop: str) -> None:
+    # It was accepted (202) and evaluated with no history and no verdict, and no word of it.
+    body = doc(7)
+    del body[drop]
+    raw = canonical_json(body)
+    status, answer = post(receivers[0], raw, signed_headers(raw, SECRET, delivery_id=f"half-{drop}"))
+    assert status == 400, answer
+    assert answer["error"] == "invalid_request" and "go together" in answer["reason"], answer
+    assert not prefect.runs  # nothing was started

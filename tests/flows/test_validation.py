@@ -324,6 +324,25 @@ def test_a_gate_without_a_training_run_fails_before_anything_runs(tmp_path, caps
     assert not (tmp_path / "out").exists()
 
 
+def test_a_training_run_id_or_a_step_alone_fails_before_anything_runs(tmp_path, capsys,
+                                                                      example_policy):
+    """One alone was accepted: the evaluation silently got no history and no verdict."""
+    from evalfleet.cli import EXIT_BAD_REQUEST, run_cli
+
+    def refuse(request):
+        raise AssertionError("the evaluation ran with half a training checkpoint")
+
+    for extra, got in ((["--training-run-id", "run-1"], "('run-1') and 'step' (None)"),
+                       (["--step", "5"], "(None) and 'step' (5)")):
+        code = run_cli(refuse, ["--policy", example_policy, "--episodes", "4",
+                                "--output", str(tmp_path / "out"), *extra])
+        assert code == EXIT_BAD_REQUEST
+        err = capsys.readouterr().err
+        assert f"'training_run_id' {got} go together" in err, err
+        assert "Pass both (--training-run-id RUN --step N), or neither." in err
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize(
     "fields,message",
     [
