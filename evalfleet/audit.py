@@ -225,11 +225,13 @@ def determinism_audit(table: pa.Table, rerun: pa.Table) -> dict[str, Any]:
     """
     original = {r["episode_index"]: r for r in table.to_pylist()}
     mismatches = []
-    checked = skipped = 0
+    checked = skipped = policy_timeouts = 0
     for row in rerun.to_pylist():
         first = original.get(row["episode_index"])
         if first is None or any(_timing_dependent(r["end_reason"]) for r in (first, row)):
             skipped += 1
+            policy_timeouts += first is not None and EndReason.POLICY_TIMEOUT.value in (
+                first["end_reason"], row["end_reason"])
             continue
         checked += 1
         if (first["return"], first["length"], first["end_reason"]) != (
@@ -243,6 +245,8 @@ def determinism_audit(table: pa.Table, rerun: pa.Table) -> dict[str, Any]:
     out: dict[str, Any] = {"checked": checked, "mismatches": mismatches}
     if skipped:
         out["skipped"] = skipped
+    if policy_timeouts:  # of those skipped: the policy's forward, not the infrastructure
+        out["skipped_policy_timeout"] = policy_timeouts
     return out
 
 
@@ -251,8 +255,17 @@ def determinism_audit_alarm(audit: dict[str, Any] | None) -> str | None:
     if audit is None or audit["checked"] > 0:
         return None
     skipped = int(audit.get("skipped", 0))
-    why = (f"all {skipped} re-run episodes ended in an infrastructure failure (timeout, crash, "
-           "oom) on one of the two runs" if skipped else "no episode was re-run")
+    timeouts = int(audit.get("skipped_policy_timeout", 0))
+    # A policy_timeout is the policy's forward not returning in time, not the infrastructure's.
+    infra, ends = skipped - timeouts, []
+    if infra:
+        ends.append(f"{'' if infra == skipped else f'{infra} '}in an infrastructure failure "
+                    "(timeout, crash, oom)")
+    if timeouts:
+        ends.append(f"{'' if timeouts == skipped else f'{timeouts} '}in a policy timeout (the "
+                    "policy's forward did not return in time)")
+    why = (f"all {skipped} re-run episodes ended {' and '.join(ends)} on one of the two runs"
+           if skipped else "no episode was re-run")
     return (f"determinism_audit_incomplete: the determinism audit compared no episode ({why}); "
             "the env's determinism is unchecked: re-run the evaluation with --refresh, or look at "
             "the workers' failures first")

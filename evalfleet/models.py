@@ -41,6 +41,10 @@ _RUN_ID = re.compile(r"[A-Za-z0-9._\-:/@+]{1,256}")
 #: where the shards wait (threading's TIMEOUT_MAX, ~292 years, for a forward; epoll's int
 #: milliseconds, ~24.8 days, for a sandbox's answer) once the cluster was up.
 MAX_TIMEOUT_S = 1_000_000.0
+#: Shortest policy timeout, seconds. Below it no forward returns in time (handing a batch to the
+#: forward's thread and waking the watch takes about a millisecond before any model runs): every
+#: episode ended as policy_timeout at step 0, scored as the policy's fault, and the run exited 0.
+MIN_POLICY_TIMEOUT_S = 0.01
 #: Largest sandbox address-space limit, MiB: 128 TiB, the whole user address space of x86-64
 #: Linux (a larger limit limits nothing). Past 2^43 MiB the byte count overflowed setrlimit's
 #: rlim_t in every sandbox, and every episode 'crashed' after the cluster was up.
@@ -424,6 +428,12 @@ class EvalRequest(_Frozen):
                 raise RequestError(
                     f"'{name}' must be > 0 and at most {MAX_TIMEOUT_S:.0f} seconds (about 11.6 "
                     f"days), or inf for no limit (got {value!r}).")
+        if self.policy_timeout_s < MIN_POLICY_TIMEOUT_S:
+            raise RequestError(
+                f"'policy_timeout_s' must be at least {MIN_POLICY_TIMEOUT_S} seconds (got "
+                f"{self.policy_timeout_s!r}): no policy forward returns that fast, so every episode "
+                "would end as policy_timeout at step 0 and count as the policy's failure. It is in "
+                "seconds: pass e.g. 0.5 for 500 ms, or leave it out (30).")
         if not (self.device in ("auto", "cpu") or self.device.startswith("cuda")):
             raise RequestError(
                 f"Unknown device {self.device!r}. Choose 'auto', 'cpu', 'cuda' or 'cuda:N'."

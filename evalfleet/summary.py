@@ -134,9 +134,12 @@ def summary_rows(report: EvalReport) -> list[dict[str, str]]:
         rows.append(("vs best checkpoint", _history(report.history)))
     if report.audit is not None:
         skipped = report.audit.get("skipped", 0)
+        timeouts = report.audit.get("skipped_policy_timeout", 0)
+        why = ("infrastructure failure" if not timeouts else "policy timeout" if timeouts == skipped
+               else f"{timeouts} policy timeout, {skipped - timeouts} infrastructure failure")
         rows.append(("determinism audit", f"{report.audit['checked']} re-run compared, "
                                           f"{len(report.audit['mismatches'])} mismatches"
-                                          + (f", {skipped} not comparable (infrastructure failure)"
+                                          + (f", {skipped} not comparable ({why})"
                                              if skipped else "")))
     if report.step_rewards:
         w = report.step_rewards

@@ -274,6 +274,22 @@ def test_determinism_audit_counts_only_the_reruns_it_compared():
     assert determinism_audit_alarm(None) is None  # not asked for
 
 
+def test_an_audit_skipped_for_policy_timeouts_says_so():
+    # Policy timeouts were called "an infrastructure failure (timeout, crash, oom)".
+    from evalfleet.audit import determinism_audit_alarm
+
+    table = records_to_table([_row(i, float(i), 10) for i in range(3)])
+    hung = records_to_table([_row(0, 0.0, 3, "policy_timeout"), _row(1, 1.0, 4, "policy_timeout")])
+    audit = determinism_audit(table, hung)
+    assert audit == {"checked": 0, "mismatches": [], "skipped": 2, "skipped_policy_timeout": 2}
+    assert ("(all 2 re-run episodes ended in a policy timeout (the policy's forward did not "
+            "return in time) on one of the two runs)") in determinism_audit_alarm(audit)
+    mixed = records_to_table([_row(0, 0.0, 3, "policy_timeout"), _row(1, float("nan"), 0, "oom")])
+    assert ("(all 2 re-run episodes ended 1 in an infrastructure failure (timeout, crash, oom) and "
+            "1 in a policy timeout (the policy's forward did not return in time) on one of the two "
+            "runs)") in determinism_audit_alarm(determinism_audit(table, mixed))
+
+
 def test_unmatched_pairs_are_counted_and_raise_an_alarm():
     from evalfleet.audit import unmatched_pairs_alarm
 

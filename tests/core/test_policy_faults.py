@@ -203,8 +203,13 @@ def test_policy_timeout_is_a_validated_request_option() -> None:
     assert request_from_args(args).policy_timeout_s == 5.0
     assert EvalRequest.build(policy="m:f").policy_timeout_s == 30.0
     for bad in (0, -1, float("nan")):
-        with pytest.raises(RequestError, match="'policy_timeout_s' must be > 0 seconds"):
+        with pytest.raises(RequestError, match="'policy_timeout_s' must be > 0 and at most"):
             EvalRequest.build(policy="m:f", policy_timeout_s=bad)
+    # 1e-6 s was accepted: every episode ended policy_timeout at step 0, the policy's fault, exit 0.
+    with pytest.raises(RequestError, match=r"'policy_timeout_s' must be at least 0.01 seconds "
+                       r"\(got 1e-06\): no policy forward returns that fast"):
+        EvalRequest.build(policy="m:f", policy_timeout_s=1e-6)
+    assert EvalRequest.build(policy="m:f", policy_timeout_s=0.01).policy_timeout_s == 0.01
 
 
 @pytest.mark.slow
