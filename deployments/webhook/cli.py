@@ -79,9 +79,9 @@ def config_from_args(args: argparse.Namespace) -> ReceiverConfig:
     if not args.prefect_api_url:
         raise SystemExit("evalfleet webhook: no Prefect API; pass --prefect-api-url or set "
                          "PREFECT_API_URL (the receiver never starts a temporary server).")
-    os.environ["PREFECT_API_URL"] = args.prefect_api_url  # for a Secret block lookup
     check_service_settings(isolation=args.isolation, output=Path(args.output).resolve(),
                            mlflow_uri=args.mlflow_uri, experiment=args.experiment)
+    os.environ["PREFECT_API_URL"] = args.prefect_api_url  # for a Secret block lookup
     secrets = tuple(s for s in (resolve_secret(WEBHOOK_SECRET_ENV, args.secret_block),
                                 os.environ.get(WEBHOOK_PREVIOUS_SECRET_ENV, "")) if s)
     return ReceiverConfig(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from typing import Any
 
 from deployments.webhook.schema import idempotency_key, parse_body
@@ -77,10 +78,13 @@ def test_serve_refuses_a_prefect_port_another_server_holds_before_starting_anyth
         assert service.children == []
 
 
-def test_serve_and_the_receiver_refuse_settings_no_evaluation_can_use(tmp_path: Any) -> None:
+def test_serve_and_the_receiver_refuse_settings_no_evaluation_can_use(tmp_path: Any,
+                                                                    monkeypatch: Any) -> None:
     # Started with them, the service said "ready" and answered every valid delivery 400, blaming
     # the trainer's body.
     import pytest
+
+    monkeypatch.delenv("PREFECT_API_URL", raising=False)  # restored after: the receiver sets it
 
     from deployments.cli import build_parser, serve
     from deployments.webhook.cli import build_parser as receiver_parser
@@ -95,4 +99,5 @@ def test_serve_and_the_receiver_refuse_settings_no_evaluation_can_use(tmp_path: 
                                          "http://127.0.0.1:9/api", "--output", str(tmp_path / "out")])
     with pytest.raises(SystemExit, match=r"make no valid evaluation: 'experiment' is empty"):
         config_from_args(args)
+    assert "PREFECT_API_URL" not in os.environ  # refused before it pointed this process anywhere
     assert not (tmp_path / "out").exists() and not (tmp_path / "s").exists()

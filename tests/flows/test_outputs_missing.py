@@ -40,12 +40,18 @@ def mlp() -> torch.nn.Module:
 
 
 def test_cli_exits_5_when_the_mlflow_run_is_neither_logged_nor_queued(prefect_server, tmp_path,
-                                                                       capsys):
+                                                                       capsys, monkeypatch):
+    import socket
+
     out = tmp_path / "out"
     out.mkdir()
     (out / "mlflow-pending").write_text("a file where the queue's folder goes\n")
-    (tmp_path / "not-a-dir").write_text("")
-    store = f"sqlite:///{tmp_path / 'not-a-dir' / 'mlflow.db'}"
+    # A store that is down (loopback, nothing listening): a local store that can never be made
+    # is refused at stage 1 now, so the failure to log comes from the network.
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        store = f"http://127.0.0.1:{s.getsockname()[1]}"
     code = run_cli(evaluate, ["--episodes", "4", "--concurrency", "4", "--output", str(out),
                               "--mlflow-uri", store, "--no-audit", "--quiet"])
     err = capsys.readouterr().err
@@ -134,8 +140,8 @@ def test_flush_raises_an_alarm_stage_7_found_after_the_numbers_went_back(prefect
         with pytest.raises(OutputsMissing) as raised:
             ev.flush(timeout=300)
         text = str(raised.value)
-        assert f"{fast['report'].request_id}: alarms the returned result did not carry: " \
-               "recording_incomplete: wrote" in text
+        # A missing recording is a missing output (report.missing_outputs), named as such.
+        assert f"{fast['report'].request_id}: recording_incomplete: wrote" in text
         assert "the evaluation is a harness fault (the returned result said not)" in text
         final = ev.final_report(fast["report"].request_id).result()
         assert final.harness_fault

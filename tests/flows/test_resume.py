@@ -119,11 +119,14 @@ def test_killed_driver_resumes_to_the_undisturbed_table(prefect_server: str, tmp
         time.sleep(0.2)
     assert not left, [p.cmdline()[:4] for p in left]
 
-    # The re-run's MLflow store is unusable (a file where its folder should be): the result must
-    # still reach Parquet and the cache, with the MLflow run queued for a later flush.
-    blocker = tmp_path / "mlflow-down"
-    blocker.write_text("not a folder")
-    store = f"sqlite:///{blocker / 'mlflow.db'}"
+    # The re-run's MLflow store is down (loopback, nothing listening): the result must still
+    # reach Parquet and the cache, with the MLflow run queued for a later flush.
+    import socket
+
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        store = f"http://127.0.0.1:{s.getsockname()[1]}"
     with fleet_cluster(None, 2) as address:  # one cluster for the re-run and the clean run
         resumed = evaluate(EvalRequest.build(**FIELDS, output=out, dask_address=address,
                                              mlflow_uri=store))
@@ -137,9 +140,7 @@ def test_killed_driver_resumes_to_the_undisturbed_table(prefect_server: str, tmp
     assert Path(resumed.outputs["episodes"]).exists() and "mlflow_run_id" not in resumed.outputs
     assert Path(resumed.outputs["mlflow_queued"]).exists()
     assert "mlflow_queued" in summary_text(resumed)
-    blocker.unlink()
-    blocker.mkdir()
-    [flushed] = flush_pending(out)
+    [flushed] = flush_pending(out, f"sqlite:///{tmp_path / 'mlflow.db'}")  # the store, moved
     assert flushed["request_id"] == resumed.request_id and "mlflow_run_id" in flushed
 
     got = outcome_table(read_episodes(resumed.outputs["episodes"]).sort_by("episode_index"))

@@ -45,7 +45,7 @@ def test_leaking_env_through_the_service(service: Service, trainer: TrainerEndpo
     body = {"policy": {"uri": Path(EXAMPLE_POLICY_PATH).as_uri(), "sha256": sha},
             "env": {"id": se.env_id("Leak")},
             "protocol": {"episodes": 20, "seed": 4, "max_steps": 100},
-            "training_run_id": "leak-run", "callback_url": trainer.url}
+            "training_run_id": "leak-run", "step": 1, "callback_url": trainer.url}
     answer = service.post(body, delivery_id="leak-delivery-1")
     assert answer.status_code == 202, answer.text
     trainer.next(timeout=240)
