@@ -114,3 +114,23 @@ def test_what_the_fork_server_preloaded_is_frozen_out_of_the_workers_gc_passes()
     with fleet_cluster(None, 2, ("torch",), single_use=True) as address:
         got = client_for(address).run(_frozen)
     assert len(got) == 2 and all(count > 100_000 for count in got.values()), got
+
+
+def _timers(dask_worker) -> dict[str, object]:
+    return {"callbacks": sorted(dask_worker.periodic_callbacks),
+            "tick": dask.config.get("distributed.admin.tick.interval"),
+            "memory": dask.config.get("distributed.worker.memory.monitor-interval")}
+
+
+def test_local_workers_run_no_stack_sampler_and_slow_timers():
+    # Dask's defaults woke each worker's event loop ~160 times a second (stack samples for the
+    # dashboard's profile every 10 ms, loop timing every 20 ms, memory every 100 ms), each
+    # wake-up taking the GIL from the shard thread: ~10% of a pure-Python env's episodes' CPU
+    # went to the workers' and the driver's event loops.
+    with fleet_cluster(None, 1, single_use=True) as address:
+        [got] = client_for(address).run(_timers).values()
+        scheduler = client_for(address).run_on_scheduler(
+            lambda: dask.config.get("distributed.admin.tick.interval"))
+    assert "profile" not in got["callbacks"] and "profile-cycle" not in got["callbacks"]
+    assert "heartbeat" in got["callbacks"]  # the worker still talks to its scheduler
+    assert (got["tick"], got["memory"], scheduler) == ("1s", "1s", "1s")
