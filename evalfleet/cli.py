@@ -558,17 +558,19 @@ def gate(report: EvalReport) -> int:
     compare (history unreadable, ``no_paired_episodes``, ``protocol_changed``, such an alarm)
     exits ``EXIT_GATE_UNDECIDED``: it fails closed.
     """
+    from evalfleet.history import gamed
+
     history = report.history or {}
     verdict = history.get("verdict")
     # Pairs the comparison left out (no row of the best checkpoint, or the harness failed on a
     # side) may be exactly where the two differ: a pass resting on the rest is no pass.
     # Failures of the policy scoring above its completed episodes flatter it the same way.
-    # So does a reward that may be gamed: the return rose while the task outcome did not, or
-    # the outcome went unreported on seeds where the earlier checkpoint reported it.
+    # So does a reward that may be gamed (history.gamed: the return rose while the task outcome
+    # fell, or the outcome went unreported on seeds the earlier checkpoint reported it on).
     biased = [a.split(":", 1)[0] for a in report.alarms
               if a.startswith(("history_pairs_unmatched:", "history_pairs_harness:",
-                               "policy_failures_flatter:", "history_pairs_policy_flatter:",
-                               "reward_outcome_divergence:", "outcome_unreported:"))]
+                               "policy_failures_flatter:", "history_pairs_policy_flatter:"))]
+    biased += gamed(history.get("alarms") or [])
     if verdict in GATE_PASSES and not biased:
         return EXIT_OK
     if verdict != "regression":

@@ -106,6 +106,7 @@ TAG_BEST = "evalfleet.best"
 TAG_REQUEST = "evalfleet.request_id"
 TAG_SHA = "evalfleet.policy_sha256"
 TAG_HARNESS = "evalfleet.harness_fault"
+TAG_WITHHELD = "evalfleet.best_withheld"
 
 
 class HistoryError(EvalfleetError):
@@ -153,6 +154,8 @@ class Checkpoint:
     """MLflow start time (ms): the latest evaluation of a step wins."""
     alarms: tuple[str, ...] = field(default=())
     """Names of the alarms it raised."""
+    withheld: bool = False
+    """Its return made it best, but its reward may be gamed (``best_withheld``): never a best."""
 
 
 def _search_filter(training_run_id: str) -> str:
@@ -210,25 +213,35 @@ def evaluations(tracking_uri: str, training_run_id: str) -> list[Checkpoint]:
             harness_fault=tags.get(TAG_HARNESS) == "true", start_time=int(run.info.start_time or 0),
             alarms=tuple(sorted(k.removeprefix("evalfleet.alarm.") for k in tags
                                 if k.startswith("evalfleet.alarm."))),
+            withheld=bool(tags.get(TAG_WITHHELD)),
         ))
     return out
 
 
-#: Alarms of an evaluation whose policy failures flattered its return.
+#: Alarms of an evaluation whose policy failures flattered its return: never a best checkpoint.
 FLATTERED = frozenset({"policy_failures_flatter", "history_pairs_policy_flatter"})
-#: Alarms of an evaluation that is never a best checkpoint, and whose ``--gate`` does not pass:
-#: its return is flattered by its failures, or its reward may be gamed.
-NEVER_BEST = FLATTERED | {"reward_outcome_divergence", "outcome_unreported"}
+
+
+def gamed(alarms: list[dict[str, Any]]) -> list[str]:
+    """The history alarms that say the reward may be gamed: no best checkpoint, no pass.
+
+    ``outcome_unreported``, and ``reward_outcome_divergence`` when the outcome fell significantly.
+    One that merely did not rise stays advisory: an honest gain in efficiency (the goal reached
+    sooner, a higher return at the same success rate) raises it too.
+    """
+    return sorted({a["alarm"] for a in alarms if a["alarm"] == "outcome_unreported"
+                   or (a["alarm"] == "reward_outcome_divergence" and a.get("falls"))})
 
 
 def best_checkpoint(earlier: list[Checkpoint]) -> Checkpoint | None:
     """The latest earlier checkpoint that was best when evaluated; else the highest mean return.
 
-    Harness faults never count, nor checkpoints whose policy failures flattered them or whose
-    reward may be gamed (``NEVER_BEST``: their gate did not pass). The fallback covers runs
-    logged before verdicts were tagged.
+    Harness faults never count, nor checkpoints whose policy failures flattered them
+    (``FLATTERED``) or whose reward may be gamed (``withheld``): their gate did not pass. The
+    fallback covers runs logged before verdicts were tagged.
     """
-    usable = [c for c in earlier if not c.harness_fault and not NEVER_BEST.intersection(c.alarms)]
+    usable = [c for c in earlier if not c.harness_fault and not c.withheld
+              and not FLATTERED.intersection(c.alarms)]
     marked = [c for c in usable if c.best]
     if marked:
         return max(marked, key=lambda c: c.step)
@@ -460,7 +473,7 @@ def drift_alarms(new: pa.Table, old: pa.Table, steps: tuple[int, int], *, seed: 
                 f"{out.mean_baseline:.4g} -> {out.mean_new:.4g} (paired difference "
                 f"{out.mean_diff:+.4g}, 95% CI [{out.ci.low:.4g}, {out.ci.high:.4g}]); the reward "
                 "may be gamed: look at the episodes before promoting",
-                outcome=name, return_diff=ret.mean_diff,
+                outcome=name, falls=falls, return_diff=ret.mean_diff,
                 return_ci=[ret.ci.low, ret.ci.high], outcome_ci=[out.ci.low, out.ci.high]))
     p, q = action_shares(new), action_shares(old)
     if p is not None and q is not None and len(p) == len(q):
@@ -593,7 +606,7 @@ def assess(
         out["alarms_note"] = f"episodes of the previous checkpoint (step {previous.step}) are gone"
     out["previous_step"] = previous.step
     out["alarms"] = alarms
-    withheld = sorted(NEVER_BEST.intersection(a["alarm"] for a in alarms))
+    withheld = gamed(alarms)
     if is_best and withheld:  # the reward may be gamed: the best stays where it was
         out.update(best_step=None if best is None else best.step,
                    best_policy_sha256=None if best is None else best.policy_sha256,

@@ -174,7 +174,7 @@ def history_metrics(history: dict[str, Any] | None) -> dict[str, float]:
 
 def history_tags(report: dict[str, Any]) -> dict[str, str]:
     """Tags that make an evaluation findable again by its training run and comparable (pairable)."""
-    from evalfleet.history import NEVER_BEST, report_protocol
+    from evalfleet.history import FLATTERED, TAG_WITHHELD, report_protocol
 
     tags = {"evalfleet.protocol": report_protocol(report),
             "evalfleet.env_spec_hash": str(report.get("env_spec_hash"))}
@@ -184,8 +184,10 @@ def history_tags(report: dict[str, Any]) -> dict[str, str]:
     history = report.get("history") or {}
     if history.get("verdict"):
         tags["evalfleet.verdict"] = str(history["verdict"])
-        never = {str(a).split(":", 1)[0] for a in report.get("alarms") or []} & NEVER_BEST
-        tags["evalfleet.best"] = str(history.get("best_step") == report.get("step") and not never
+        flattered = {str(a).split(":", 1)[0] for a in report.get("alarms") or []} & FLATTERED
+        if history.get("best_withheld"):
+            tags[TAG_WITHHELD] = ",".join(history["best_withheld"])
+        tags["evalfleet.best"] = str(history.get("best_step") == report.get("step") and not flattered
                                      and history["verdict"] in ("first", "new_best")).lower()
         tags["evalfleet.best_step"] = str(history.get("best_step"))
     if history.get("outcome_metric"):

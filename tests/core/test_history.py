@@ -681,3 +681,22 @@ def test_the_trainers_run_gets_the_alarm_count_and_the_pessimistic_success_rate(
     assert metrics["eval/success_rate"] == 1.0
     assert metrics["eval/success_rate_unreported_as_failure"] == pytest.approx(wins / EPISODES)
     assert metrics["eval/alarm_count"] == len(report.alarms) >= 1
+
+
+def test_an_outcome_that_only_does_not_rise_stays_advisory(store):
+    # An honest gain in efficiency: every return one higher (the goal reached sooner), the same
+    # success rate (two seeds swap). reward_outcome_divergence says so, but the checkpoint is
+    # the best and passes: only an outcome that falls, or goes unreported, withholds them.
+    evaluate_checkpoint(store, "careless", 1, run="efficient")
+    table = _table("careless")
+    success = table.column("success").to_pylist()
+    won, lost = success.index(True), success.index(False)
+    success[won], success[lost] = False, True
+    faster = _with_column(_with_column(table, "return", [r + 1.0 for r in table.column(
+        "return").to_pylist()]), "success", success)
+    better = evaluate_checkpoint(store, "careless", 2, run="efficient", table=faster)
+    [div] = [a for a in better.history["alarms"] if a["alarm"] == "reward_outcome_divergence"]
+    assert div["falls"] is False and "does not rise" in div["message"]
+    assert better.history["verdict"] == "new_best" and better.history["best_step"] == 2
+    assert "best_withheld" not in better.history
+    assert gate(better) == EXIT_OK
