@@ -64,7 +64,7 @@ from evalfleet.policy import (
     inference_device,
     read_policy,
 )
-from evalfleet.provenance import SOURCE_PREFIX, code_version
+from evalfleet.provenance import DATA_MARK, SOURCE_PREFIX, code_version
 from evalfleet.records import (
     EPISODE_SCHEMA,
     OUTCOME_COLUMNS,
@@ -1119,7 +1119,10 @@ def inputs_changed(request: EvalRequest, received: Received, *, done: bool = Fal
     ing = received.cache_ingredients
     env = ing.get("env") or {}
     code = {**(env.get("code") or {}), **((ing.get("policy") or {}).get("code") or {})}
-    found = [f"the code of {top!r} ({want} -> {have})" for top, want in sorted(code.items())
+    entry = str(env.get("entry_point") or "").split(":", 1)[0]
+    if entry and env.get("package_version"):  # the entry point's own package, as envspec reads it
+        code[entry] = str(env["package_version"])
+    found = [_what_changed(top, want, have) for top, want in sorted(code.items())
              if want != "unknown" and (have := code_version(top)[1]) != want]
     for path, digest in sorted((env.get("files") or {}).items()):
         have = named_files(path).get(path, "gone")
@@ -1133,6 +1136,14 @@ def inputs_changed(request: EvalRequest, received: Received, *, done: bool = Fal
             request.request_id, [])
         seen += [f for f in found if f not in seen]
         return list(seen)
+
+
+def _what_changed(top: str, want: str, have: str) -> str:
+    """``inputs_changed``'s words for a module whose code version is no longer ``want``."""
+    if DATA_MARK in want and DATA_MARK in have and want.split(DATA_MARK)[0] == have.split(DATA_MARK)[0]:
+        return (f"the data files beside module {top!r} (its code is the same; an env that writes "
+                "beside its own module changes them: keep the module in a folder of its own)")
+    return f"the code of {top!r} ({want} -> {have})"
 
 
 def shard_persister(request: EvalRequest, received: Received, planned: Planned

@@ -961,3 +961,31 @@ def test_a_granted_variable_is_keyed_by_its_values_digest_not_its_value(base, mo
         b"s3cret-value").hexdigest()[:16]
     assert "s3cret-value" not in str(ingredients)
     assert _received(**base).cache_ingredients["environment"] == {"class": "inherited", "granted": {}}
+
+
+def test_inputs_changed_during_a_run_name_what_changed(base, tmp_path, monkeypatch):
+    """What ``inputs_changed`` reads again (``tests/flows/test_inputs_during_run.py`` runs it)."""
+    from evalfleet.pipeline import inputs_changed
+
+    mod = _unique("solo_env")
+    env_id = f"Solo{uuid.uuid4().hex[:6]}-v0"
+    source = textwrap.dedent(ENV_PACKAGE["env.py"]).replace("from {pkg}.dynamics import DRIFT",
+                                                          "DRIFT = 0.25")
+    source += f'\n\ngym.register("{env_id}", entry_point="{mod}:CorridorEnv", max_episode_steps=50)\n'
+    (tmp_path / "solo").mkdir()
+    (tmp_path / "solo" / f"{mod}.py").write_text(source.replace("{{}}", "{}"))
+    (tmp_path / "solo" / "levels.txt").write_text("width 5\n")  # data beside a single-file module
+    monkeypatch.syspath_prepend(str(tmp_path / "solo"))
+    try:
+        request = EvalRequest.build(**{**base, "env": f"{mod}:{env_id}"})
+        received = receive(request)
+        assert inputs_changed(request, received) == []
+        (tmp_path / "solo" / "levels.txt").write_text("width 9\n")  # e.g. an env's own log
+        [data] = inputs_changed(request, received)
+        assert data.startswith(f"the data files beside module {mod!r} (its code is the same")
+        (tmp_path / "solo" / f"{mod}.py").write_text(source.replace("0.25", "0.5").replace("{{}}", "{}"))
+        both = inputs_changed(request, received, done=True)  # what was seen before stays named
+        assert both[0] == data and both[1].startswith(f"the code of {mod!r} (source-sha256:")
+        assert inputs_changed(request, received, done=True)[0].startswith("the code of")  # forgot
+    finally:
+        _drop_modules(mod)
