@@ -51,13 +51,13 @@ def check_service_settings(*, isolation: str, output: Path, mlflow_uri: str | No
     A service started with ``--isolation bogus`` or an empty ``--experiment`` came up "ready",
     then answered every valid delivery 400, blaming the trainer's body.
     """
+    from evalfleet.cli import EXAMPLE_POLICY
     from evalfleet.pipeline import check_folders
 
     try:
         check_folders(EvalRequest.build(
-            env="CartPole-v1", policy=str(Path(__file__).resolve().parents[2] / "evalfleet" / "data"
-                                          / "cartpole_mlp.pt"),
-            isolation=isolation, output=output, mlflow_uri=mlflow_uri, experiment=experiment))
+            env="CartPole-v1", policy=EXAMPLE_POLICY, isolation=isolation, output=output,
+            mlflow_uri=mlflow_uri, experiment=experiment))
     except RequestError as err:
         raise SystemExit(f"evalfleet: the service's settings (--isolation, --output, --mlflow-uri, "
                          f"--experiment) make no valid evaluation: {err}") from None
