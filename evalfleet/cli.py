@@ -347,9 +347,6 @@ def exit_now(code: int) -> NoReturn:
     import logging
     import threading
 
-    from evalfleet.tracking import stop_store_logger
-
-    stop_store_logger()  # not needed after all (a refused request, a suite)
     # The interpreter's own first step: thread pools' exit hooks tell their idle workers to stop
     # (joined without them, an idle pool's worker, e.g. MLflow's artifact uploader, hung the exit
     # for good), then every other non-daemon thread is joined.

@@ -451,41 +451,20 @@ def log_or_queue(
     ``mlflow_error`` and ``mlflow_queued`` (the pending file that ``flush_pending`` logs later:
     the next evaluation writing to ``output``, or ``evalfleet mlflow flush``). The Parquet and the
     cache were written before this runs, so nothing of the result depends on it.
-
-    With a ``StoreLogger`` started (``start_store_logger``), its child process does it.
     """
-    job: dict[str, Any] = {
-        "output": str(output), "tracking_uri": tracking_uri, "experiment": experiment,
-        "report": report, "params": {k: str(v) for k, v in params.items()},
-        "artifacts": [str(a) for a in artifacts], "run_name": run_name,
-        "attempts": attempts, "wait_s": list(wait_s)}
-    helper = take_store_logger()
-    if helper is not None:
-        done = helper.run(job)
-        if done is not None:
-            return done
-    return _log_or_queue_here(**job)
-
-
-def _log_or_queue_here(
-    output: str, tracking_uri: str, experiment: str, report: dict[str, Any], params: dict[str, str],
-    artifacts: list[str], run_name: str, attempts: int, wait_s: list[float],
-) -> dict[str, str]:
-    """``log_or_queue`` in this process, from its JSON job."""
     _bound_http()
     try:
-        for attempt in _attempts(attempts, (wait_s[0], wait_s[1])):
+        for attempt in _attempts(attempts, wait_s):
             with attempt:
-                run_id = log_evaluation(tracking_uri, experiment, report, params,
-                                        [Path(a) for a in artifacts], run_name)
+                run_id = log_evaluation(tracking_uri, experiment, report, params, artifacts, run_name)
         return {"mlflow_uri": tracking_uri, "mlflow_run_id": run_id}
     except Exception as err:  # noqa: BLE001 - any store failure queues the run
         error, failure = f"{type(err).__name__}: {err}"[:1000], err
     entry = {"tracking_uri": tracking_uri, "experiment": experiment, "report": report,
-             "params": params, "artifacts": [str(Path(a).resolve()) for a in artifacts],
-             "run_name": run_name,
+             "params": {k: str(v) for k, v in params.items()},
+             "artifacts": [str(Path(a).resolve()) for a in artifacts], "run_name": run_name,
              "error": error, "queued": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    folder = pending_dir(Path(output))
+    folder = pending_dir(output)
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"{report['request_id']}.json"
     tmp = path.with_name(f".{path.name}.tmp")
@@ -555,108 +534,3 @@ def _note_logged(entry: dict[str, Any], uri: str, run_id: str) -> None:
             os.replace(tmp, name)
         except (OSError, ValueError) as err:
             logger.warning("logged %s late, but could not update %s: %s", run_id, name, err)
-
-
-class StoreLogger:
-    """``log_or_queue`` in a child process that imports MLflow while this one works.
-
-    MLflow and its SQL store take ~1 s of imports: the largest part of a cache hit's feed back,
-    and of the CLI's whole cache hit. The CLI starts this first thing (``start_store_logger``),
-    so the child imports them on the other core while the CLI imports Prefect and answers from
-    the cache. It takes one job; until it has taken it, the caller may still log in its own
-    process (``run`` returns None), so a child that failed to start costs nothing but its time.
-    """
-
-    def __init__(self) -> None:
-        import subprocess
-        import sys
-
-        # The child imports this evalfleet: the one on this process's import path.
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-        self._proc = subprocess.Popen(
-            [sys.executable, "-c", "from evalfleet.tracking import serve_store_logger as s; s()"],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True)
-
-    def run(self, job: dict[str, Any]) -> dict[str, str] | None:
-        """The child's ``log_or_queue`` outputs for ``job``; None if it could not take the job.
-
-        Its error (even the queue failed) is raised here under the same type name and text.
-        """
-        proc = self._proc
-        assert proc.stdin is not None and proc.stdout is not None
-        try:
-            proc.stdin.write(json.dumps(job, default=str) + "\n")
-            proc.stdin.close()
-            taken = proc.stdout.readline()
-        except OSError:  # it is gone: the caller logs in its own process
-            taken = ""
-        if taken.strip() != "taken":
-            self.stop()
-            return None
-        answer = proc.stdout.readline()
-        proc.wait()
-        try:
-            done = json.loads(answer)
-        except ValueError:
-            done = {"error_type": "RuntimeError",
-                    "error": f"the MLflow logging process ended with {proc.returncode} and no answer"}
-        if "outputs" in done:
-            return dict(done["outputs"])
-        raise type(str(done["error_type"]), (RuntimeError,), {})(done["error"])
-
-    def stop(self) -> None:
-        """End the child if it is still there (it has taken no job, or hangs)."""
-        if self._proc.poll() is None:
-            self._proc.kill()
-        self._proc.wait()
-
-
-_store_logger: StoreLogger | None = None
-
-
-def start_store_logger() -> None:
-    """Start the ``StoreLogger`` this process's next ``log_or_queue`` uses (the CLI's)."""
-    global _store_logger
-    if _store_logger is None:
-        _store_logger = StoreLogger()
-
-
-def take_store_logger() -> StoreLogger | None:
-    """The started ``StoreLogger``, which only its taker uses, or None."""
-    global _store_logger
-    helper, _store_logger = _store_logger, None
-    return helper
-
-
-def stop_store_logger() -> None:
-    """End an unused ``StoreLogger`` (the evaluation logs in its own process, or not at all)."""
-    helper = take_store_logger()
-    if helper is not None:
-        helper.stop()
-
-
-def serve_store_logger() -> None:
-    """The ``StoreLogger`` child: import MLflow, then log the one job read from stdin."""
-    import logging
-    import signal
-    import sys
-
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the CLI's Ctrl-C is the CLI's to handle
-    answer, sys.stdout = sys.stdout, sys.stderr  # what anything else prints is not an answer
-    logging.basicConfig(format="%(asctime)s.%(msecs)03d | %(levelname)-7s | %(name)s - %(message)s",
-                        datefmt="%H:%M:%S", level=logging.WARNING)
-    for name in ("mlflow.tracking", "mlflow.store.tracking.sqlalchemy_store",
-                 "mlflow.store.artifact.artifact_repository_registry", "tenacity"):
-        try:
-            __import__(name)
-        except Exception:  # noqa: BLE001 - the job fails with its own error, as in the caller
-            pass
-    line = sys.stdin.readline()
-    if not line:  # the caller needed no logging
-        return
-    print("taken", file=answer, flush=True)
-    try:
-        done: dict[str, Any] = {"outputs": _log_or_queue_here(**json.loads(line))}
-    except Exception as err:  # noqa: BLE001 - raised again in the caller
-        done = {"error_type": type(err).__name__, "error": str(err)}
-    print(json.dumps(done), file=answer, flush=True)

@@ -2,11 +2,6 @@
 
 from __future__ import annotations
 
-if __name__ == "__main__":  # MLflow imports in a child process while this one imports the rest
-    from evalfleet.tracking import start_store_logger
-
-    start_store_logger()
-
 from contextlib import nullcontext
 from typing import TYPE_CHECKING
 

@@ -210,14 +210,7 @@ class Ahead:
         self.imports: threading.Thread | None = None
 
     def __call__(self, received: Received) -> tuple[str, ...]:
-        """Start the imports and the shared server; the workers' preload for ``received``'s policy.
-
-        A miss logs to MLflow here, after its episodes: the CLI's ``StoreLogger`` (for a hit)
-        would hold ~100 MiB meanwhile, and the imports below do its work.
-        """
-        from evalfleet.tracking import stop_store_logger
-
-        stop_store_logger()
+        """Start the imports and the shared server; the workers' preload for ``received``'s policy."""
         start_shared_server()
         self.imports = import_in_background()
         return worker_preload(received)
