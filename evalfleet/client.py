@@ -241,6 +241,7 @@ class Evaluator:
         # Found now (metadata only, nothing imported) so a missing runner fails before any thread.
         self._default_runner = find_runner() if runner is None else None
         self._writer = PolicyWriter(self._template.output / "policies", self.factory)
+        self._structure: tuple[Any, ...] | None = None  # that of the latest snapshot queued
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._triggered: deque[_Job] = deque()
         self._lock = threading.Lock()
@@ -417,8 +418,9 @@ class Evaluator:
             raise EvaluatorClosed("this Evaluator was shut down; create a new one.")
 
     def _submit(self, weights: Any, step: int | None) -> _Job:
-        # The training thread copies only what the policy file will hold.
-        snapshot = snapshot_weights(weights, extras=self.factory is None)
+        # The training thread copies only what the policy file will hold; the module's structure
+        # only when it changed since the previous call (the writer keeps that one's copy).
+        snapshot = snapshot_weights(weights, extras=self.factory is None, structure=self._structure)
         if snapshot.module is None and self.factory is None:
             raise PolicyError(
                 "a state_dict needs 'policy_factory' ('module:function' building the nn.Module); "
@@ -434,6 +436,7 @@ class Evaluator:
         job = _Job(request, snapshot, Future())
         self._in_flight += 1
         self._jobs.put(job)
+        self._structure = snapshot.structure
         return job
 
     def _result(self, job: _Job, timeout: float | None) -> Result:

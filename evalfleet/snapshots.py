@@ -1,10 +1,11 @@
 """Training weights on their way to an evaluation: copied off the device, written as a policy file.
 
 ``snapshot_weights`` runs on the training thread and only copies tensors to the host (a
-non-blocking copy on CUDA, behind a recorded event), so training goes on at once. ``PolicyWriter``
-runs later, on the evaluator's thread: it waits for that copy and writes a content-addressed file,
-a state_dict when a policy factory (``factory_ref``) rebuilds the module on the workers, else the
-module compiled to TorchScript.
+non-blocking copy on CUDA, behind a recorded event), so training goes on at once; for a module to
+be compiled it also notes the module's structure (``module_structure``), and copies that structure
+when it changed. ``PolicyWriter`` runs later, on the evaluator's thread: it waits for that copy and
+writes a content-addressed file, a state_dict when a policy factory (``factory_ref``) rebuilds the
+module on the workers, else the module compiled to TorchScript.
 """
 
 from __future__ import annotations
@@ -74,6 +75,11 @@ class WeightSnapshot:
     events: list[Any]
     extras: dict[str, Any] = field(default_factory=dict)
     """What the module's state_dict leaves out (``module_extras``), copied at trigger time."""
+    structure: tuple[Any, ...] | None = None
+    """The module's ``module_structure`` at trigger time (None: a state_dict, or not compiled here)."""
+    template: torch.nn.Module | None = None
+    """A copy of the module's structure at trigger time, holding this snapshot's tensors; None when
+    the caller said the structure had not changed since its previous snapshot."""
 
     def ready(self) -> dict[str, torch.Tensor]:
         """The CPU tensors, after any pending device→host copy has landed."""
@@ -165,6 +171,36 @@ def _module_internals() -> frozenset[str]:
     return frozenset(vars(torch.nn.Module()))
 
 
+def module_structure(module: torch.nn.Module) -> tuple[Any, ...]:
+    """What decides ``module``'s compiled forward besides its state_dict and ``module_extras``.
+
+    Each submodule's name, type and identity, and its forward hooks (TorchScript compiles them):
+    a layer swapped in place (``model[1] = nn.Sigmoid()``, same module object, same state_dict
+    keys) changes it.
+    """
+    return tuple((name, type(sub), id(sub), tuple(sub._forward_pre_hooks), tuple(sub._forward_hooks))
+                 for name, sub in module.named_modules())
+
+
+def _structure_copy(module: torch.nn.Module, state: dict[str, torch.Tensor]) -> torch.nn.Module:
+    """A copy of ``module`` whose parameters and persistent buffers are ``state``'s CPU tensors.
+
+    Taken on the training thread, without copying the weights again (on the device or off it);
+    the compiled copy loads each snapshot's own weights anyway.
+    """
+    import torch
+
+    memo: dict[int, Any] = {}
+    for name, tensor in module.state_dict(keep_vars=True).items():
+        if name not in state:
+            continue
+        if isinstance(tensor, torch.nn.Parameter):
+            memo[id(tensor)] = torch.nn.Parameter(state[name], requires_grad=tensor.requires_grad)
+        else:
+            memo[id(tensor)] = state[name]
+    return copy.deepcopy(module, memo)
+
+
 def _same(a: dict[str, Any], b: dict[str, Any] | None) -> bool:
     import torch
 
@@ -224,11 +260,14 @@ def _check_kept(template: torch.nn.Module, scripted: Any) -> None:
                 )
 
 
-def snapshot_weights(weights: Any, extras: bool = True) -> WeightSnapshot:
+def snapshot_weights(weights: Any, extras: bool = True,
+                     structure: tuple[Any, ...] | None = None) -> WeightSnapshot:
     """Copy an ``nn.Module``'s or a state_dict's tensors to CPU without waiting on the device.
 
-    ``extras``: also copy what a module's state_dict leaves out (``module_extras``), which only
-    a module compiled here needs; with a policy factory the workers build the module themselves.
+    ``extras``: also copy what a module's state_dict leaves out (``module_extras``) and note its
+    structure (``module_structure``), which only a module compiled here needs; with a policy
+    factory the workers build the module themselves. The structure itself is copied too, unless
+    it is ``structure``: that of the previous snapshot given to the same ``PolicyWriter``.
 
     CUDA tensors are copied with ``non_blocking=True`` behind a recorded event (the worker thread
     waits on the event, the training thread does not); the copy is ordered before any later
@@ -259,8 +298,11 @@ def snapshot_weights(weights: Any, extras: bool = True) -> WeightSnapshot:
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(device))
         events.append(event)
-    return WeightSnapshot(state, module, events,
-                          module_extras(module) if module is not None and extras else {})
+    if module is None or not extras:
+        return WeightSnapshot(state, module, events)
+    now = module_structure(module)
+    return WeightSnapshot(state, module, events, module_extras(module), now,
+                          _structure_copy(module, state) if now != structure else None)
 
 
 class PolicyWriter:
@@ -268,17 +310,20 @@ class PolicyWriter:
 
     With a factory the file is the state_dict (``torch.save``); without one, the module is
     compiled to TorchScript once and each snapshot is loaded into the compiled copy; it is
-    compiled again when a snapshot's ``extras`` (non-persistent buffers, plain attributes) differ
-    from those it was compiled with. A module whose compiled copy keeps an attribute of another
-    kind is refused (``PolicyError``) rather than written with that attribute's first value.
+    compiled again, from the structure copied at the snapshot's trigger, when a snapshot's
+    ``structure`` (submodules, hooks) or ``extras`` (non-persistent buffers, plain attributes)
+    differ from those it was compiled with. A module whose compiled copy keeps an attribute of
+    another kind is refused (``PolicyError``) rather than written with that attribute's first value.
     """
 
     def __init__(self, folder: Path, factory: str | None) -> None:
         self.folder = Path(folder)
         self.factory = factory
         self._scripted: Any = None
-        self._scripted_for: int | None = None
+        self._structure: tuple[Any, ...] | None = None  # what self._scripted was compiled from
         self._extras: dict[str, Any] | None = None
+        self._template: torch.nn.Module | None = None  # the latest snapshot's structure copy
+        self._template_structure: tuple[Any, ...] | None = None
         self._buffer_keys: set[str] = set()
 
     def write(self, snapshot: WeightSnapshot) -> Path:
@@ -298,7 +343,7 @@ class PolicyWriter:
             with warnings.catch_warnings():
                 # torch 2.13 deprecates TorchScript; it is still evalfleet's self-contained format.
                 warnings.simplefilter("ignore", DeprecationWarning)
-                torch.jit.save(self._script(snapshot.module, state, snapshot.extras), buffer)
+                torch.jit.save(self._script(snapshot, state), buffer)
         blob = buffer.getvalue()
         digest = hashlib.sha256(blob).hexdigest()
         path = self.folder / f"{digest}.pt"
@@ -310,16 +355,25 @@ class PolicyWriter:
             os.replace(tmp, path)
         return path
 
-    def _script(self, module: torch.nn.Module, state: dict[str, torch.Tensor],
-                extras: dict[str, Any]) -> Any:
+    def _script(self, snapshot: WeightSnapshot, state: dict[str, torch.Tensor]) -> Any:
         import torch
 
-        if (self._scripted is None or self._scripted_for != id(module)
+        module, extras, structure = snapshot.module, snapshot.extras, snapshot.structure
+        if snapshot.template is not None:
+            self._template, self._template_structure = snapshot.template, structure
+        if (self._scripted is None or structure is None or structure != self._structure
                 or not _same(extras, self._extras)):
-            # The structure is copied and compiled once, and again whenever what the state_dict
-            # leaves out changed (a compiled copy keeps those values); the weights come from
-            # each snapshot below.
-            template = copy.deepcopy(module).to("cpu").eval()
+            # Compiled once, and again whenever the structure or what the state_dict leaves out
+            # changed (a compiled copy keeps both as they were); the weights come from each
+            # snapshot below. The structure is the one copied at trigger time: the module may
+            # have changed since.
+            if self._template is None or structure is None or structure != self._template_structure:
+                raise PolicyError(
+                    f"the snapshot of {type(module).__name__} carries no copy of its structure at "
+                    "trigger time; take it with snapshot_weights(module) (without 'structure', or "
+                    "with the previous snapshot's) before handing it to this PolicyWriter."
+                )
+            template = copy.deepcopy(self._template).to("cpu").eval()
             _with_extras(template, extras)
             try:
                 scripted = torch.jit.script(template)
@@ -331,7 +385,7 @@ class PolicyWriter:
                 ) from err
             _check_kept(template, scripted)
             self._scripted = scripted
-            self._scripted_for = id(module)
+            self._structure = structure
             self._extras = extras
             # A compiled module lists its non-persistent buffers in its state_dict too.
             self._buffer_keys = set(self._scripted.state_dict()) - set(state)
@@ -340,4 +394,5 @@ class PolicyWriter:
         return self._scripted
 
 
-__all__ = ["PolicyWriter", "WeightSnapshot", "factory_ref", "module_extras", "snapshot_weights"]
+__all__ = ["PolicyWriter", "WeightSnapshot", "factory_ref", "module_extras", "module_structure",
+           "snapshot_weights"]

@@ -186,3 +186,68 @@ def test_private_attributes_of_the_users_module_are_carried_over(tmp_path):
     lstm = torch.nn.LSTM(2, 3)
     assert not any(k.split(".")[-1].startswith("_") for k in module_extras(lstm))
     PolicyWriter(tmp_path / "lstm", None).write(snapshot_weights(lstm))
+
+
+def negated(module: torch.nn.Module, inputs: tuple[torch.Tensor], output: torch.Tensor) -> torch.Tensor:
+    """A forward hook (TorchScript compiles it with the module)."""
+    return -output
+
+
+def _layers(path: Path) -> list[str]:
+    return [child.original_name for child in torch.jit.load(str(path)).children()]
+
+
+def test_a_layer_swapped_in_place_is_compiled_again_as_it_was_at_the_trigger(tmp_path):
+    # Same module object, same state_dict keys and extras: the compiled copy of the first
+    # structure was reused, and step 1 was written as step 0's file (same sha256, old layer).
+    module, x = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Tanh(), torch.nn.Linear(2, 2)), \
+        torch.tensor([[1.0, -2.0]])
+    writer = PolicyWriter(tmp_path, None)
+    first = writer.write(snapshot_weights(module))
+    module[1] = torch.nn.Sigmoid()  # an ablation between two triggers
+    snap = snapshot_weights(module)
+    module[1] = torch.nn.ReLU()  # after the trigger: not this snapshot's
+    second = writer.write(snap)
+    module[1] = torch.nn.Sigmoid()
+    with torch.no_grad():
+        assert second != first
+        assert (_layers(first), _layers(second)) == (["Linear", "Tanh", "Linear"],
+                                                     ["Linear", "Sigmoid", "Linear"])
+        assert torch.equal(_out(second, x), module(x))
+        module[2].register_forward_hook(negated)  # a hook decides the forward too
+        snap = snapshot_weights(module)
+        third = writer.write(snap)
+        assert third != second
+        assert torch.equal(_out(third, x), module(x))
+        assert torch.equal(_out(third, x), -_out(second, x))
+        compiled = writer._scripted
+        module[0].weight.add_(1.0)  # weights only: no structure copied, none compiled
+        unchanged = snapshot_weights(module, structure=snap.structure)
+        assert unchanged.template is None
+        assert torch.equal(_out(writer.write(unchanged), x), module(x))
+        assert writer._scripted is compiled
+
+
+def test_the_evaluator_copies_the_structure_only_when_it_changed(tmp_path):
+    from evalfleet.client import EvaluationFailed, Evaluator
+
+    seen: list[tuple[int, list[str]]] = []
+
+    def runner(request):
+        seen.append((request.step, _layers(Path(request.policy))))
+        raise RuntimeError("planted: stop here")
+
+    module = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    with Evaluator(output=tmp_path, runner=runner, busy_policy="queue") as ev:
+        for step, layer in ((0, None), (1, None), (2, torch.nn.Sigmoid())):
+            if layer is not None:
+                module[1] = layer
+            ev.trigger_eval(module, step)
+        snapshots = [job.snapshot for job in ev._triggered]
+        for _ in range(3):
+            with pytest.raises(EvaluationFailed, match="planted: stop here"):
+                ev.wait(timeout=60)
+    assert seen == [(0, ["Linear", "Tanh", "Linear"]), (1, ["Linear", "Tanh", "Linear"]),
+                    (2, ["Linear", "Sigmoid", "Linear"])]
+    # The training thread copied the structure for the first call and after the swap only.
+    assert [snap.template is not None for snap in snapshots] == [True, False, True]
