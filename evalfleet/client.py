@@ -344,8 +344,14 @@ class Evaluator:
         ``shutdown`` flushes too (its runner's ``close`` waits for the background step). Raises
         ``TimeoutError`` if that takes longer than ``timeout`` seconds, and ``OutputsMissing``
         naming each evaluation whose files, MLflow run or callback could not be produced, and each
-        ``on_result`` call that raised (each once; ``shutdown`` raises those not raised yet).
+        ``on_result`` call that raised (each once; ``shutdown`` raises those not raised yet, and
+        so does a ``flush`` after a ``shutdown`` that raised ``TimeoutError``).
         """
+        with self._lock:
+            closed = self._closed
+        if closed:  # the runner's close() finishes stage 7 and keeps what it raised for shutdown()
+            self.shutdown(timeout=timeout)
+            return
         drain = getattr(self._runner, "drain", None)
         missing: OutputsMissing | None = None
         if callable(drain):
@@ -356,12 +362,16 @@ class Evaluator:
         self._raise_missing(missing)
 
     def _raise_missing(self, missing: OutputsMissing | None) -> None:
-        """Raise ``missing`` (the runner's) and the ``on_result`` failures not raised yet, as one."""
+        """Raise ``missing`` (the runner's), what its ``close`` raised and ``on_result``'s errors, as one."""
         with self._lock:
+            closing, self._close_error = self._close_error, None
+            if closing is not None and not isinstance(closing, OutputsMissing):
+                raise closing  # on its own: the next flush() or shutdown() raises the rest
             problems, self._unraised = self._unraised, []
-        if missing is None and not problems:
+        found = [str(err) for err in (closing, missing) if err is not None]
+        if not found and not problems:
             return
-        text = "; ".join([str(missing)] if missing is not None else [])
+        text = "; ".join(found)
         if problems:
             text = (f"{text}; " if text else "results were returned, but not everything asked for "
                     "with them was produced: ") + "; ".join(problems)
@@ -371,32 +381,35 @@ class Evaluator:
         """Stop accepting work, optionally let pending evaluations finish, release the cluster.
 
         With ``wait=False`` queued evaluations are cancelled; a running one still finishes in
-        the background (a running Dask evaluation cannot be interrupted safely).
+        the background (a running Dask evaluation cannot be interrupted safely). Raises
+        ``TimeoutError`` when the evaluations or their stage 7 are still running after ``timeout``
+        seconds (10 s with ``wait=False``): call ``shutdown()`` or ``flush()`` again, which raise
+        what they could not produce.
         """
         with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-        if not wait:
-            while True:
-                try:
-                    job = self._jobs.get_nowait()
-                except queue.Empty:
-                    break
-                if job is not None and job.future.cancel():
-                    with self._lock:
-                        self._in_flight -= 1
-        self._jobs.put(None)
-        self._thread.join(timeout if wait else 10.0)
+            closing, self._closed = not self._closed, True
+        if closing:
+            if not wait:
+                while True:
+                    try:
+                        job = self._jobs.get_nowait()
+                    except queue.Empty:
+                        break
+                    if job is not None and job.future.cancel():
+                        with self._lock:
+                            self._in_flight -= 1
+            self._jobs.put(None)
+        limit = timeout if wait else 10.0
+        self._thread.join(limit)
         if self._thread.is_alive():
-            logger.warning("evaluator thread still busy after shutdown(); it exits when the "
-                           "running evaluation ends")
+            raise TimeoutError(
+                f"the evaluator is still running after {limit} s (evaluations, or their stage 7: "
+                "files, MLflow, callbacks); call shutdown() or flush() again to wait on and raise "
+                "what they could not produce."
+            )
         # What the runner's close raised (a failed stage 7, an output not produced) and what
         # on_result raised reach the caller: a result's missing parts are never only a log line.
-        error, self._close_error = self._close_error, None
-        if error is not None and not isinstance(error, OutputsMissing):
-            raise error
-        self._raise_missing(error)
+        self._raise_missing(None)
 
     def __enter__(self) -> Evaluator:
         return self
@@ -514,9 +527,10 @@ class Evaluator:
             if callable(close):
                 try:
                     close()
-                except Exception as err:  # shutdown() raises it in the caller's thread
+                except Exception as err:  # shutdown() or flush() raises it in the caller's thread
                     logger.error("closing the evaluation runner: %s", err)
-                    self._close_error = err
+                    with self._lock:
+                        self._close_error = err
 
 
 __all__ = [

@@ -1,0 +1,63 @@
+"""The in-loop ``Evaluator``'s own bookkeeping, with planted runners (no cluster, no server).
+
+What its runner's background stage 7 could not produce and what ``on_result`` raised reach the
+trainer from ``flush()``/``shutdown()``: never a log line only, never a dead thread.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from evalfleet.client import Evaluator
+from evalfleet.errors import OutputsMissing
+
+FACTORY = "tests.integration.policies:mlp"
+
+
+def report_runner(request: Any) -> Any:
+    """A runner returning what ``result_from_report`` reads of a report: mean 1.0 over 8 episodes."""
+    return SimpleNamespace(mean=1.0, coverage=1.0, ci=(0.5, 1.5), lengths={"mean": 10.0},
+                           steps_per_second=100.0, episodes=8, scored=8, failure_rate=0.0,
+                           policy_failure_rate=0.0, history=None, alarms=[], harness_fault=False,
+                           outputs={}, policy_sha256="0" * 64)
+
+
+class SlowStage7:
+    """A runner whose ``close()`` (stage 7) outlasts the caller's timeout, then misses a callback."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+
+    def __call__(self, request: Any) -> Any:
+        return report_runner(request)
+
+    def close(self) -> None:
+        self.release.wait(timeout=30)
+        raise OutputsMissing("r1: the callback to the trainer: failed after 5 attempts")
+
+
+@pytest.mark.parametrize("again", ["flush", "shutdown"])
+def test_shutdown_with_stage_7_still_running_raises_and_a_later_call_raises_what_it_missed(
+        tmp_path: Path, again: str) -> None:
+    # shutdown(timeout) logged a warning and returned; the OutputsMissing stored later was
+    # raised by nobody (a second shutdown() and flush() returned normally).
+    runner = SlowStage7()
+    ev = Evaluator(output=tmp_path, policy_factory=FACTORY, runner=runner)
+    t0 = time.perf_counter()
+    with pytest.raises(TimeoutError, match=r"^the evaluator is still running after 0.5 s \(evaluations, "
+                       r"or their stage 7: .*call shutdown\(\) or flush\(\) again"):
+        ev.shutdown(timeout=0.5)
+    assert time.perf_counter() - t0 < 5
+    runner.release.set()
+    with pytest.raises(OutputsMissing, match=r"^r1: the callback to the trainer: failed after 5 attempts$"):
+        getattr(ev, again)(timeout=30)
+    assert not ev._thread.is_alive()
+    ev.shutdown()  # each problem is raised once
+    ev.flush()
+
