@@ -148,7 +148,9 @@ class Evaluator:
         busy_policy: What ``trigger_eval`` does while an evaluation is pending: ``'error'``
             raises ``EvaluatorBusy``, ``'queue'`` runs requests in order, ``'skip'`` drops the new
             request (logged, counted in ``skipped``, returns None).
-        on_result: Called with each result dict on the background thread (exceptions are logged).
+        on_result: Called with each result dict on the background thread; what it raises
+            (``SystemExit`` too) is logged, and raised by the next ``flush()`` or ``shutdown()``
+            as ``OutputsMissing``.
         metrics_fn: Extra metrics from the episode table (one row per episode, the Parquet
             schema); merged into the result dict.
         device: Where workers run the policy: ``'cpu'``, ``'cuda[:N]'`` or ``'auto'``.
@@ -514,7 +516,7 @@ class Evaluator:
                 if self.on_result is not None:
                     try:
                         self.on_result(result)
-                    except Exception as err:
+                    except BaseException as err:  # SystemExit too: the result still comes back
                         logger.exception("on_result raised for step %s", job.request.step)
                         with self._lock:
                             self._unraised.append(f"on_result raised for step {job.request.step}: "

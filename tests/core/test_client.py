@@ -6,6 +6,7 @@ trainer from ``flush()``/``shutdown()``: never a log line only, never a dead thr
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from pathlib import Path
@@ -16,6 +17,7 @@ import pytest
 
 from evalfleet.client import Evaluator
 from evalfleet.errors import OutputsMissing
+from tests.integration.policies import mlp
 
 FACTORY = "tests.integration.policies:mlp"
 
@@ -61,3 +63,35 @@ def test_shutdown_with_stage_7_still_running_raises_and_a_later_call_raises_what
     ev.shutdown()  # each problem is raised once
     ev.flush()
 
+
+def test_an_on_result_raising_systemexit_neither_kills_the_evaluator_nor_goes_unsaid(
+        tmp_path: Path) -> None:
+    # The thread died: wait() said "still running" forever, pending stayed 1 (EvaluatorBusy on
+    # every later trigger) and shutdown() returned normally.
+    def on_result(result: dict[str, Any]) -> None:
+        sys.exit(f"target reward reached at step {result['eval/step']}")
+
+    ev = Evaluator(output=tmp_path, policy_factory=FACTORY, runner=report_runner, on_result=on_result)
+    try:
+        ev.trigger_eval(mlp(), step=0)
+        first = ev.wait(timeout=10)
+        assert first is not None and (first["eval/step"], first["eval/reward"]) == (0, 1.0)
+        assert ev.pending == 0 and ev._thread.is_alive()
+        ev.trigger_eval(mlp(), step=1)  # busy_policy='error': nothing is pending any more
+        second = ev.wait(timeout=10)
+        assert second is not None and second["eval/step"] == 1
+        with pytest.raises(OutputsMissing) as raised:
+            ev.flush()
+        assert str(raised.value) == (
+            "results were returned, but not everything asked for with them was produced: "
+            "on_result raised for step 0: SystemExit: target reward reached at step 0; "
+            "on_result raised for step 1: SystemExit: target reward reached at step 1")
+        ev.trigger_eval(mlp(), step=2)
+        third = ev.wait(timeout=10)
+        assert third is not None and third["eval/step"] == 2
+    except BaseException:
+        ev.shutdown(wait=False)
+        raise
+    with pytest.raises(OutputsMissing, match=r"produced: on_result raised for step 2: SystemExit: "
+                       r"target reward reached at step 2$"):
+        ev.shutdown(timeout=10)  # steps 0 and 1 were raised by flush() already
