@@ -653,3 +653,10 @@ def run_history(args: argparse.Namespace) -> int:
     render_history(rows, plot, title=f"training run {args.training_run_id}")
     print(f"plot: {plot}", file=sys.stderr if args.json else sys.stdout)
     return EXIT_OK
+
+
+if __name__ == "__main__":  # the parser lives here; the flows that evaluate do not (layers)
+    print("evalfleet: error: python -m evalfleet.cli runs nothing: use 'evalfleet eval ...' or "
+          "'python flows/eval.py ...' (the same options), and 'evalfleet server|cache|history|mlflow "
+          "...' for the rest.", file=sys.stderr)
+    sys.exit(EXIT_BAD_REQUEST)
