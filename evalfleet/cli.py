@@ -556,7 +556,8 @@ def gate(report: EvalReport) -> int:
     Passes (``EXIT_OK``) only on a verdict of ``GATE_PASSES`` whose comparison dropped no pairs
     past an alarm (``history_pairs_unmatched``, ``history_pairs_harness``); a gate that could not
     compare (history unreadable, ``no_paired_episodes``, ``protocol_changed``, such an alarm)
-    exits ``EXIT_GATE_UNDECIDED``: it fails closed.
+    exits ``EXIT_GATE_UNDECIDED``: it fails closed. So does one of a checkpoint evaluated after
+    later steps (``history_out_of_order``): they were judged without it.
     """
     from evalfleet.history import gamed
 
@@ -571,11 +572,12 @@ def gate(report: EvalReport) -> int:
               if a.startswith(("history_pairs_unmatched:", "history_pairs_harness:",
                                "policy_failures_flatter:", "history_pairs_policy_flatter:"))]
     biased += gamed(history.get("alarms") or [])
-    if verdict in GATE_PASSES and not biased:
+    late = [a for a in report.alarms if a.startswith("history_out_of_order:")]
+    if verdict in GATE_PASSES and not biased and not late:
         return EXIT_OK
     if verdict != "regression":
         why = (f"the training run's history could not be read ({history['error']})"
-               if history.get("error") else
+               if history.get("error") else "; ".join(late) if late else
                f"verdict {verdict!r} with {' and '.join(biased)} (the paired comparison left "
                "out pairs where the two may differ, failures of the policy scored above its "
                "completed episodes, or the reward may be gamed)" if biased else

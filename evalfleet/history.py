@@ -18,6 +18,12 @@ back with MLflow's client (``checkpoints``), they give:
   which keeps no episode the policy's runtime or the infrastructure ended, and no artifact) or
   fewer than ``stats.MIN_PAIRS`` pairs remain: an alarm line (``alarm_lines``), and ``--gate``
   does not pass it.
+- **Out of step order**: a checkpoint evaluated after later steps of its run were logged is
+  judged against the earlier steps only, never tagged best, and raises ``history_out_of_order``
+  naming the later steps (their verdicts were made without it). While a checkpoint judged best
+  that way sits below a higher best judged without it, which one is the run's best is undecided:
+  later verdicts are ``no_paired_episodes`` with ``history_out_of_order`` until the higher steps
+  are evaluated again (``unsettled_best``).
 - **Alarms** against the *previous* checkpoint (the largest earlier step), each with its
   statistic, threshold and the two steps compared:
 
@@ -70,6 +76,7 @@ __all__ = [
     "HistoryError",
     "action_shares",
     "assess",
+    "best_checkpoint",
     "checkpoints",
     "curve_row",
     "drift_alarms",
@@ -79,10 +86,13 @@ __all__ = [
     "logged_episodes",
     "protocol_id",
     "report_protocol",
+    "unsettled_best",
 ]
 
 VERDICTS = ("first", "new_best", "not_distinguishable", "regression", "no_paired_episodes",
             "protocol_changed")
+#: Verdicts that made a checkpoint the best of the steps before it when it was evaluated.
+BEST_VERDICTS = ("first", "new_best")
 #: Total variation distance between consecutive checkpoints' action shares that raises the alarm.
 ACTION_TV_THRESHOLD = 0.25
 #: The action entropy collapses when it falls below this fraction of the previous checkpoint's...
@@ -233,20 +243,76 @@ def gamed(alarms: list[dict[str, Any]]) -> list[str]:
                    or (a["alarm"] == "reward_outcome_divergence" and a.get("falls"))})
 
 
+def _usable(earlier: list[Checkpoint]) -> list[Checkpoint]:
+    return [c for c in earlier if not c.harness_fault and not c.withheld
+            and not FLATTERED.intersection(c.alarms)]
+
+
+def _marked(earlier: list[Checkpoint]) -> list[Checkpoint]:
+    """The usable checkpoints judged best against the steps before them when evaluated.
+
+    A checkpoint evaluated out of step order is never tagged best, but its verdict counts: once
+    the later steps are evaluated again (``unsettled_best``), they are judged with it.
+    """
+    return [c for c in _usable(earlier) if c.best or c.verdict in BEST_VERDICTS]
+
+
 def best_checkpoint(earlier: list[Checkpoint]) -> Checkpoint | None:
     """The latest earlier checkpoint that was best when evaluated; else the highest mean return.
 
     Harness faults never count, nor checkpoints whose policy failures flattered them
     (``FLATTERED``) or whose reward may be gamed (``withheld``): their gate did not pass. The
-    fallback covers runs logged before verdicts were tagged.
+    fallback covers runs logged before verdicts were tagged. Undecided while ``unsettled_best``
+    says so: ``assess`` then fails closed instead of asking.
     """
-    usable = [c for c in earlier if not c.harness_fault and not c.withheld
-              and not FLATTERED.intersection(c.alarms)]
-    marked = [c for c in usable if c.best]
+    marked = _marked(earlier)
     if marked:
         return max(marked, key=lambda c: c.step)
-    scored = [c for c in usable if math.isfinite(c.metrics.get("eval/reward", math.nan))]
+    scored = [c for c in _usable(earlier) if math.isfinite(c.metrics.get("eval/reward", math.nan))]
     return max(scored, key=lambda c: c.metrics["eval/reward"]) if scored else None
+
+
+def judged_without(step: int, policy_sha256: str, later: list[Checkpoint],
+                   evaluated: list[Checkpoint]) -> list[Checkpoint]:
+    """The checkpoints of ``later`` above ``step`` logged before these weights were evaluated there.
+
+    Their verdicts were made without them. A later step logged after an evaluation of the same
+    weights at ``step`` (a re-evaluation, a retry) saw them. ``evaluated``: every evaluation of
+    the run under the protocol, also those ``checkpoints`` leaves out.
+    """
+    return [hi for hi in later if hi.step > step and not any(
+        e.step == step and e.policy_sha256 == policy_sha256 and e.start_time < hi.start_time
+        for e in evaluated)]
+
+
+def _steps(steps: list[int]) -> str:
+    return ", ".join(str(s) for s in steps[:5]) + (", ..." if len(steps) > 5 else "")
+
+
+def unsettled_best(earlier: list[Checkpoint], evaluated: list[Checkpoint]) -> dict[str, Any] | None:
+    """Why the best of ``earlier`` is undecided, None when it is not.
+
+    A checkpoint judged best against the steps before it, logged after a higher step that was
+    judged best without it (evaluated out of step order, or logged so by an older evalfleet that
+    tagged both best): which of the two is the run's best is unknown until the higher steps are
+    evaluated again. ``best_checkpoint`` would pick the higher one, and a regression against the
+    lower one would pass the gate.
+    """
+    marked = _marked(earlier)
+    late = {lo.step: [hi.step for hi in judged_without(lo.step, lo.policy_sha256, marked, evaluated)]
+            for lo in sorted(marked, key=lambda c: c.step)}
+    late = {lo: his for lo, his in late.items() if his}
+    if not late:
+        return None
+    stale = sorted({s for his in late.values() for s in his})
+    lows = ", ".join(f"step {lo} after step{'s' if len(his) > 1 else ''} {_steps(his)}"
+                     for lo, his in late.items())
+    return {"late_steps": sorted(late), "stale_steps": stale, "message": (
+        f"checkpoints of this training run were evaluated out of step order: {lows}. The lower "
+        "step was judged best against the steps before it, the higher one was judged best "
+        "without it: which is the best checkpoint is undecided. Evaluate "
+        f"step{'s' if len(stale) > 1 else ''} {_steps(stale)} again (the new evaluation is "
+        "judged with the earlier steps), and evaluate a run's checkpoints in step order")}
 
 
 def _read_any(path: Path) -> pa.Table:
@@ -530,33 +596,50 @@ def assess(
     table: pa.Table, *, step: int, seed: int, earlier: list[Checkpoint],
     episodes: Callable[[Checkpoint], pa.Table | None], outcome_metric: str | None = None,
     policy_sha256: str = "", other_protocols: list[Checkpoint] | None = None,
+    evaluated: list[Checkpoint] | None = None,
 ) -> dict[str, Any]:
     """The ``history`` section of a report: verdict, best checkpoint, alarms.
 
     ``earlier`` are the run's checkpoints with the same protocol (``checkpoints``); those at
-    ``step`` or later are ignored. ``episodes(cp)`` gives a checkpoint's episodes on this
-    evaluation's indices (``episodes_of``) or None when they are gone. ``other_protocols``: the
-    run's evaluations under another protocol. With none of the same protocol before ``step``
+    ``step`` or later are not compared with. ``episodes(cp)`` gives a checkpoint's episodes on
+    this evaluation's indices (``episodes_of``) or None when they are gone. ``other_protocols``:
+    the run's evaluations under another protocol. With none of the same protocol before ``step``
     but some of another, the verdict is ``protocol_changed``, not ``first``: this checkpoint
     cannot be compared with them, so it is neither tagged best nor passed by a gate.
+    ``evaluated``: every evaluation under the protocol (default ``earlier``). Later steps
+    logged without these weights (``judged_without``) make this checkpoint late: judged against
+    the earlier steps, never the best, ``out_of_order`` names them. A best of the earlier steps
+    that ``unsettled_best`` calls undecided gives ``no_paired_episodes``.
     """
+    evaluated = list(earlier) if evaluated is None else evaluated
+    later = sorted(c.step for c in judged_without(step, policy_sha256, earlier, evaluated))
     earlier = [c for c in earlier if c.step < step]
     out: dict[str, Any] = {"step": step, "checkpoints_before": len(earlier),
                            "outcome_metric": outcome_metric or "success",
                            "current": current_figures(table, outcome_metric)}
+    if later:  # their verdicts were made without this one: it cannot be the best after them
+        out.update(later_steps=later, out_of_order=(
+            f"step {step} was evaluated after later checkpoints of this training run were logged "
+            f"(step{'s' if len(later) > 1 else ''} {_steps(later)}): it is judged against the "
+            "earlier steps only and is not tagged best, and the later steps' verdicts were made "
+            f"without it. Evaluate step{'s' if len(later) > 1 else ''} {_steps(later)} again to "
+            "judge them with it, and evaluate a run's checkpoints in step order"))
     before = sorted({c.step for c in other_protocols or [] if c.step < step})
     if not earlier and before:
-        steps = ", ".join(str(s) for s in before[:5]) + (", ..." if len(before) > 5 else "")
         return dict(out, verdict="protocol_changed", best_step=None, best_policy_sha256=None,
                     compared_with=None, comparison=None, alarms=[], other_protocol_steps=before,
                     note=(f"{len(before)} earlier checkpoints of this training run (steps "
-                          f"{steps}) were evaluated under another protocol (env code or spec, "
-                          "seed, step cap or determinism): this one is not compared with them"))
+                          f"{_steps(before)}) were evaluated under another protocol (env code or "
+                          "spec, seed, step cap or determinism): this one is not compared with them"))
     if not earlier:
-        return dict(out, verdict="first", best_step=step, best_policy_sha256=policy_sha256,
+        return dict(out, verdict="first", best_step=None if later else step,
+                    best_policy_sha256=None if later else policy_sha256,
                     compared_with=None, comparison=None, alarms=[],
-                    note="first evaluated checkpoint of this training run")
-    best = best_checkpoint(earlier)
+                    note=("no earlier checkpoint of this training run, but later ones were "
+                          "evaluated before it" if later else
+                          "first evaluated checkpoint of this training run"))
+    unsettled = unsettled_best(earlier, evaluated)
+    best = None if unsettled else best_checkpoint(earlier)
     cache: dict[str, pa.Table | None] = {}
 
     def table_of(cp: Checkpoint) -> pa.Table | None:
@@ -566,7 +649,11 @@ def assess(
 
     comparison: dict[str, Any] | None = None
     note = None
-    if best is None:  # earlier checkpoints, none trusted: nothing to compare with, no pass
+    if unsettled:  # which earlier checkpoint is the best is unknown: no verdict, no pass
+        verdict, note = "no_paired_episodes", unsettled.pop("message")
+        out.update(unsettled_best=unsettled, out_of_order="; ".join(
+            m for m in (out.get("out_of_order"), note) if m))
+    elif best is None:  # earlier checkpoints, none trusted: nothing to compare with, no pass
         faulty = sorted(c.step for c in earlier)
         listed = ", ".join(str(s) for s in faulty[:5]) + (", ..." if len(faulty) > 5 else "")
         verdict = "no_paired_episodes"
@@ -586,7 +673,7 @@ def assess(
                 str(comparison["verdict"]), "not_distinguishable")
             if comparison["verdict"] == "too few pairs":
                 verdict, note = "no_paired_episodes", str(comparison.get("note"))
-    is_best = verdict in ("first", "new_best")
+    is_best = verdict in BEST_VERDICTS
     out.update(
         verdict=verdict,
         best_step=step if is_best else None if best is None else best.step,
@@ -607,10 +694,11 @@ def assess(
     out["previous_step"] = previous.step
     out["alarms"] = alarms
     withheld = gamed(alarms)
-    if is_best and withheld:  # the reward may be gamed: the best stays where it was
+    if is_best and (withheld or later):  # the reward may be gamed, or late: the best stays
         out.update(best_step=None if best is None else best.step,
-                   best_policy_sha256=None if best is None else best.policy_sha256,
-                   best_withheld=withheld)
+                   best_policy_sha256=None if best is None else best.policy_sha256)
+        if withheld:
+            out["best_withheld"] = withheld
     return out
 
 
@@ -632,9 +720,11 @@ def alarm_lines(history: dict[str, Any] | None) -> list[str]:
 
     Besides the drift alarms: ``history_unavailable`` when the history could not be read,
     ``history_not_compared`` when there is no verdict against the best checkpoint,
-    ``history_pairs_unmatched`` when pairs were dropped for want of a row of the best checkpoint,
-    and ``history_pairs_harness`` when harness failures on either side dropped too many. A gate
-    reading the report must not take any of them for a pass.
+    ``history_out_of_order`` when checkpoints were evaluated out of step order (this one, or
+    the best of the earlier ones is undecided), ``history_pairs_unmatched`` when pairs were
+    dropped for want of a row of the best checkpoint, and ``history_pairs_harness`` when harness
+    failures on either side dropped too many. A gate reading the report must not take any of
+    them for a pass.
     """
     if not history:
         return []
@@ -648,12 +738,14 @@ def alarm_lines(history: dict[str, Any] | None) -> list[str]:
                      "protocol's first checkpoint says nothing of a regression: re-evaluate the "
                      "best earlier checkpoint under this protocol (--baseline its policy) to "
                      "compare, or keep the protocol fixed across a training run")
-    elif history.get("verdict") == "no_paired_episodes":
+    elif history.get("verdict") == "no_paired_episodes" and not history.get("unsettled_best"):
         best = (history.get("compared_with") or {}).get("step")
         where = f" (step {best})" if best is not None else ""
         lines.append(f"history_not_compared: no verdict against the best checkpoint{where}: "
                      f"{history.get('note')}; re-evaluate the best checkpoint on the same seeds "
                      "and episode count, or compare with --baseline")
+    if history.get("out_of_order"):
+        lines.append(f"history_out_of_order: {history['out_of_order']}")
     outcome = (history.get("current") or {}).get("outcome") or {}
     if "keys_seen" in outcome:  # a named outcome no episode reports: the check cannot run
         seen = ", ".join(outcome["keys_seen"]) or "none"
@@ -722,14 +814,16 @@ def feed_back_history(report: dict[str, Any], table: pa.Table, tracking_uri: str
     if not run_id or step is None:
         return None
     proto = report_protocol(report)
-    runs = [c for c in evaluations(tracking_uri, run_id) if c.request_id != report.get("request_id")]
+    every = evaluations(tracking_uri, run_id)
+    runs = [c for c in every if c.request_id != report.get("request_id")]
     earlier = checkpoints(tracking_uri, run_id, protocol=proto, runs=runs)
     indices = range(int(max(table.column("episode_index").to_pylist(), default=-1)) + 1)
     seed = int(((report.get("manifest") or {}).get("protocol") or {}).get("seed", 0))
     out = assess(table, step=int(step), seed=seed, earlier=earlier,
                  episodes=lambda cp: episodes_of(cp, cache, tracking_uri, indices),
                  outcome_metric=outcome_metric, policy_sha256=str(report.get("policy_sha256")),
-                 other_protocols=[c for c in runs if c.protocol != proto])
+                 other_protocols=[c for c in runs if c.protocol != proto],
+                 evaluated=[c for c in every if c.protocol == proto])
     out["training_run_id"] = run_id
     out["protocol"] = proto
     out["curve"] = [curve_row(c) for c in earlier if c.step < int(step)]

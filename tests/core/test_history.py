@@ -77,15 +77,17 @@ def _table(policy_name: str, seed: int = 0):
 
 def evaluate_checkpoint(tmp: Path, policy_name: str, step: int, *, seed: int = 0,
                         outcome_metric: str | None = None, run: str, table=None,
-                        uri: str | None = None) -> EvalReport:
+                        uri: str | None = None, request_id: str | None = None) -> EvalReport:
     """Stage 6 and 7 of one evaluation of ``policy_name`` (or ``table``) at ``step``, on the real
     stores. ``uri``: the MLflow store, logged to as stage 7 does (queued when it does not answer);
-    by default ``tmp``'s SQLite store, logged to directly."""
+    by default ``tmp``'s SQLite store, logged to directly. ``request_id``: another evaluation of
+    the same weights and step (by default the request id is made of them)."""
     table = _table(policy_name, seed) if table is None else table
     request = EvalRequest(env=courier.ENV_ID, policy=f"tests.core.courier:{policy_name}",
                           episodes=table.num_rows, seed=seed, output=tmp, training_run_id=run,
                           step=step, outcome_metric=outcome_metric, cache_dir=tmp / "cache",
-                          request_id=f"{run}-{policy_name}-{step}-{seed}", mlflow_uri=uri)
+                          request_id=request_id or f"{run}-{policy_name}-{step}-{seed}",
+                          mlflow_uri=uri)
     sha = f"{policy_name}-{step}".encode().hex().ljust(64, "0")[:64]  # same weights, same hash
     key = hashlib.sha256(f"{run}/{policy_name}/{step}/{seed}".encode()).hexdigest()
     EpisodeCache(tmp / "cache").store(key, table, {"policy": {"sha256": sha}})
@@ -700,3 +702,57 @@ def test_an_outcome_that_only_does_not_rise_stays_advisory(store):
     assert better.history["verdict"] == "new_best" and better.history["best_step"] == 2
     assert "best_withheld" not in better.history
     assert gate(better) == EXIT_OK
+
+
+def test_a_checkpoint_evaluated_after_a_later_step_never_lets_a_regression_pass(store, capsys):
+    # Planted: step 10 (careless) is evaluated first, then step 5 (careful, much better), e.g. a
+    # re-run of a failed evaluation. Before, step 5 was 'first' and tagged best, step 20
+    # (careless again) was judged against step 10: not_distinguishable, and the gate passed it.
+    uri = f"sqlite:///{store / 'mlflow.db'}"
+    assert evaluate_checkpoint(store, "careless", 10, run="late").verdict == "first"
+    late = evaluate_checkpoint(store, "careful", 5, run="late")
+    h = late.history
+    assert (h["verdict"], h["best_step"], h["later_steps"]) == ("first", None, [10])
+    assert h["note"] == "no earlier checkpoint of this training run, but later ones were evaluated before it"
+    [line] = [a for a in late.alarms if a.startswith("history_out_of_order: ")]
+    assert line.startswith("history_out_of_order: step 5 was evaluated after later checkpoints of "
+                           "this training run were logged (step 10): it is judged against the "
+                           "earlier steps only and is not tagged best")
+    assert gate(late) == EXIT_GATE_UNDECIDED
+    assert "so it does not pass: history_out_of_order: step 5 was evaluated" in capsys.readouterr().err
+    found = {c.step: c for c in checkpoints(uri, "late")}
+    assert (found[5].verdict, found[5].best, found[5].alarms) == ("first", False, ("history_out_of_order",))
+    # Step 10 was judged best without step 5: the best is undecided, and the gate fails closed.
+    after = evaluate_checkpoint(store, "careless", 20, run="late")
+    h = after.history
+    assert (h["verdict"], h["compared_with"], h["best_step"]) == ("no_paired_episodes", None, None)
+    assert h["unsettled_best"] == {"late_steps": [5], "stale_steps": [10]}
+    assert h["previous_step"] == 10
+    [line] = [a for a in after.alarms if a.startswith("history_")]
+    assert line.startswith("history_out_of_order: checkpoints of this training run were evaluated "
+                           "out of step order: step 5 after step 10. The lower step was judged best")
+    assert "Evaluate step 10 again" in line
+    assert gate(after) == EXIT_GATE_UNDECIDED
+    assert "verdict 'no_paired_episodes'" not in capsys.readouterr().err  # the alarm says why
+    # Step 10 evaluated again (the same weights) is judged with step 5: a regression. Step 20
+    # had seen these weights at step 10 already, so this one is not late.
+    again = evaluate_checkpoint(store, "careless", 10, run="late", request_id="late-careless-10-b")
+    h = again.history
+    assert (h["verdict"], h["compared_with"]["step"], h["best_step"]) == ("regression", 5, 5)
+    assert "later_steps" not in h and not [a for a in again.alarms if a.startswith("history_")]
+    assert gate(again) == EXIT_REGRESSION
+    # Now the run's best is step 5, and the next step is judged against it.
+    last = evaluate_checkpoint(store, "careless", 30, run="late")
+    h = last.history
+    assert (h["verdict"], h["compared_with"]["step"], h["best_step"]) == ("regression", 5, 5)
+    assert h["comparison"]["ci"]["high"] < 0
+    assert gate(last) == EXIT_REGRESSION
+    assert "regression against the best checkpoint (step 5)" in capsys.readouterr().err
+    # Stores written before: both tagged best, the lower step logged after the higher one.
+    from evalfleet.history import Checkpoint, unsettled_best
+
+    hi = Checkpoint("r10", 10, "a", "aa" * 32, None, "p", {}, "first", True, False, start_time=1)
+    lo = Checkpoint("r5", 5, "b", "bb" * 32, None, "p", {}, "first", True, False, start_time=2)
+    assert unsettled_best([lo, hi], [lo, hi])["late_steps"] == [5]
+    retried = Checkpoint("r5-before", 5, "c", "bb" * 32, None, "p", {}, "first", True, False)
+    assert unsettled_best([lo, hi], [retried, lo, hi]) is None  # step 10 saw these weights
