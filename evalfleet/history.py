@@ -24,6 +24,10 @@ back with MLflow's client (``checkpoints``), they give:
   that way sits below a higher best judged without it, which one is the run's best is undecided:
   later verdicts are ``no_paired_episodes`` with ``history_out_of_order`` until the higher steps
   are evaluated again (``unsettled_best``).
+- **One step, two policies**: a step evaluated with different weights (``policy_sha256``)
+  would be whichever evaluation finished last in the history. Its verdict and every later one
+  are ``no_paired_episodes`` with ``history_step_ambiguous`` (``ambiguous_steps``) until the
+  MLflow runs of the wrong weights are deleted. Re-evaluations of the same weights are retries.
 - **Alarms** against the *previous* checkpoint (the largest earlier step), each with its
   statistic, threshold and the two steps compared:
 
@@ -75,6 +79,7 @@ __all__ = [
     "Checkpoint",
     "HistoryError",
     "action_shares",
+    "ambiguous_steps",
     "assess",
     "best_checkpoint",
     "checkpoints",
@@ -287,6 +292,35 @@ def judged_without(step: int, policy_sha256: str, later: list[Checkpoint],
 
 def _steps(steps: list[int]) -> str:
     return ", ".join(str(s) for s in steps[:5]) + (", ..." if len(steps) > 5 else "")
+
+
+def ambiguous_steps(evaluated: list[Checkpoint], step: int,
+                    policy_sha256: str = "") -> dict[str, Any] | None:
+    """Steps up to ``step`` evaluated with different weights, None when there are none.
+
+    ``checkpoints`` keeps a step's latest evaluation: with two policies at one step, the history
+    (and so every later verdict) would depend on which finished last. ``policy_sha256``: this
+    evaluation's weights at ``step``.
+    """
+    runs: dict[int, dict[str, list[str]]] = {}
+    for c in evaluated:
+        if c.step <= step and c.policy_sha256:
+            where = f"MLflow run {c.mlflow_run_id}"
+            runs.setdefault(c.step, {}).setdefault(c.policy_sha256, []).append(where)
+    if policy_sha256:
+        runs.setdefault(step, {}).setdefault(policy_sha256, []).append("this evaluation")
+    both = {s: by for s, by in sorted(runs.items()) if len(by) > 1}
+    if not both:
+        return None
+    listed = "; ".join(f"step {s}: " + ", ".join(f"{sha[:12]} ({', '.join(where)})"
+                                                 for sha, where in sorted(by.items()))
+                       for s, by in both.items())
+    return {"steps": sorted(both), "message": (
+        f"step{'s' if len(both) > 1 else ''} {_steps(sorted(both))} of this training run "
+        f"{'were' if len(both) > 1 else 'was'} evaluated with different weights ({listed}): the "
+        "history would hold whichever evaluation finished last, so no verdict is made. Delete the "
+        "MLflow runs of the wrong weights (the history reads active runs only), then evaluate "
+        "again")}
 
 
 def unsettled_best(earlier: list[Checkpoint], evaluated: list[Checkpoint]) -> dict[str, Any] | None:
@@ -606,7 +640,9 @@ def assess(
     the run's evaluations under another protocol. With none of the same protocol before ``step``
     but some of another, the verdict is ``protocol_changed``, not ``first``: this checkpoint
     cannot be compared with them, so it is neither tagged best nor passed by a gate.
-    ``evaluated``: every evaluation under the protocol (default ``earlier``). Later steps
+    ``evaluated``: every evaluation under the protocol (default ``earlier``). A step up to
+    this one evaluated with other weights too (``ambiguous_steps``) gives ``no_paired_episodes``
+    and ``step_ambiguous``. Later steps
     logged without these weights (``judged_without``) make this checkpoint late: judged against
     the earlier steps, never the best, ``out_of_order`` names them. A best of the earlier steps
     that ``unsettled_best`` calls undecided gives ``no_paired_episodes``.
@@ -624,6 +660,11 @@ def assess(
             "earlier steps only and is not tagged best, and the later steps' verdicts were made "
             f"without it. Evaluate step{'s' if len(later) > 1 else ''} {_steps(later)} again to "
             "judge them with it, and evaluate a run's checkpoints in step order"))
+    ambiguous = ambiguous_steps(evaluated, step, policy_sha256)
+    if ambiguous:  # which weights the history holds at a step is unknown: no verdict, no pass
+        return dict(out, verdict="no_paired_episodes", best_step=None, best_policy_sha256=None,
+                    compared_with=None, comparison=None, alarms=[], note=ambiguous["message"],
+                    ambiguous_steps=ambiguous["steps"], step_ambiguous=ambiguous["message"])
     before = sorted({c.step for c in other_protocols or [] if c.step < step})
     if not earlier and before:
         return dict(out, verdict="protocol_changed", best_step=None, best_policy_sha256=None,
@@ -721,7 +762,8 @@ def alarm_lines(history: dict[str, Any] | None) -> list[str]:
     Besides the drift alarms: ``history_unavailable`` when the history could not be read,
     ``history_not_compared`` when there is no verdict against the best checkpoint,
     ``history_out_of_order`` when checkpoints were evaluated out of step order (this one, or
-    the best of the earlier ones is undecided), ``history_pairs_unmatched`` when pairs were
+    the best of the earlier ones is undecided), ``history_step_ambiguous`` when a step was
+    evaluated with different weights, ``history_pairs_unmatched`` when pairs were
     dropped for want of a row of the best checkpoint, and ``history_pairs_harness`` when harness
     failures on either side dropped too many. A gate reading the report must not take any of
     them for a pass.
@@ -738,6 +780,8 @@ def alarm_lines(history: dict[str, Any] | None) -> list[str]:
                      "protocol's first checkpoint says nothing of a regression: re-evaluate the "
                      "best earlier checkpoint under this protocol (--baseline its policy) to "
                      "compare, or keep the protocol fixed across a training run")
+    elif history.get("step_ambiguous"):
+        lines.append(f"history_step_ambiguous: {history['step_ambiguous']}")
     elif history.get("verdict") == "no_paired_episodes" and not history.get("unsettled_best"):
         best = (history.get("compared_with") or {}).get("step")
         where = f" (step {best})" if best is not None else ""

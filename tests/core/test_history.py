@@ -756,3 +756,59 @@ def test_a_checkpoint_evaluated_after_a_later_step_never_lets_a_regression_pass(
     assert unsettled_best([lo, hi], [lo, hi])["late_steps"] == [5]
     retried = Checkpoint("r5-before", 5, "c", "bb" * 32, None, "p", {}, "first", True, False)
     assert unsettled_best([lo, hi], [retried, lo, hi]) is None  # step 10 saw these weights
+
+
+def test_a_step_evaluated_with_two_policies_gives_no_verdict_whichever_finished_last(store, capsys):
+    from evalfleet.client import history_result
+
+    # Planted: step 5 evaluated with the careful weights and, by another request, the careless
+    # ones. Before, the history kept whichever evaluation was logged last: step 6 (careless) was
+    # a regression (exit 4) in one order and not_distinguishable (exit 0) in the other, no alarm.
+    uri = f"sqlite:///{store / 'mlflow.db'}"
+    for run, order in (("twice-a", ("careful", "careless")), ("twice-b", ("careless", "careful"))):
+        evaluate_checkpoint(store, "careless", 1, run=run)
+        first = evaluate_checkpoint(store, order[0], 5, run=run)
+        assert not [a for a in first.alarms if a.startswith("history_")]
+        second = evaluate_checkpoint(store, order[1], 5, run=run)
+        h = second.history
+        assert (h["verdict"], h["best_step"], h["compared_with"]) == ("no_paired_episodes", None, None)
+        assert h["ambiguous_steps"] == [5]
+        shas = sorted([first.policy_sha256, second.policy_sha256])
+        [line] = [a for a in second.alarms if a.startswith("history_")]
+        assert line.startswith("history_step_ambiguous: step 5 of this training run was evaluated "
+                               f"with different weights (step 5: {shas[0][:12]} (")
+        assert "this evaluation" in line and "Delete the MLflow runs of the wrong weights" in line
+        assert gate(second) == EXIT_GATE_UNDECIDED
+        # The next step: the same verdict and exit code whichever of the two finished last.
+        after = evaluate_checkpoint(store, "careless", 6, run=run)
+        h = after.history
+        assert (h["verdict"], h["best_step"], h["ambiguous_steps"]) == ("no_paired_episodes", None, [5])
+        assert any(a.startswith("history_step_ambiguous: step 5 of this training run was evaluated")
+                   for a in after.alarms)
+        assert gate(after) == EXIT_GATE_UNDECIDED
+        assert "step 5 of this training run was evaluated with different weights" in (
+            capsys.readouterr().err)
+        found = {c.step: c for c in checkpoints(uri, run)}
+        assert (found[6].verdict, found[6].best) == ("no_paired_episodes", False)
+        assert "history_step_ambiguous" in found[6].alarms  # the MLflow run's alarm tag
+        assert "history_step_ambiguous" in history_result(after)["eval/alarms"]  # the Evaluator's
+        assert "history_step_ambiguous: step 5" in summary_text(after)
+    # Deleting the run of the wrong weights (careless, in twice-b) and evaluating step 5 again
+    # settles it: step 7 is judged against step 5.
+    client = MlflowClient(uri)
+    [wrong] = client.search_runs(
+        [client.get_experiment_by_name("evalfleet").experiment_id],
+        "tags.`evalfleet.training_run_id` = 'twice-b' and tags.`evalfleet.step` = '5' and "
+        f"tags.`evalfleet.policy_sha256` = '{first.policy_sha256}'")
+    client.delete_run(wrong.info.run_id)
+    fixed = evaluate_checkpoint(store, "careful", 5, run="twice-b", request_id="twice-b-careful-5-b")
+    assert fixed.verdict == "new_best" and not [a for a in fixed.alarms if a.startswith("history_")]
+    settled = evaluate_checkpoint(store, "careless", 7, run="twice-b")
+    assert (settled.verdict, settled.history["compared_with"]["step"]) == ("regression", 5)
+    assert gate(settled) == EXIT_REGRESSION
+    # The same weights evaluated twice at a step (a retry) are no ambiguity.
+    evaluate_checkpoint(store, "careless", 1, run="retry")
+    evaluate_checkpoint(store, "careful", 5, run="retry")
+    again = evaluate_checkpoint(store, "careful", 5, run="retry", request_id="retry-careful-5-b")
+    assert again.verdict == "new_best" and not [a for a in again.alarms if a.startswith("history_")]
+    assert evaluate_checkpoint(store, "careless", 6, run="retry").verdict == "regression"
