@@ -964,13 +964,36 @@ def feed_back(
     if request.callback_url:  # last, so the trainer gets the MLflow run id; never raises
         from evalfleet.callback import send_report_callback
 
+        logged = len(final.alarms)  # what the MLflow run holds, when it was logged
         outcome = send_report_callback(request.callback_url, final.model_dump(mode="json"))
         alarms = final.alarms if outcome.startswith("delivered") else with_missing(
             final.alarms, [f"the callback to the trainer: {outcome}"])
         final = scrubbed(final.model_copy(update={"outputs": {**final.outputs, "callback": outcome},
                                                   "alarms": alarms}))
+        if len(final.alarms) > logged and "mlflow_run_id" in final.outputs:
+            final = late_alarms_logged(final, final.alarms[logged:])
         write_json(final.model_dump(mode="json"), report_path)
     return final
+
+
+def late_alarms_logged(report: EvalReport, late: list[str]) -> EvalReport:
+    """The report once the alarms raised after its MLflow run was logged are logged there too.
+
+    The run's alarm tags and ``eval/alarm_count`` (there and in the trainer's run) then agree
+    with report.json. Like every other sink it never costs the results: a failure is stated in
+    ``outputs['mlflow_alarms_error']``.
+    """
+    from evalfleet.tracking import log_late_alarms
+
+    try:
+        log_late_alarms(report.outputs["mlflow_uri"], report.outputs["mlflow_run_id"],
+                        report.model_dump(mode="json"), late)
+    except Exception as err:  # the store went away since: logged and stated, never fatal
+        logger.error("could not log the late alarms into MLflow run %s: %s",
+                     report.outputs["mlflow_run_id"], err)
+        return scrubbed(report.model_copy(update={"outputs": {
+            **report.outputs, "mlflow_alarms_error": f"{type(err).__name__}: {err}"[:1000]}}))
+    return report
 
 
 def with_history(request: EvalRequest, report: EvalReport, table: pa.Table) -> EvalReport:

@@ -220,6 +220,26 @@ def log_into_trainer_run(client: Any, report: dict[str, Any], metrics: dict[str,
     return len(batch)
 
 
+def log_late_alarms(tracking_uri: str, mlflow_run_id: str, report: dict[str, Any],
+                    late: list[str]) -> None:
+    """Tag alarms raised after the evaluation's MLflow run was logged (a failed callback).
+
+    ``eval/alarm_count`` is logged again, at the step, into that run and the trainer's run, with
+    a later timestamp: MLflow's latest value then agrees with report.json. ``late``: the alarm
+    lines (``name: message``) added since. Raises what MLflow raises; the caller says so.
+    """
+    from mlflow.entities import Metric, RunTag
+
+    _bound_http()
+    client = mlflow_client(tracking_uri)
+    timestamp = max(int(time.time() * 1000), int(client.get_run(mlflow_run_id).info.start_time) + 1)
+    count = float(len(report.get("alarms") or []))
+    client.log_batch(mlflow_run_id,
+                     metrics=[Metric("eval/alarm_count", count, timestamp, int(report.get("step") or 0))],
+                     tags=[RunTag(f"evalfleet.alarm.{a.split(':', 1)[0]}", "true") for a in late])
+    log_into_trainer_run(client, report, {"eval/alarm_count": count}, timestamp)
+
+
 def _run_exists(client: Any, run_id: str) -> bool:
     try:
         client.get_run(run_id)
