@@ -10,6 +10,7 @@ import sys
 import tempfile
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
@@ -36,7 +37,12 @@ logger = logging.getLogger(__name__)
 
 _clients: dict[str, Client] = {}
 _installed: dict[str, bytes] = {}
-_loaded: dict[tuple[str, str, bool, str], LoadedPolicy] = {}
+#: The plugins (one per evaluation) that installed each policy's bytes in this process: the bytes
+#: and their loaded policies go when the last of them is torn down.
+_holders: dict[str, set[str]] = {}
+#: Bytes installed without a plugin (``distribute`` with no cluster): kept for the process's life.
+_IN_PROCESS = "in-process"
+_loaded: dict[tuple[Any, ...], LoadedPolicy] = {}
 _lock = threading.Lock()
 
 
@@ -636,13 +642,16 @@ def lost_workers(why: str, done: list[Any]) -> str:
 class PolicyInstaller(WorkerPlugin):
     """Installs one policy's bytes on every worker, including workers that join or restart later.
 
-    The bytes travel once per worker; ``setup`` verifies their sha256 on arrival.
+    The bytes travel once per worker; ``setup`` verifies their sha256 on arrival. Each evaluation
+    registers a plugin of its own name: two evaluations of the same bytes at once (one checkpoint
+    on two envs) shared one name, so the second's registration and the first's release tore
+    down the policy the other was still running.
     """
 
     def __init__(self, sha256: str, payload: bytes) -> None:
         self.sha256 = sha256
         self.payload = payload
-        self.name = f"evalfleet-policy-{sha256[:16]}"
+        self.name = f"evalfleet-policy-{sha256[:16]}-{uuid.uuid4().hex[:12]}"
 
     def setup(self, worker: Any) -> None:
         """Verify and keep the bytes in this worker process."""
@@ -654,10 +663,16 @@ class PolicyInstaller(WorkerPlugin):
             )
         with _lock:
             _installed[self.sha256] = self.payload
+            _holders.setdefault(self.sha256, set()).add(self.name)
 
     def teardown(self, worker: Any) -> None:
-        """Forget the bytes and the loaded policy."""
+        """Forget the bytes and their loaded policies, unless another evaluation still uses them."""
         with _lock:
+            holders = _holders.get(self.sha256, set())
+            holders.discard(self.name)
+            if holders:
+                return
+            _holders.pop(self.sha256, None)
             _installed.pop(self.sha256, None)
             for key in [k for k in _loaded if k[0] == self.sha256]:
                 del _loaded[key]
@@ -674,10 +689,12 @@ def distribute(artifact: PolicyArtifact, address: str | None, device: str, deter
     else:
         with _lock:
             _installed[artifact.sha256] = artifact.payload
+            _holders.setdefault(artifact.sha256, set()).add(_IN_PROCESS)
     return PolicyHandle(
         sha256=artifact.sha256,
         format=artifact.format,
         factory=artifact.factory,
+        factory_sha256=artifact.factory_sha256,
         plugin_name=plugin_name,
         nbytes=artifact.nbytes,
         device=device,
@@ -727,7 +744,10 @@ def policy_on_worker(handle: PolicyHandle, source: str, action_space: Any) -> Lo
     # The action space too: one policy over a suite's tasks (other envs, other spaces) is one
     # loaded policy per space. Keyed by the hash alone, the second task's shards checked and
     # mapped their actions against the first task's space (false invalid_action endings).
-    cache_key = (handle.sha256, device, handle.deterministic, repr(action_space))
+    # And what builds the module, as the episode cache key has it: one state_dict under two
+    # factories is two policies, and keyed by its bytes the second ran the first's network.
+    cache_key = (handle.sha256, handle.factory, handle.factory_sha256, handle.code, device,
+                 handle.deterministic, repr(action_space))
     with _lock:
         cached = _loaded.get(cache_key)
     if cached is not None:

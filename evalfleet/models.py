@@ -571,6 +571,9 @@ class PolicyHandle(_Frozen):
     code: tuple[tuple[str, str], ...] = ()
     """``(top-level module, code version)`` the cache key names (``Received.expected_code``):
     a worker running other code refuses the shard (``StaleWorkerCode``)."""
+    factory_sha256: str | None = None
+    """The sha256 of a state_dict factory's source (``PolicyArtifact.factory_sha256``): with
+    ``factory`` and ``code``, what decides the module that the same bytes load into."""
 
 
 class EvalReport(_Frozen):
