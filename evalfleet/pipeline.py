@@ -625,8 +625,10 @@ def summarize(
             f"non_deterministic_env: {len(audit['mismatches'])} of {audit['checked']} re-run "
             f"episodes differ (seeds {seeds}); results are not reproducible. Re-run alone, in "
             "another batch: an env reading a clock, a global RNG or state across resets; or a "
-            "callable policy whose outputs for a row depend on the other rows of its batch (torch "
-            "policies are run in fixed blocks for this; replaying one of the seeds alone tells which)"
+            "policy whose actions depend on more than the row's observation: the other rows of "
+            "its batch (a callable; a torch one that stage 1's check missed), state it keeps "
+            "between calls, or torch's unseeded RNG (Dropout in training mode). Replaying one of "
+            "the seeds alone tells which"
         )
     from evalfleet.audit import (
         determinism_audit_alarm,

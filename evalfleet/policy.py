@@ -26,6 +26,7 @@ import importlib
 import inspect
 import io
 import logging
+import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -57,6 +58,13 @@ FORWARD_ROWS = 256
 #: ``FORWARD_ROWS`` (``pad_rows`` checks); any other policy, and every CUDA one, pads each block to
 #: ``FORWARD_ROWS``.
 PAD_ROWS = 8
+#: How far a row's outputs may move with the other rows of its batch, relative to their magnitude
+#: (at least 1), before the policy is refused (``rows_apart``): well above the last bits a kernel
+#: changes (~1e-7), far below what BatchNorm over the batch moves them (a CartPole controller's
+#: logit traced in training mode: 0.09 alone, 7.9 in a batch of 8).
+ROW_TOLERANCE = 1e-4
+#: Rows of the batch ``rows_apart`` compares, and how many of them it also runs alone.
+ROWS_BATCH, ROWS_ALONE = 8, 4
 
 
 def import_object(ref: str, what: str) -> Any:
@@ -304,23 +312,88 @@ def forward_in_blocks(
     return outs[0] if len(outs) == 1 else np.concatenate(outs)
 
 
+def check_rows(shape: tuple[int, ...]) -> npt.NDArray[np.float32]:
+    """The fixed batch a policy's rows are checked on: ``FORWARD_ROWS`` rows uniform in [0, 1)."""
+    return np.random.default_rng(0).random((FORWARD_ROWS, *shape), dtype=np.float32)
+
+
+def _moved(a: npt.NDArray[np.float64], b: npt.NDArray[np.float64]) -> float:
+    """How far ``b`` is from ``a``, relative to their magnitude (at least 1).
+
+    Infinite where a non-finite element (a masked logit) is not the same in both.
+    """
+    fa, fb = np.isfinite(a), np.isfinite(b)
+    if not np.array_equal(fa, fb) or not np.array_equal(a[~fa], b[~fb], equal_nan=True):
+        return math.inf
+    if not fa.any():
+        return 0.0
+    scale = max(1.0, float(np.abs(a[fa]).max()), float(np.abs(b[fb]).max()))
+    return float(np.abs(a[fa] - b[fb]).max()) / scale
+
+
+def rows_apart(run: Callable[[npt.NDArray[np.float32]], npt.NDArray[Any]],
+               x: npt.NDArray[np.float32]) -> str | None:
+    """None if each of the first rows of ``x`` gets its outputs alone as in the batch ``x``.
+
+    Alone is among copies of itself, as a torch policy's one-row forward is padded: both
+    forwards have ``len(x)`` rows, so no kernel chosen by the row count tells them apart, and a
+    difference above ``ROW_TOLERANCE`` is the other rows' doing (BatchNorm or Dropout in training
+    mode, a normalisation over the batch). Else what was seen, with the numbers, its likely
+    causes and what to do.
+    """
+    together = np.asarray(run(x))
+    if together.ndim == 0 or len(together) != len(x):
+        return None  # no row per observation: the shape checks say so
+    for i in range(min(len(x), ROWS_ALONE)):
+        alone = np.asarray(run(np.repeat(x[i:i + 1], len(x), axis=0)))
+        if alone.shape != together.shape:
+            return None
+        moved = _moved(together[i].astype(np.float64), alone[0].astype(np.float64))
+        if moved > ROW_TOLERANCE:
+            return (
+                "a row's outputs depend on the other rows of its batch: row "
+                f"{i}'s outputs alone are {np.array2string(alone[0].ravel()[:8], precision=4)}, "
+                f"in a batch of {len(x)} rows {np.array2string(together[i].ravel()[:8], precision=4)} "
+                f"(a difference of {moved:.3g} relative to their magnitude or 1, whichever is "
+                f"larger; at most {ROW_TOLERANCE:g} is allowed). Its actions would change with "
+                "--concurrency and with how many envs a shard runs. Likely causes: BatchNorm or "
+                "Dropout in training mode in a traced or scripted module (module.eval() does not "
+                "reach into a graph traced in training mode), or a normalisation over the batch in "
+                "forward (x - x.mean(0)). Call module.eval() before torch.jit.trace, "
+                "torch.jit.script or torch.save and export it again; normalise each observation "
+                "on its own.")
+    return None
+
+
+class RowsApart(ValueError):
+    """A policy's outputs for a row depend on the other rows of its batch (``rows_apart``).
+
+    Raised by the first forward of a loaded torch policy (``pad_rows``): padding would hide it.
+    Stage 1 refuses such a policy (``PolicyError``); on a worker it is the policy's error.
+    """
+
+
 def pad_rows(run: Callable[[npt.NDArray[np.float32]], npt.NDArray[Any]], shape: tuple[int, ...]
              ) -> int:
     """``PAD_ROWS`` if ``run`` gives each row the same outputs in blocks of any multiple of it.
 
-    Checked once per loaded policy on a fixed batch of ``FORWARD_ROWS`` rows (uniform in [0, 1),
-    shaped as the observations), whole and in blocks of 8, 24, 40 and 184 rows: a kernel that
-    depends on the row count shows. Else (or if the check raises) ``FORWARD_ROWS``: every block
-    padded to the full size, the same for any batch.
+    Checked once per loaded policy on a fixed batch of ``FORWARD_ROWS`` rows (``check_rows``),
+    whole and in blocks of 8, 24, 40 and 184 rows: a kernel that depends on the row count shows.
+    Else (or if the check raises) ``FORWARD_ROWS``: every block padded to the full size, the same
+    for any batch. Rows that depend on the other rows of their batch (``rows_apart``) are no
+    kernel's last bits, and padding would hide them: ``RowsApart``.
     """
-    x = np.random.default_rng(0).random((FORWARD_ROWS, *shape), dtype=np.float32)
+    x = check_rows(shape)
     try:
         whole = np.asarray(run(x))
         cuts = np.cumsum([0, 8, 24, 40, FORWARD_ROWS - 72])
         parts = np.concatenate([np.asarray(run(x[a:b])) for a, b in zip(cuts[:-1], cuts[1:], strict=True)])
         same = whole.shape == parts.shape and bool(np.array_equal(whole, parts, equal_nan=True))
+        seen = None if same else rows_apart(run, x[:ROWS_BATCH])
     except Exception:
-        same = False
+        return FORWARD_ROWS
+    if seen is not None:
+        raise RowsApart(seen)
     return PAD_ROWS if same else FORWARD_ROWS
 
 
@@ -337,12 +410,19 @@ def _torch_fn(module: Any, device: str) -> Callable[[npt.NDArray[np.float32]], n
             return np.asarray(module(torch.from_numpy(x).to(device)).detach().to("cpu").numpy())
 
     pad: list[int] = []  # decided at the first batch, when the observations' shape is known
+    apart: list[str] = []  # or what ``pad_rows`` found instead: every forward raises it
 
     def fn(obs: npt.NDArray[np.float32]) -> npt.NDArray[Any]:
         with torch.inference_mode():
+            if apart:
+                raise RowsApart(apart[0])
             if not pad:
-                pad.append(pad_rows(run, tuple(np.shape(obs)[1:])) if torch.device(device).type == "cpu"
-                           else FORWARD_ROWS)
+                try:
+                    pad.append(pad_rows(run, tuple(np.shape(obs)[1:]))
+                               if torch.device(device).type == "cpu" else FORWARD_ROWS)
+                except RowsApart as err:
+                    apart.append(str(err))
+                    raise
             return forward_in_blocks(run, obs, pad[0])
 
     return fn
@@ -452,6 +532,8 @@ def check_outputs(
     space = policy.action_space
     try:
         raw = np.asarray(policy.raw(obs))
+    except RowsApart as err:  # seen by the first forward (``pad_rows``)
+        raise PolicyError(f"policy {source!r}: {err}") from err
     except Exception as err:
         raise PolicyError(
             f"policy {source!r} failed on a dummy float32 batch of shape {obs.shape} (the env's "
@@ -479,6 +561,13 @@ def check_outputs(
             raise PolicyError(f"policy {source!r} on a dummy batch: {err}.") from err
     elif not np.all(np.isfinite(raw.astype(np.float64))):
         raise PolicyError(f"policy {source!r} produced non-finite outputs on a dummy batch.")
+    if policy.is_torch:  # a callable's calls are its own (it may count them): not made here
+        try:
+            seen = rows_apart(policy.raw, check_rows(tuple(shape))[:ROWS_BATCH])
+        except Exception:  # noqa: BLE001 - rows it cannot take (the zeros passed): no finding
+            seen = None
+        if seen is not None:
+            raise PolicyError(f"policy {source!r}: {seen}")
     return "logits" if logits else "actions"
 
 
