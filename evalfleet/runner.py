@@ -97,13 +97,36 @@ def _invalid_actions(space: spaces.Space[Any], actions: npt.NDArray[Any]) -> npt
         if a.shape[1:] != space.shape:
             return np.ones(a.shape[0], dtype=bool)
         flat = a.reshape(a.shape[0], -1)
-        low = np.broadcast_to(space.low, space.shape).reshape(-1)
-        high = np.broadcast_to(space.high, space.shape).reshape(-1)
+        low, high = _accepted_bounds(space)
         ok = np.isfinite(flat).all(axis=1) & (flat >= low).all(axis=1) & (flat <= high).all(axis=1)
         if np.issubdtype(space.dtype, np.integer):  # 2.7 in an integer Box is no action of it
             ok &= (flat == np.round(flat)).all(axis=1)
         return np.asarray(~ok, dtype=bool)
     return np.array([not space.contains(x) for x in actions], dtype=bool)
+
+
+def _accepted_bounds(space: spaces.Box) -> tuple[npt.NDArray[Any], npt.NDArray[Any]]:
+    """The bounds, flat, an action of ``space`` must lie within; a float64 Box's widened to float32.
+
+    Inference runs in float32 (``policy.INFERENCE_DTYPE``): for a bound float32 cannot hold (0.1),
+    the action nearest to it that a torch policy can output (0.10000000149) lies just outside,
+    and a saturated action ended its episode as the policy's ``invalid_action``. Such an action is
+    clipped to the exact bound before the env gets it (``_in_bounds``); one further out is invalid.
+    """
+    low = np.broadcast_to(space.low, space.shape).reshape(-1)
+    high = np.broadcast_to(space.high, space.shape).reshape(-1)
+    if space.dtype == np.float64:
+        with np.errstate(over="ignore"):  # a bound beyond float32's range: none output reaches it
+            low32, high32 = low.astype(np.float32), high.astype(np.float32)
+        low = np.where(np.isfinite(low32), np.minimum(low, low32), low)
+        high = np.where(np.isfinite(high32), np.maximum(high, high32), high)
+    return low, high
+
+
+def _in_bounds(space: spaces.Box, actions: npt.NDArray[Any]) -> npt.NDArray[Any]:
+    """``actions`` in ``space``'s dtype; a float64 Box's clipped to its exact bounds."""
+    a = np.asarray(actions, dtype=space.dtype)
+    return np.clip(a, space.low, space.high) if space.dtype == np.float64 else a
 
 
 def _flag(value: float) -> bool | None:
@@ -115,7 +138,7 @@ def _to_env_action(space: spaces.Space[Any], action: Any) -> Any:
     if isinstance(space, spaces.Discrete):
         return int(action)
     if isinstance(space, spaces.Box):
-        return np.asarray(action, dtype=space.dtype)
+        return _in_bounds(space, action)
     return action
 
 
@@ -124,7 +147,7 @@ def _batch_actions(space: spaces.Space[Any], actions: npt.NDArray[Any]) -> npt.N
     if isinstance(space, spaces.Discrete):
         return np.asarray(actions).astype(np.int64)
     if isinstance(space, spaces.Box):
-        return np.asarray(actions, dtype=space.dtype)
+        return _in_bounds(space, actions)
     return np.asarray(actions)
 
 
