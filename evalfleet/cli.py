@@ -468,8 +468,11 @@ def run_suite(evaluate_suite: SuiteEvaluator | None, args: argparse.Namespace) -
         print(f"evalfleet: harness fault in a suite task: {'; '.join(recording)}", file=sys.stderr)
         return EXIT_HARNESS_FAULT
     if report.harness_fault and not args.allow_failures:
+        faulted = [f"{t['name']} (coverage {percent(t['coverage'], 1)})" for t in report.tasks
+                   if t.get("harness_fault") and "coverage" in t] or ["the baseline's"]
         print("evalfleet: harness fault in a suite task: more than 5% of its episodes failed in the "
-              "harness (pass --allow-failures to exit 0 anyway)", file=sys.stderr)
+              f"harness ({', '.join(faulted)}; pass --allow-failures to exit 0 anyway)",
+              file=sys.stderr)
         return EXIT_HARNESS_FAULT
     # The suite's own, and its tasks' (each prefixed with the task's request id).
     missing = [a.replace(f"{OUTPUT_MISSING}: ", "", 1) for a in report.alarms

@@ -117,13 +117,13 @@ def history_result(report: EvalReport) -> Result:
 def suite_result(report: Any, step: int | None) -> Result:
     """A suite's result dict: ``eval/suite/<aggregate>`` with its interval, IQM as ``eval/reward``.
 
-    Also the probability of improvement over a baseline when there is one, and the suite report
-    under ``report``.
+    Also the probability of improvement over a baseline when there is one, ``eval/coverage`` (the
+    lowest of the tasks'), and the suite report under ``report``.
     """
     from evalfleet.tracking import suite_result_metrics
 
     out: Result = dict(suite_result_metrics(report.aggregates, report.probability_of_improvement,
-                                            len(report.tasks)))
+                                            len(report.tasks), report.coverage))
     out.update({"eval/suite/tasks": len(report.tasks), "eval/step": step, "report": report})
     return out
 

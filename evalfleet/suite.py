@@ -55,6 +55,7 @@ __all__ = [
     "Suite",
     "SuiteReport",
     "SuiteTask",
+    "alarm_names",
     "load_suite",
     "parse_suite",
     "suite_aggregates",
@@ -134,8 +135,30 @@ class SuiteReport(_Frozen):
     probability_of_improvement: dict[str, Any] | None = None
     alarms: list[str] = []
     harness_fault: bool = False
+    coverage: float = Field(1.0, description="The lowest coverage (scored / planned episodes) of "
+                            "the policy's tasks: each task weighs the same in the aggregates.")
     seconds: float = 0.0
     outputs: dict[str, str] = {}
+
+    @property
+    def alarm_names(self) -> list[str]:
+        """Every alarm's name, once, in order: a task's (``'<its request id>: name: ...'``) by its own."""
+        return alarm_names(self.alarms, self.request_id)
+
+
+def alarm_names(alarms: list[str], request_id: str) -> list[str]:
+    """The names of a suite's ``alarms`` (``request_id``: the suite's), each once, in order.
+
+    A task's alarm is ``'<task request id>: <name>: ...'`` (``'baseline ...'`` for the baseline's);
+    task request ids are ``{request_id}-t{index}``, letters, digits and ``'._-'``.
+    """
+    names = []
+    for alarm in alarms:
+        body = alarm.removeprefix("baseline ")
+        if body.startswith(f"{request_id}-t"):
+            body = body.split(": ", 1)[-1]
+        names.append(body.split(":", 1)[0])
+    return list(dict.fromkeys(names))
 
 
 def _fail(where: str, message: str) -> SuiteError:
@@ -364,7 +387,8 @@ def task_row(task: SuiteTask, report: EvalReport, scores: np.ndarray[Any, np.dty
     n = task.normalisation
     return {
         "name": task.name, "env": task.env, "env_kwargs": task.env_kwargs,
-        "episodes": report.episodes, "scored": report.scored, "mean_return": report.mean,
+        "episodes": report.episodes, "scored": report.scored, "coverage": report.coverage,
+        "harness_failures": report.harness_failures, "mean_return": report.mean,
         "ci": list(report.ci), "normalisation": n.model_dump() if n else None,
         "score_mean": float(scores.mean()) if scores.size else None,
         # sorted: a normalisation whose high is below its low (lower returns are better) flips it

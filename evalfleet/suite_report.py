@@ -10,6 +10,7 @@ import io
 import logging
 import os
 import time
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +22,7 @@ import pyarrow as pa
 from evalfleet.models import EvalReport, EvalRequest, with_missing
 from evalfleet.plots import SUITE_PLOT_FILES, render_suite_plots, suite_figures
 from evalfleet.review import _data_uri, _templates
+from evalfleet.scoring import outcomes
 from evalfleet.storage import run_dir, write_json
 from evalfleet.suite import (
     Suite,
@@ -30,10 +32,10 @@ from evalfleet.suite import (
     task_row,
     task_scores,
 )
-from evalfleet.summary import number
+from evalfleet.summary import number, percent
 from evalfleet.tracking import default_tracking_uri, log_suite
 
-__all__ = ["Aggregated", "aggregate_and_draw", "build_suite_report", "suite_feed_back",
+__all__ = ["Aggregated", "aggregate_and_draw", "build_suite_report", "coverage_alarms", "suite_feed_back",
            "suite_markdown", "suite_page"]
 
 logger = logging.getLogger(__name__)
@@ -107,6 +109,31 @@ def score_range_alarms(suite: Suite, scores: Sequence[np.ndarray]) -> list[str]:
     return alarms
 
 
+def coverage_alarms(suite: Suite, tables: Sequence[pa.Table],
+                    baseline_tables: Sequence[pa.Table] | None = None) -> list[str]:
+    """``task_coverage`` for each task, the policy's or the baseline's, with episodes left out.
+
+    A task's score and every aggregate stand on its scored episodes only: episodes the harness
+    lost (the env raised on its hardest or easiest seeds) move the suite's headline, below the
+    harness fault's 5% too, as they move a single evaluation's (whose summary states coverage).
+    """
+    alarms = []
+    groups = [("", tables)] + ([("the baseline on ", baseline_tables)] if baseline_tables else [])
+    for who, group in groups:
+        for task, table in zip(suite.tasks, group, strict=True):
+            kinds = outcomes(table)
+            scored = int(kinds.scored.sum())
+            if scored == kinds.planned:
+                continue
+            reasons = Counter(table.column("end_reason").to_numpy(zero_copy_only=False)[~kinds.scored])
+            alarms.append(
+                f"task_coverage: {who}task {task.name!r} scored {scored} of {kinds.planned} episodes "
+                f"(coverage {percent(kinds.coverage, 1)}; left out: "
+                f"{', '.join(f'{k}={v}' for k, v in sorted(reasons.items()))}); its score and the "
+                "suite's aggregates stand on the scored episodes only: see the task's report")
+    return alarms
+
+
 def build_suite_report(
     suite: Suite, base: EvalRequest, reports: Sequence[EvalReport], tables: Sequence[pa.Table],
     baseline_tables: Sequence[pa.Table] | None = None, seconds: float = 0.0, *,
@@ -138,6 +165,9 @@ def build_suite_report(
         alarms.append("suite_not_normalised: some tasks have no 'normalise'; raw returns of "
                       "different scales are aggregated together")
     alarms += score_range_alarms(suite, scores)
+    alarms += coverage_alarms(suite, tables, baseline_tables)
+    if baseline is not None and baseline_tables is not None:
+        baseline = {**baseline, "task_coverage": [outcomes(t).coverage for t in baseline_tables]}
     return SuiteReport(
         suite=suite.name, request_id=base.request_id,
         policy_sha256=reports[0].policy_sha256 if reports else "",
@@ -145,7 +175,8 @@ def build_suite_report(
         tasks=[task_row(t, r, s) for t, r, s in zip(suite.tasks, reports, scores, strict=True)],
         aggregates=summary["aggregates"], profile=summary["profile"], gamma=suite.gamma,
         baseline=baseline, probability_of_improvement=poi, alarms=alarms,
-        harness_fault=any(r.harness_fault for r in [*reports, *baseline_reports]), seconds=seconds,
+        harness_fault=any(r.harness_fault for r in [*reports, *baseline_reports]),
+        coverage=min((r.coverage for r in reports), default=1.0), seconds=seconds,
     )
 
 
@@ -153,6 +184,14 @@ def build_suite_report(
 
 def _estimate(est: Mapping[str, Any]) -> str:
     return f"{number(est['point'])} [{number(est['ci'][0])}, {number(est['ci'][1])}]"
+
+
+def _scored(task: Mapping[str, Any]) -> str:
+    """``scored/episodes``, with the coverage when episodes were left out (as a single summary)."""
+    if "scored" not in task:
+        return str(task["episodes"])
+    text = f"{task['scored']}/{task['episodes']}"
+    return text if task["scored"] == task["episodes"] else f"{text} ({percent(task['coverage'], 1)})"
 
 
 def suite_markdown(report: SuiteReport, *, pictures: bool = False) -> str:
@@ -169,10 +208,10 @@ def suite_markdown(report: SuiteReport, *, pictures: bool = False) -> str:
         lines.append(f"| {name} | " + " | ".join(_estimate(agg[k]) for k in _LABELS) + " |")
     if report.probability_of_improvement:
         lines += ["", f"P(improvement over baseline): {_estimate(report.probability_of_improvement)}"]
-    lines += ["", "| task | episodes | mean return [95% CI] | mean score | cache |",
+    lines += ["", "| task | scored / episodes | mean return [95% CI] | mean score | cache |",
               "|---|---:|---|---:|---|"]
     for t in report.tasks:
-        lines.append(f"| {t['name']} | {t['episodes']} | {number(t['mean_return'])} [{number(t['ci'][0])}, "
+        lines.append(f"| {t['name']} | {_scored(t)} | {number(t['mean_return'])} [{number(t['ci'][0])}, "
                      f"{number(t['ci'][1])}] | {number(t['score_mean'])} | {t['cache']} |")
     lines += [f"- ALARM {a}" for a in report.alarms]
     if pictures:
@@ -187,7 +226,7 @@ def suite_page(report: SuiteReport, plots: Mapping[str, Path], out_path: Path) -
     """Write the suite's self-contained HTML page (plots embedded) to ``out_path``."""
     rows = [("policy", report.aggregates)] + (
         [("baseline", report.baseline["aggregates"])] if report.baseline else [])
-    tasks = [{"name": t["name"], "env": t["env"], "kwargs": t["env_kwargs"], "episodes": t["episodes"],
+    tasks = [{"name": t["name"], "env": t["env"], "kwargs": t["env_kwargs"], "episodes": _scored(t),
               "returns": f"{number(t['mean_return'])} [{number(t['ci'][0])}, {number(t['ci'][1])}]",
               "score": f"{number(t['score_mean'])} [{number(t['score_ci'][0])}, {number(t['score_ci'][1])}]",
               "cache": t["cache"], "report": t["report"]} for t in report.tasks]

@@ -337,8 +337,16 @@ def _experiment_id(client: Any, tracking_uri: str, experiment: str) -> str:
 
 
 def suite_metrics(report: dict[str, Any]) -> dict[str, float]:
-    """A suite report's aggregates as ``suite/`` metrics (point, ci_low, ci_high each)."""
-    m: dict[str, float] = {"suite/tasks": float(len(report["tasks"]))}
+    """A suite report's aggregates as ``suite/`` metrics (point, ci_low, ci_high each).
+
+    Also its coverage (the lowest of its tasks'), each task's, its harness fault and alarm count,
+    as a single evaluation's run has them.
+    """
+    m: dict[str, float] = {"suite/tasks": float(len(report["tasks"])),
+                           "suite/harness_fault": float(report["harness_fault"]),
+                           "suite/alarm_count": len(report.get("alarms") or [])}
+    if "coverage" in report:
+        m["suite/coverage"] = report["coverage"]
     for key, est in report["aggregates"].items():
         m[f"suite/{key}"], m[f"suite/{key}_ci_low"], m[f"suite/{key}_ci_high"] = (
             est["point"], est["ci"][0], est["ci"][1])
@@ -349,19 +357,24 @@ def suite_metrics(report: dict[str, Any]) -> dict[str, float]:
     for i, task in enumerate(report["tasks"]):
         if task.get("score_mean") is not None:
             m[f"suite/task_{i:02d}_score"] = task["score_mean"]
+        if "coverage" in task:
+            m[f"suite/task_{i:02d}_coverage"] = task["coverage"]
     return {k: float(v) for k, v in m.items()}
 
 
 def suite_result_metrics(aggregates: dict[str, Any], improvement: dict[str, Any] | None,
-                         tasks: int) -> dict[str, float]:
+                         tasks: int, coverage: float | None = None) -> dict[str, float]:
     """A suite's ``eval/`` numbers, as the trainer sees them.
 
     The IQM as ``eval/reward`` (with its interval), every aggregate as ``eval/suite/<aggregate>``
-    (``_ci_low``/``_ci_high``), the probability of improvement over a baseline when there is one.
+    (``_ci_low``/``_ci_high``), the probability of improvement over a baseline when there is one,
+    and ``eval/coverage``, the lowest of the tasks' (``SuiteReport.coverage``), when given.
     """
     iqm = aggregates["iqm"]
     out = {"eval/reward": iqm["point"], "eval/reward_ci_low": iqm["ci"][0],
            "eval/reward_ci_high": iqm["ci"][1], "eval/suite/tasks": tasks}
+    if coverage is not None:
+        out["eval/coverage"] = coverage
     for key, est in aggregates.items():
         out[f"eval/suite/{key}"] = est["point"]
         out[f"eval/suite/{key}_ci_low"], out[f"eval/suite/{key}_ci_high"] = est["ci"]
@@ -400,6 +413,10 @@ def log_suite(
         "evalfleet.harness_fault": str(report["harness_fault"]).lower(),
         "mlflow.runName": run_name,
     }
+    from evalfleet.suite import alarm_names
+
+    for name in alarm_names(report.get("alarms") or [], report["request_id"]):  # its tasks' too
+        tags[f"evalfleet.alarm.{name}"] = "true"
     run = client.create_run(exp_id, tags=tags, run_name=run_name)
     run_id: str = run.info.run_id
     ts = int(run.info.start_time)
@@ -415,7 +432,7 @@ def log_suite(
             client.log_batch(training_run_id, metrics=[
                 Metric(k, v, ts, int(step)) for k, v in suite_result_metrics(
                     report["aggregates"], report.get("probability_of_improvement"),
-                    len(report["tasks"])).items()])
+                    len(report["tasks"]), report.get("coverage")).items()])
         except Exception as err:  # the trainer's run may be read-only: never fatal
             logger.warning("could not log the suite's eval metrics into training run %s: %s",
                            training_run_id, err)

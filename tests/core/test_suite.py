@@ -275,3 +275,66 @@ def test_a_task_name_that_is_empty_is_refused_not_replaced_by_the_env_id(name) -
                        rf"\(got {name!r}\)"):
         _suite(name=name)
     assert _suite().tasks[0].name == "CartPole-v1"  # no name at all: the env id's, as documented
+
+
+def test_a_tasks_harness_failures_show_on_every_suite_surface(tmp_path) -> None:
+    """A task that lost its 3 best of 100 episodes to the env (env_error) moved the suite's mean
+    (0.4475 against 0.4636 with nothing dropped) while the summary and the page said
+    'episodes 100' and 'No alarms.', the MLflow run and the Evaluator result had no coverage:
+    only suite_report.json's 'scored' knew."""
+    from mlflow.tracking import MlflowClient
+
+    from evalfleet.cli import EXIT_HARNESS_FAULT, EXIT_OK, build_parser, run_suite
+    from evalfleet.client import suite_result
+    from evalfleet.suite_report import build_suite_report, suite_markdown, suite_page
+    from evalfleet.tracking import log_suite, suite_metrics
+
+    suite = parse_suite({"suite": {"episodes": 100, "reps": 100}, "task": [
+        {"name": "flaky-a", "env": "CartPole-v1", "normalise": {"min": 0, "max": 1}},
+        {"name": "flaky-b", "env": "Acrobot-v1", "normalise": {"min": 0, "max": 1}}]})
+    base = EvalRequest(env="CartPole-v1", policy="x", baseline="y", episodes=100, seed=0,
+                       request_id="cov")
+    returns = np.random.default_rng(0).random(100)
+    best = np.argsort(returns)[-3:]
+    lost = ["env_error" if i in best else "terminated" for i in range(100)]
+    flaky, fine = _episodes(returns, lost), _episodes(returns, ["terminated"] * 100)
+    theirs = _episodes(returns / 2, ["crashed"] * 2 + ["terminated"] * 98)
+    reports = [_report(flaky, "cov-t00"), _report(fine, "cov-t01")]
+    report = build_suite_report(suite, base, reports, [flaky, fine], [fine, theirs],
+                                baseline_reports=[_report(fine, "cov-t00-baseline"),
+                                                  _report(theirs, "cov-t01-baseline")])
+
+    assert (report.tasks[0]["scored"], report.tasks[0]["coverage"]) == (97, 0.97)
+    assert (report.tasks[1]["coverage"], report.coverage) == (1.0, 0.97)
+    assert report.baseline["task_coverage"] == [1.0, 0.98] and not report.harness_fault
+    assert [a for a in report.alarms if a.startswith("task_coverage")] == [
+        "task_coverage: task 'flaky-a' scored 97 of 100 episodes (coverage 97.0%; left out: "
+        "env_error=3); its score and the suite's aggregates stand on the scored episodes only: "
+        "see the task's report",
+        "task_coverage: the baseline on task 'flaky-b' scored 98 of 100 episodes (coverage 98.0%; "
+        "left out: crashed=2); its score and the suite's aggregates stand on the scored episodes "
+        "only: see the task's report"]
+    assert "| flaky-a | 97/100 (97.0%) |" in suite_markdown(report)
+    assert "| flaky-b | 100/100 |" in suite_markdown(report)
+    page = suite_page(report, {}, tmp_path / "report.html").read_text()
+    assert "97/100 (97.0%)" in page and "No alarms." not in page and "task_coverage" in page
+    assert report.model_dump(mode="json")["coverage"] == 0.97
+
+    metrics = suite_metrics(report.model_dump(mode="json"))
+    assert (metrics["suite/coverage"], metrics["suite/task_00_coverage"],
+            metrics["suite/task_01_coverage"], metrics["suite/harness_fault"]) == (0.97, 0.97, 1.0, 0.0)
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    run_id = log_suite(uri, "evalfleet", report.model_dump(mode="json"), {}, [], "suite-cov")
+    run = MlflowClient(uri).get_run(run_id)
+    assert run.data.metrics["suite/coverage"] == 0.97
+    assert run.data.tags["evalfleet.alarm.task_coverage"] == "true"
+    assert suite_result(report, 3)["eval/coverage"] == 0.97
+
+    # Exit codes as for single evaluations: 97% scored is exit 0 (its coverage shown), more than
+    # 5% left out is the harness fault (exit 3), naming the task and its coverage.
+    args = build_parser().parse_args(["--suite", str(EXAMPLE), "--output", str(tmp_path / "cli")])
+    assert run_suite(lambda suite, request: report, args) == EXIT_OK
+    worse = _episodes(returns, ["env_error"] * 8 + ["terminated"] * 92)
+    faulted = build_suite_report(suite, base, [_report(worse, "cov-t00"), reports[1]], [worse, fine])
+    assert faulted.harness_fault and faulted.coverage == 0.92
+    assert run_suite(lambda suite, request: faulted, args) == EXIT_HARNESS_FAULT
