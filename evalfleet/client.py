@@ -118,13 +118,16 @@ def suite_result(report: Any, step: int | None) -> Result:
     """A suite's result dict: ``eval/suite/<aggregate>`` with its interval, IQM as ``eval/reward``.
 
     Also the probability of improvement over a baseline when there is one, ``eval/coverage`` (the
-    lowest of the tasks'), and the suite report under ``report``.
+    lowest of the tasks'), ``eval/harness_fault`` and ``eval/alarms`` (the suite's and its tasks',
+    by name, as ``history_result``'s), and the suite report under ``report``.
     """
     from evalfleet.tracking import suite_result_metrics
 
     out: Result = dict(suite_result_metrics(report.aggregates, report.probability_of_improvement,
                                             len(report.tasks), report.coverage))
-    out.update({"eval/suite/tasks": len(report.tasks), "eval/step": step, "report": report})
+    out.update({"eval/suite/tasks": len(report.tasks), "eval/step": step,
+                "eval/alarms": report.alarm_names, "eval/harness_fault": report.harness_fault,
+                "report": report})
     return out
 
 
@@ -161,7 +164,10 @@ class Evaluator:
             task of the suite (its tasks set the env, episodes, kwargs and step cap: ``env``,
             ``num_episodes``, ``env_kwargs`` and ``max_steps`` are refused with it) and the
             result holds the suite's aggregates (``eval/suite/iqm``, ...; ``eval/reward`` is the
-            IQM). Needs a runner with a ``suite(suite, request)`` method, as the default one has.
+            IQM), ``eval/coverage`` (the lowest task's), ``eval/harness_fault`` and
+            ``eval/alarms``; an output it could not produce (its MLflow run, a task's) is raised
+            by the next ``flush()`` or ``shutdown()`` as ``OutputsMissing``. Needs a runner with a
+            ``suite(suite, request)`` method, as the default one has.
         **request_fields: Any other ``EvalRequest`` field (``seed``, ``env_kwargs``, ``workers``,
             ``dask_address``, ``output``, ``mlflow_uri``, ``experiment``, ``max_steps``, ...).
     """
@@ -495,7 +501,15 @@ class Evaluator:
                 f"the runner {self._runner!r} cannot run suites: it has no suite(suite, request) "
                 "method; use the default runner or drop 'suite'."
             )
-        return suite_result(run_suite(self.suite, request), request.step)
+        report = run_suite(self.suite, request)
+        missing = report.missing_outputs
+        if missing:  # raised by the next flush() or shutdown(), as a single evaluation's
+            logger.error("suite %s (step %s): outputs missing: %s", report.request_id, request.step,
+                         "; ".join(missing))
+            with self._lock:
+                self._unraised.append(f"suite {report.request_id} (step {request.step}): "
+                                      + "; ".join(missing))
+        return suite_result(report, request.step)
 
     def _work(self) -> None:
         try:

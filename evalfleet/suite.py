@@ -46,7 +46,14 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from evalfleet.aggregates import normalise, probability_of_improvement, summary
 from evalfleet.errors import RequestError, SuiteError
-from evalfleet.models import MAX_EPISODES, EvalReport, EvalRequest, non_finite_path
+from evalfleet.models import (
+    MAX_EPISODES,
+    OUTPUT_MISSING,
+    RECORDING_INCOMPLETE,
+    EvalReport,
+    EvalRequest,
+    non_finite_path,
+)
 from evalfleet.scoring import scored_returns
 from evalfleet.stats import _MIN_BOOT
 
@@ -139,6 +146,19 @@ class SuiteReport(_Frozen):
                             "the policy's tasks: each task weighs the same in the aggregates.")
     seconds: float = 0.0
     outputs: dict[str, str] = {}
+
+    @property
+    def missing_outputs(self) -> list[str]:
+        """Outputs asked for and not produced: the suite's own and its tasks' (as ``EvalReport``'s).
+
+        Its ``output_missing`` alarms, its tasks' (``'<task request id>: what'``), and its tasks'
+        ``recording_incomplete`` alarms, whole. The CLI exits 5 (3 for a recording) and
+        ``Evaluator.flush`` raises ``OutputsMissing``.
+        """
+        prefix = f"{OUTPUT_MISSING}: "
+        return [a.replace(prefix, "", 1) for a in self.alarms
+                if a.startswith(prefix) or f": {prefix}" in a] + [
+            a for a in self.alarms if f"{RECORDING_INCOMPLETE}: " in a]
 
     @property
     def alarm_names(self) -> list[str]:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from evalfleet.client import EvaluationFailed, Evaluator
-from evalfleet.errors import SuiteError
+from evalfleet.errors import OutputsMissing, SuiteError
 from evalfleet.suite import Suite, SuiteReport
 
 SUITE = '[suite]\nepisodes = 3\n[[task]]\nenv = "CartPole-v1"\ngrid = { max_episode_steps = [20, 30] }\n'
@@ -69,3 +69,36 @@ def test_arguments_the_suite_sets_are_refused_at_construction(tmp_path: Path, ar
         Evaluator(output=tmp_path, runner=SuiteRunner(), suite=path, **arguments)
     with Evaluator(output=tmp_path, runner=SuiteRunner(), suite=path, seed=3) as ev:
         assert ev._template.env == "CartPole-v1" and ev._template.episodes == 100
+
+
+class FaultyRunner(SuiteRunner):
+    """A suite whose task is a harness fault, and whose MLflow parent run was not logged."""
+
+    def suite(self, suite: Suite, request: Any) -> SuiteReport:
+        report = super().suite(suite, request)
+        rid = request.request_id
+        return report.model_copy(update={"harness_fault": True, "coverage": 0.883, "alarms": [
+            f"{rid}-t00: harness_failures: 11.7% of episodes could not be scored",
+            "task_coverage: task 'flaky' scored 53 of 60 episodes (coverage 88.3%)",
+            f"{rid}-t01: output_missing: the MLflow run: MlflowException: unreachable",
+            "output_missing: the suite's MLflow parent run: MlflowException: unreachable"]})
+
+
+def test_a_suite_results_harness_fault_alarms_and_missing_outputs_reach_the_caller(tmp_path: Path) -> None:
+    # The CLI exited 3 (harness fault) and 5 (no MLflow run) on such a suite; the Evaluator's
+    # result had no eval/harness_fault nor eval/alarms, and flush() and shutdown() raised nothing.
+    path = tmp_path / "suite.toml"
+    path.write_text(SUITE)
+    ev = Evaluator(output=tmp_path, runner=FaultyRunner(), suite=path)
+    result = ev.evaluate(torch.nn.Sequential(torch.nn.Linear(4, 2)), step=2, timeout=120)
+    assert result["eval/harness_fault"] is True and result["eval/coverage"] == 0.883
+    assert result["eval/alarms"] == ["harness_failures", "task_coverage", "output_missing"]
+    with pytest.raises(OutputsMissing, match=r"suite (\w+) \(step 2\): \1-t01: the MLflow run: "
+                       r"MlflowException: unreachable; the suite's MLflow parent run: MlflowExc"):
+        ev.flush()
+    ev.shutdown()  # raised once
+    clean = Evaluator(output=tmp_path, runner=SuiteRunner(), suite=path)
+    result = clean.evaluate(torch.nn.Sequential(torch.nn.Linear(4, 2)), step=2, timeout=120)
+    assert (result["eval/harness_fault"], result["eval/alarms"]) == (False, [])
+    clean.flush()
+    clean.shutdown()
