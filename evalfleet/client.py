@@ -155,7 +155,7 @@ class Evaluator:
             (``SystemExit`` too) is logged, and raised by the next ``flush()`` or ``shutdown()``
             as ``OutputsMissing``.
         metrics_fn: Extra metrics from the episode table (one row per episode, the Parquet
-            schema); merged into the result dict.
+            schema); merged into the result dict. Refused with ``suite`` (one table per task).
         device: Where workers run the policy: ``'cpu'``, ``'cuda[:N]'`` or ``'auto'``.
         training_run_id: The trainer's run id (an MLflow run id nests the evaluation runs under it).
         runner: ``runner(request) -> EvalReport``; default: the ``local`` runner registered in
@@ -215,6 +215,13 @@ class Evaluator:
                     f"{str(suite)!r} sets each task's env, env kwargs, episodes and step cap, so "
                     "they would be ignored. Drop them, or set them in the suite file ('env', "
                     "'kwargs', 'episodes', 'max_steps' of a [[task]]).")
+            if metrics_fn is not None:  # it was never called: the result lacked its keys, silently
+                raise SuiteError(
+                    f"'metrics_fn' cannot be used with 'suite' (got {metrics_fn!r}): it computes "
+                    "metrics from one evaluation's episode table, and a suite has one per task. "
+                    "Drop it; to compute a metric per task, read each task's table in on_result: "
+                    "evalfleet.storage.read_episodes(Path(row['episodes_file'])) for row in "
+                    "result['report'].tasks.")
         env = "CartPole-v1" if env is None else env
         num_episodes = 100 if num_episodes is None else num_episodes
         self.factory = factory_ref(policy_factory) if policy_factory is not None else None

@@ -415,6 +415,7 @@ def task_row(task: SuiteTask, report: EvalReport, scores: np.ndarray[Any, np.dty
         "score_ci": sorted((c - n.low) / (n.high - n.low) for c in report.ci) if n else list(report.ci),
         "cache": report.cache.get("status"), "harness_fault": report.harness_fault,
         "request_id": report.request_id, "report": report.outputs.get("report", ""),
+        "episodes_file": report.outputs.get("episodes", ""),
         "mlflow_run_id": report.outputs.get("mlflow_run_id", ""),
     }
 

@@ -102,3 +102,20 @@ def test_a_suite_results_harness_fault_alarms_and_missing_outputs_reach_the_call
     assert (result["eval/harness_fault"], result["eval/alarms"]) == (False, [])
     clean.flush()
     clean.shutdown()
+
+
+def test_metrics_fn_is_refused_with_a_suite(tmp_path: Path) -> None:
+    # metrics_fn was never called with a suite: its keys were missing from every result, silently.
+    path = tmp_path / "suite.toml"
+    path.write_text(SUITE)
+
+    def metrics_fn(table: Any) -> dict[str, float]:
+        return {"eval/custom": 1.0}
+
+    with pytest.raises(SuiteError, match=r"^'metrics_fn' cannot be used with 'suite' \(got <function "
+                       r".*metrics_fn.*>\): it computes metrics from one evaluation's episode table, "
+                       r"and a suite has one per task\. Drop it; .* read each task's table in "
+                       r"on_result: evalfleet\.storage\.read_episodes\(Path\(row\['episodes_file'\]\)\)"):
+        Evaluator(output=tmp_path, runner=SuiteRunner(), suite=path, metrics_fn=metrics_fn)
+    with Evaluator(output=tmp_path, runner=SuiteRunner(), env="CartPole-v1", metrics_fn=metrics_fn) as ev:
+        assert ev.metrics_fn is metrics_fn  # a single evaluation's, as before
