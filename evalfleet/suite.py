@@ -233,6 +233,17 @@ def _label(values: dict[str, Any]) -> str:
     return ",".join(f"{k}={json.dumps(v) if not isinstance(v, str) else v}" for k, v in values.items())
 
 
+def _by_value(value: Any) -> Any:
+    """``value`` with every integral float as an int (TOML's ``20`` and ``20.0`` are one kwarg)."""
+    if isinstance(value, dict):
+        return {k: _by_value(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_by_value(v) for v in value]
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
 def parse_suite(data: dict[str, Any], source: str = "<suite>") -> Suite:
     """Validate a suite's TOML data and expand its grids into tasks (raises ``SuiteError``)."""
     known = {"suite", "task"}
@@ -325,6 +336,16 @@ def parse_suite(data: dict[str, Any], source: str = "<suite>") -> Suite:
     dupes = sorted(n for n, k in Counter(t.name for t in tasks).items() if k > 1)
     if dupes:
         raise _fail(source, f"task names {dupes!r} appear twice; give the tasks distinct 'name's.")
+    same: dict[str, str] = {}
+    for task in tasks:  # as flows.suite.same_as, before anything runs, numbers by value
+        key = json.dumps([task.env, _by_value(task.env_kwargs), task.max_steps], sort_keys=True)
+        if key in same:
+            raise SuiteError(
+                f"suite tasks {same[key]!r} and {task.name!r} are the same evaluation ({source}: "
+                f"same env, kwargs and step cap; numbers compare by value, 20 and 20.0 are one): "
+                "counted twice, it would weigh twice in every aggregate and narrow its intervals "
+                "as if it were two tasks; remove one of them.")
+        same[key] = task.name
     if len(tasks) > MAX_TASKS:
         raise _fail(source, f"{len(tasks)} tasks after grid expansion, more than {MAX_TASKS}; "
                     "split the suite or shrink its grids.")

@@ -35,8 +35,8 @@ from evalfleet.suite import (
 from evalfleet.summary import number, percent
 from evalfleet.tracking import default_tracking_uri, log_suite
 
-__all__ = ["Aggregated", "aggregate_and_draw", "build_suite_report", "coverage_alarms", "suite_feed_back",
-           "suite_markdown", "suite_page"]
+__all__ = ["Aggregated", "aggregate_and_draw", "build_suite_report", "coverage_alarms",
+           "identical_task_alarms", "suite_feed_back", "suite_markdown", "suite_page"]
 
 logger = logging.getLogger(__name__)
 
@@ -134,6 +134,44 @@ def coverage_alarms(suite: Suite, tables: Sequence[pa.Table],
     return alarms
 
 
+def identical_task_alarms(suite: Suite, tables: Sequence[pa.Table]) -> list[str]:
+    """``identical_tasks`` for each group of tasks whose episodes are identical, seed by seed.
+
+    Return, length and ending of every episode index both ran (the same seeds in every task).
+    Kwargs compared before anything ran catch a spelling (``20`` and ``20.0``), not a kwarg spelled
+    out at its default value nor an alias of the env: such tasks are one evaluation, counted once
+    per task in every aggregate, as if independent (the mean's interval ~sqrt(3) too narrow for 3).
+    """
+    def episodes(table: pa.Table) -> tuple[np.ndarray, ...]:
+        order = np.argsort(table.column("episode_index").to_numpy(), kind="stable")
+        return tuple(table.column(c).to_numpy(zero_copy_only=False)[order]
+                     for c in ("episode_index", "return", "length", "end_reason"))
+
+    groups: list[tuple[tuple[np.ndarray, ...], list[int]]] = []
+    for i, table in enumerate(tables):
+        mine = episodes(table)
+        for theirs, members in groups:
+            n = min(mine[0].size, theirs[0].size)
+            if n and all(np.array_equal(a[:n], b[:n], equal_nan=a.dtype.kind == "f")
+                         for a, b in zip(mine, theirs, strict=True)):
+                members.append(i)
+                break
+        else:
+            groups.append((mine, [i]))
+    alarms = []
+    for _, members in groups:
+        if len(members) > 1:
+            names = ", ".join(repr(suite.tasks[i].name) for i in members)
+            common = min(tables[i].num_rows for i in members)
+            alarms.append(
+                f"identical_tasks: tasks {names} have identical episodes (return, length and ending "
+                f"of each of their {common} common seeds): if they are one evaluation (a kwarg "
+                f"spelled out at its default value, an alias of the env), the aggregates count it "
+                f"{len(members)} times as independent tasks, with {len(members)}x its weight and "
+                "intervals too narrow; keep one of them")
+    return alarms
+
+
 def build_suite_report(
     suite: Suite, base: EvalRequest, reports: Sequence[EvalReport], tables: Sequence[pa.Table],
     baseline_tables: Sequence[pa.Table] | None = None, seconds: float = 0.0, *,
@@ -166,6 +204,7 @@ def build_suite_report(
                       "different scales are aggregated together")
     alarms += score_range_alarms(suite, scores)
     alarms += coverage_alarms(suite, tables, baseline_tables)
+    alarms += identical_task_alarms(suite, tables)
     if baseline is not None and baseline_tables is not None:
         baseline = {**baseline, "task_coverage": [outcomes(t).coverage for t in baseline_tables]}
     return SuiteReport(

@@ -338,3 +338,54 @@ def test_a_tasks_harness_failures_show_on_every_suite_surface(tmp_path) -> None:
     faulted = build_suite_report(suite, base, [_report(worse, "cov-t00"), reports[1]], [worse, fine])
     assert faulted.harness_fault and faulted.coverage == 0.92
     assert run_suite(lambda suite, request: faulted, args) == EXIT_HARNESS_FAULT
+
+
+INVENTORY = {"env": "evalfleet/Inventory-v0", "episodes": 6}
+
+
+def test_a_task_spelled_twice_is_refused() -> None:
+    """Inventory with kwargs {}, { demand_scale = 20.0 } (its default) and { demand_scale = 20 }:
+    three cache keys, three runs of one evaluation with the same returns, counted as three
+    independent tasks (the mean's interval ~sqrt(3) too narrow), exit 0 and no alarm."""
+    inventory = INVENTORY
+    with pytest.raises(SuiteError, match=r"^suite tasks 'float' and 'int' are the same evaluation "
+                       r"\(s6.toml: same env, kwargs and step cap; numbers compare by value, 20 and "
+                       r"20.0 are one\): counted twice, .*; remove one of them\.$"):
+        parse_suite({"task": [{"name": "float", "kwargs": {"demand_scale": 20.0}, **inventory},
+                              {"name": "int", "kwargs": {"demand_scale": 20}, **inventory}]}, "s6.toml")
+    with pytest.raises(SuiteError, match="suite tasks 'a' and 'b' are the same evaluation"):
+        parse_suite({"task": [{"name": "a", "kwargs": {"x": [1.0, {"y": 2}]}, **inventory},
+                              {"name": "b", "kwargs": {"x": [1, {"y": 2.0}]}, **inventory}]})
+    assert len(parse_suite({"task": [{"name": "a", "kwargs": {"x": 2.5}, **inventory},
+                                     {"name": "b", "kwargs": {"x": 2}, **inventory},
+                                     {"name": "c", "kwargs": {"x": True}, **inventory},
+                                     {"name": "d", **inventory, "max_steps": 9}]}).tasks) == 4
+
+
+def test_tasks_with_identical_episodes_are_an_alarm() -> None:
+    # {} and { demand_scale = 20.0 } are one evaluation too: only their episodes can tell.
+    from evalfleet.suite_report import build_suite_report
+
+    inventory = INVENTORY
+    suite = parse_suite({"suite": {"reps": 100}, "task": [
+        {"name": "inv-default", **inventory}, {"name": "inv-explicit", **inventory,
+                                               "kwargs": {"demand_scale": 20.0}},
+        {"name": "recommend", "env": "evalfleet/Recommend-v0", "episodes": 6},
+        {"name": "inv-longer", **inventory, "episodes": 8, "kwargs": {"demand_scale": 20.5}}]})
+    returns = np.array([9770.6, 6178.7, 9318.5, 8095.0, 6969.7, 5939.5, 7000.0, 7100.0])
+    same = _episodes(returns[:6], ["truncated"] * 6)
+    other = _episodes(returns[:6] + 1.0, ["truncated"] * 6)
+    longer = _episodes(returns, ["truncated"] * 8)  # its first 6 episodes are the same
+    tables = [same, _episodes(returns[:6], ["truncated"] * 6), other, longer]
+    base = EvalRequest(env="CartPole-v1", policy="x", episodes=6, seed=0)
+    report = build_suite_report(suite, base, [_report(t, f"t{i}") for i, t in enumerate(tables)], tables)
+    assert [a for a in report.alarms if a.startswith("identical_tasks")] == [
+        "identical_tasks: tasks 'inv-default', 'inv-explicit', 'inv-longer' have identical episodes "
+        "(return, length and ending of each of their 6 common seeds): if they are one evaluation (a "
+        "kwarg spelled out at its default value, an alias of the env), the aggregates count it 3 "
+        "times as independent tasks, with 3x its weight and intervals too narrow; keep one of them"]
+    assert "identical_tasks" in report.alarm_names
+    different = build_suite_report(suite, base, [_report(t, f"t{i}") for i, t in enumerate(tables)],
+                                   [same, other, _episodes(returns[:6] - 1.0, ["truncated"] * 6),
+                                    _episodes(returns + 2.0, ["truncated"] * 8)])
+    assert not [a for a in different.alarms if a.startswith("identical_tasks")]
