@@ -389,3 +389,38 @@ def test_tasks_with_identical_episodes_are_an_alarm() -> None:
                                    [same, other, _episodes(returns[:6] - 1.0, ["truncated"] * 6),
                                     _episodes(returns + 2.0, ["truncated"] * 8)])
     assert not [a for a in different.alarms if a.startswith("identical_tasks")]
+
+
+def test_too_few_episodes_a_task_make_the_aggregate_intervals_an_alarm() -> None:
+    """One episode a task gave 'mean 1.031 [1.031, 1.031]' and 'P(improvement) 0.75 [0.75, 0.75]'
+    beside the tasks' own wide intervals, exit 0, no alarm; at 2-5 a task the nominal 95% covered
+    76-88%. The project's rule for small samples (no verdict below stats.MIN_PAIRS = 10 pairs)
+    marks them."""
+    from evalfleet.suite_report import build_suite_report
+
+    suite = parse_suite({"suite": {"reps": 100}, "task": [
+        {"name": "one", "env": "CartPole-v1", "episodes": 1},
+        {"name": "two", "env": "Acrobot-v1", "episodes": 1}]})
+    base = EvalRequest(env="CartPole-v1", policy="x", baseline="y", episodes=1, seed=0)
+    tables = [_episodes(np.array([3.0]), ["terminated"]), _episodes(np.array([5.0]), ["terminated"])]
+    theirs = [_episodes(np.array([1.0]), ["terminated"]), _episodes(np.array([2.0]), ["terminated"])]
+    report = build_suite_report(suite, base, [_report(t, f"t{i}") for i, t in enumerate(tables)],
+                                tables, theirs)
+    assert report.aggregates["mean"] == {"point": 4.0, "ci": [4.0, 4.0]}  # the zero-width interval
+    assert [a for a in report.alarms if a.startswith("aggregate_intervals_unreliable")] == [
+        "aggregate_intervals_unreliable: tasks with fewer than 10 scored episodes ('one' 1, 'two' 1, "
+        "the baseline's 'one' 1, the baseline's 'two' 1): the aggregates' and P(improvement)'s 95% "
+        "intervals resample episodes within each task and cover far less than 95% at so few (zero "
+        "width at 1 a task; ~76% at 2, ~88% at 5, simulated); read their points, not their "
+        "intervals, or run at least 10 episodes a task ('episodes' in the suite file)"]
+
+    # 10 scored a task, the policy's and the baseline's: no alarm; 9 scored of 10 (a crash): one.
+    rng = np.random.default_rng(0)
+    ten = [_episodes(rng.random(10), ["terminated"] * 10) for _ in range(2)]
+    crashed = _episodes(rng.random(10), ["crashed"] + ["terminated"] * 9)
+    reports = [_report(t, f"t{i}") for i, t in enumerate(ten)]
+    assert not [a for a in build_suite_report(suite, base, reports, ten, ten).alarms
+                if a.startswith("aggregate_intervals_unreliable")]
+    (alarm,) = [a for a in build_suite_report(suite, base, reports, ten, [ten[0], crashed]).alarms
+                if a.startswith("aggregate_intervals_unreliable")]
+    assert "(the baseline's 'two' 9)" in alarm
