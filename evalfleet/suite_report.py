@@ -260,8 +260,9 @@ def _scored(task: Mapping[str, Any]) -> str:
     """``scored/episodes``, with the coverage when episodes were left out (as a single summary)."""
     if "scored" not in task:
         return str(task["episodes"])
-    text = f"{task['scored']}/{task['episodes']}"
-    return text if task["scored"] == task["episodes"] else f"{text} ({percent(task['coverage'], 1)})"
+    scored, planned = task["scored"], task["episodes"]
+    text = f"{scored}/{planned}"
+    return text if scored == planned else f"{text} ({percent(scored / planned, 1)})"
 
 
 def suite_markdown(report: SuiteReport, *, pictures: bool = False) -> str:
