@@ -13,7 +13,9 @@ Key = sha256 over canonical JSON of:
 - inference: the device kind ('cpu' or 'cuda', 'auto' resolved), dtype (float32) and the
   policy forward's block layout (it changes a torch policy's last bits);
 - the environment the env's code sees (``env_environment``): the whole inherited one in-process,
-  an allow-list in a sandbox, and each ``--sandbox-env`` grant by name and sha256 of its value;
+  an allow-list in a sandbox (a bwrap jail apart from a ``process`` sandbox: they see other
+  files), there with each ``--sandbox-env`` grant by name and sha256 of its value, and the
+  ``--sandbox-read`` / ``--sandbox-write`` paths;
 - versions: evalfleet, gymnasium, numpy, torch, and the episode table's schema.
 
 A *code version* (``evalfleet.provenance``) is a distribution's version when it was installed from
@@ -26,8 +28,9 @@ The episode count is not in the key: an entry holds episodes by index, so a requ
 episodes after one for 1,000 reuses 0..999 and runs only 1,000..2,999 (a top-up), and the result
 equals a cold 3,000-episode run because episode ``i`` always has seed ``ledger(seed, i)``.
 The worker count is not in the key: it must not change results. The isolation level is in it
-only as what the env sees of the environment (inherited or allow-listed): an in-process result
-was served for ``--isolation process``, whose env saw another environment. What an in-process
+only as what the env sees (inherited, allow-listed, or allow-listed in a bwrap jail): an
+in-process result was served for ``--isolation process``, whose env saw another environment,
+and a bwrap jail's for ``process``, whose env read a file beside its module. What an in-process
 env reads of the inherited environment beyond the grants is not keyed: name such a variable with
 ``--sandbox-env``.
 
@@ -105,20 +108,31 @@ CACHEABLE_REASONS = ("terminated", "truncated", "env_error", "invalid_reward", "
 
 
 def env_environment(isolation: str, granted: Iterable[str],
-                    values: Mapping[str, str] | None = None) -> dict[str, Any]:
+                    values: Mapping[str, str] | None = None, *, read: Iterable[str] = (),
+                    write: Iterable[str] = ()) -> dict[str, Any]:
     """What an env's code sees of the environment, for the key: its class and each granted value.
 
-    In-process the env inherits the worker's whole environment; in a sandbox an allow-list and
-    the ``--sandbox-env`` grants (their values by sha256: the key is stored in manifests, a
-    secret is not). A run with ``HUNT_GAIN=3`` granted was served for the request without it,
-    and an in-process result for ``--isolation process``: the env read what it was given.
+    In-process the env inherits the worker's whole environment; in a sandbox an allow-list, the
+    ``--sandbox-env`` grants (values by sha256: the key is stored in manifests, a secret is not)
+    and the ``--sandbox-read`` / ``--sandbox-write`` grants (``read``, ``write``). A run with
+    ``HUNT_GAIN=3`` granted was served for the request without it, and an in-process result for
+    ``--isolation process``: the env read what it was given. A ``bwrap`` jail has a class of its
+    own: it shows a single-file env module alone, where a ``process`` sandbox reads the files
+    beside it.
     """
     values = os.environ if values is None else values
-    seen = "inherited" if isolation == "inprocess" else "allow-list"
-    return {"class": seen, "granted": {
-        name: None if values.get(name) is None
-        else hashlib.sha256(str(values[name]).encode()).hexdigest()[:16]
-        for name in sorted(set(granted))}}
+
+    def digest(name: str) -> str | None:
+        value = values.get(name)
+        return None if value is None else hashlib.sha256(str(value).encode()).hexdigest()[:16]
+
+    grants = {name: digest(name) for name in sorted(set(granted))}
+    if isolation == "inprocess":
+        return {"class": "inherited", "granted": grants}
+    return {"class": "allow-list, bwrap jail" if isolation == "bwrap" else "allow-list",
+            "granted": grants,
+            "read": sorted({os.path.normpath(path) for path in read}),
+            "write": sorted({os.path.normpath(path) for path in write})}
 
 
 def cache_key(ingredients: dict[str, Any]) -> str:

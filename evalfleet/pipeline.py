@@ -232,7 +232,8 @@ def receive_unloaded(request: EvalRequest) -> tuple[Received, Callable[..., Rece
         request.deterministic, harness_versions(),
         {"device": inference_device(placement.device, artifact.format), "dtype": INFERENCE_DTYPE,
          "blocks": f"{FORWARD_ROWS} rows padded to a multiple of {PAD_ROWS}"},
-        env_environment(isolation, request.sandbox_env_allow),
+        env_environment(isolation, request.sandbox_env_allow, read=request.sandbox_read,
+                        write=request.sandbox_write),
     )
     received = Received(artifact, env.fingerprint.as_dict(), env.fingerprint.spec_hash, isolation,
                         cache_key(ingredients), ingredients, time.perf_counter() - t0,

@@ -576,7 +576,8 @@ PLANTED: dict[str, list[str]] = {
     "base seed": ["seed", "max_steps", "deterministic"],
     "inference device": ["device", "auto_on_a_gpu_machine", "forward_blocks"],
     "what the env sees of the environment": ["isolation_class", "granted_variable",
-                                             "granted_value"],
+                                             "granted_value", "read_grant", "write_grant",
+                                             "bwrap_jail"],
     "evalfleet": ["evalfleet_version", "gymnasium_version", "numpy_version", "torch_version"],
     "episode table schema": ["schema"],
 }
@@ -683,6 +684,17 @@ def test_each_planted_change_is_a_miss(change, base, tmp_path, monkeypatch, requ
             fields["sandbox_env_allow"] = ["EVALFLEET_TEST_GAIN"]
             key = _key(**fields)
             monkeypatch.setenv("EVALFLEET_TEST_GAIN", "4")
+    elif change in ("read_grant", "write_grant"):
+        # A run without --sandbox-read of an env's optional calibration folder (gain 1.0) was
+        # served for the request with it (truth: gain 3.0, mean 30.19 against 10.06).
+        fields["isolation"] = "process"
+        key = _key(**fields)
+        fields["sandbox_read" if change == "read_grant" else "sandbox_write"] = [str(tmp_path)]
+    elif change == "bwrap_jail":  # a jail shows a single-file module alone, not its neighbours
+        fields["isolation"] = "process"
+        key = _key(**fields)
+        fields["isolation"] = "bwrap"
+        monkeypatch.setattr(evalfleet.pipeline, "resolve_isolation", lambda requested, _: requested)
     elif change == "seed":
         fields["seed"] = 1
     elif change == "max_steps":
