@@ -14,8 +14,9 @@ Key = sha256 over canonical JSON of:
   policy forward's block layout (it changes a torch policy's last bits);
 - the environment the env's code sees (``env_environment``): the whole inherited one in-process,
   an allow-list in a sandbox (a bwrap jail apart from a ``process`` sandbox: they see other
-  files), there with each ``--sandbox-env`` grant by name and sha256 of its value, and the
-  ``--sandbox-read`` / ``--sandbox-write`` paths;
+  files), there with the values of the allowed variables that can change an episode, each
+  ``--sandbox-env`` grant by name and sha256 of its value, and the ``--sandbox-read`` /
+  ``--sandbox-write`` paths;
 - versions: evalfleet, gymnasium, numpy, torch, and the episode table's schema.
 
 A *code version* (``evalfleet.provenance``) is a distribution's version when it was installed from
@@ -112,13 +113,14 @@ def env_environment(isolation: str, granted: Iterable[str],
                     write: Iterable[str] = ()) -> dict[str, Any]:
     """What an env's code sees of the environment, for the key: its class and each granted value.
 
-    In-process the env inherits the worker's whole environment; in a sandbox an allow-list, the
-    ``--sandbox-env`` grants (values by sha256: the key is stored in manifests, a secret is not)
-    and the ``--sandbox-read`` / ``--sandbox-write`` grants (``read``, ``write``). A run with
-    ``HUNT_GAIN=3`` granted was served for the request without it, and an in-process result for
-    ``--isolation process``: the env read what it was given. A ``bwrap`` jail has a class of its
-    own: it shows a single-file env module alone, where a ``process`` sandbox reads the files
-    beside it.
+    In-process the env inherits the worker's whole environment; in a sandbox an allow-list, with
+    the values of the allowed variables that can change an episode (``KEYED``: the locale, a
+    renderer...), the ``--sandbox-env`` grants (values by sha256: the key is stored in
+    manifests, a secret is not) and the ``--sandbox-read`` / ``--sandbox-write`` grants
+    (``read``, ``write``). A run with ``HUNT_GAIN=3`` granted was served for the request without
+    it, and an in-process result for ``--isolation process``: the env read what it was given. A
+    ``bwrap`` jail has a class of its own: it shows a single-file env module alone, where a
+    ``process`` sandbox reads the files beside it.
     """
     values = os.environ if values is None else values
 
@@ -129,7 +131,11 @@ def env_environment(isolation: str, granted: Iterable[str],
     grants = {name: digest(name) for name in sorted(set(granted))}
     if isolation == "inprocess":
         return {"class": "inherited", "granted": grants}
+    # The sandbox package imports gymnasium: `evalfleet cache ls` imports this module, not it.
+    from evalfleet.sandbox.environment import keyed
+
     return {"class": "allow-list, bwrap jail" if isolation == "bwrap" else "allow-list",
+            "allowed": {name: digest(name) for name in sorted(values) if keyed(name)},
             "granted": grants,
             "read": sorted({os.path.normpath(path) for path in read}),
             "write": sorted({os.path.normpath(path) for path in write})}

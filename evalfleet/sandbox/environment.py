@@ -5,6 +5,11 @@ serve`` possibly the service's signing secrets); env code in a sandbox gets none
 sees the names in :data:`ALLOWED` and those starting with :data:`ALLOWED_PREFIXES`, with the
 worker's values, plus ``HOME`` and ``TMPDIR`` set to its own folder. A request adds names with
 ``sandbox_env_allow`` (CLI ``--sandbox-env NAME``, repeated); those reach env code as they are.
+
+Of the allowed names, :data:`PINNED` have one value in every sandbox whatever the worker's, and
+the cache key holds the values of :data:`KEYED` (``cache.env_environment``): each of them can
+change an episode. The rest say where code and tools are found (the code is keyed by its
+versions), or only affect diagnostics and sound.
 """
 
 from __future__ import annotations
@@ -24,6 +29,20 @@ ALLOWED = (
 #: Name prefixes allowed as a family (locale categories).
 ALLOWED_PREFIXES = ("LC_",)
 
+#: Values every sandbox gets, whatever the worker's. The thread caps: one thread per sandbox,
+#: and BLAS results do not follow the worker's setting. The hash seed orders sets and dicts of
+#: strings (an env's action menu built from a ``set``): a tox run's random one, or a driver's
+#: ``PYTHONHASHSEED=12345``, gave other episodes under one cache key. 6640 is what Dask gives its
+#: workers (evalfleet's local workers hash with it), so ``inprocess`` and sandboxes agree there.
+PINNED = {"PYTHONHASHSEED": "6640", "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1",
+          "MKL_NUM_THREADS": "1", "NUMEXPR_NUM_THREADS": "1", "VECLIB_MAXIMUM_THREADS": "1"}
+
+#: Allowed names whose values can change an episode, keyed by value: the locale and text
+#: encoding (what ``open()`` decodes a data file as; a C parser's decimal comma), the time zone,
+#: warnings made errors, which native libraries load, and which renderer draws pixel observations.
+KEYED = ("LANG", "LANGUAGE", "TZ", "PYTHONUTF8", "PYTHONIOENCODING", "PYTHONWARNINGS",
+         "LD_LIBRARY_PATH", "SDL_VIDEODRIVER", "MUJOCO_GL", "PYOPENGL_PLATFORM")
+
 
 def allowed(name: str, extra: Iterable[str] = ()) -> bool:
     """True if a sandbox may see the variable ``name``."""
@@ -36,3 +55,8 @@ def sandbox_environment(extra: Iterable[str] = (), environ: Mapping[str, str] | 
     env = os.environ if environ is None else environ
     names = set(extra)
     return {k: v for k, v in env.items() if allowed(k, names)}
+
+
+def keyed(name: str) -> bool:
+    """True if the value of the allowed variable ``name`` is in the cache key (:data:`KEYED`)."""
+    return name in KEYED or name.startswith(ALLOWED_PREFIXES)

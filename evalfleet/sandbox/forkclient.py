@@ -31,7 +31,7 @@ from typing import Any
 
 from evalfleet.errors import IsolationUnavailable
 from evalfleet.sandbox.bwrap import jail_command
-from evalfleet.sandbox.environment import sandbox_environment
+from evalfleet.sandbox.environment import PINNED, sandbox_environment
 
 logger = logging.getLogger(__name__)
 
@@ -105,8 +105,8 @@ class ForkServer:
         # The jail shows only the package folders of evalfleet and of ``packages`` (the env's).
         command = jail_command(inner, packages=packages) if level == "bwrap" else inner
         # Never the worker's whole environment: its credentials are none of env code's business.
-        env = dict(sandbox_environment(), OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1",
-                   MKL_NUM_THREADS="1", PYTHONDONTWRITEBYTECODE="1")
+        # Its hash seed is every sandbox's: they are forked from it (``PINNED``).
+        env = dict(sandbox_environment(), **PINNED, PYTHONDONTWRITEBYTECODE="1")
         t0 = time.perf_counter()
         try:
             self.proc: subprocess.Popen[bytes] = _launch(

@@ -47,7 +47,7 @@ import numpy as np
 
 from evalfleet.models import EndReason
 from evalfleet.sandbox import wire
-from evalfleet.sandbox.environment import sandbox_environment
+from evalfleet.sandbox.environment import PINNED, sandbox_environment
 from evalfleet.sandbox.forkclient import (
     PIDS_CGROUP_ROOT,
     ForkServer,
@@ -171,9 +171,9 @@ class ProcessSlots:
         self._packages = env_modules(env_spec)
         self._data = env_data_files(env_spec)
         self._preload = preload_modules(env_spec)
-        # Thread caps as the fork server has them; the request's extra names with this worker's values.
-        self._environment = dict(sandbox_environment(env_allow), OMP_NUM_THREADS="1",
-                                 OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
+        # Thread caps and hash seed as the fork server has them (``PINNED``); the request's extra
+        # names with this worker's values.
+        self._environment = dict(sandbox_environment(env_allow), **PINNED)
         self._token = uuid.uuid4().hex
         n_boxes = math.ceil(n / envs_per_sandbox)
         self._boxes: list[_Box | None] = [None] * n_boxes

@@ -577,7 +577,7 @@ PLANTED: dict[str, list[str]] = {
     "inference device": ["device", "auto_on_a_gpu_machine", "forward_blocks"],
     "what the env sees of the environment": ["isolation_class", "granted_variable",
                                              "granted_value", "read_grant", "write_grant",
-                                             "bwrap_jail"],
+                                             "bwrap_jail", "keyed_variable", "keyed_locale"],
     "evalfleet": ["evalfleet_version", "gymnasium_version", "numpy_version", "torch_version"],
     "episode table schema": ["schema"],
 }
@@ -695,6 +695,12 @@ def test_each_planted_change_is_a_miss(change, base, tmp_path, monkeypatch, requ
         key = _key(**fields)
         fields["isolation"] = "bwrap"
         monkeypatch.setattr(evalfleet.pipeline, "resolve_isolation", lambda requested, _: requested)
+    elif change in ("keyed_variable", "keyed_locale"):  # allow-listed, and they change episodes
+        name = "MUJOCO_GL" if change == "keyed_variable" else "LC_ALL"
+        fields["isolation"] = "process"
+        monkeypatch.setenv(name, "egl" if change == "keyed_variable" else "C.UTF-8")
+        key = _key(**fields)
+        monkeypatch.setenv(name, "osmesa" if change == "keyed_variable" else "de_DE.UTF-8")
     elif change == "seed":
         fields["seed"] = 1
     elif change == "max_steps":
@@ -741,6 +747,18 @@ def test_each_planted_change_is_a_miss(change, base, tmp_path, monkeypatch, requ
 def test_execution_settings_are_hits(change, base, tmp_path):
     change = {k: tmp_path / v if k in ("output", "cache_dir") else v for k, v in change.items()}
     assert _key(**base) == _key(**{**base, **change})
+
+
+@pytest.mark.parametrize("name, value", [
+    ("PYTHONHASHSEED", "12345"),  # pinned in every sandbox (a tox run's random one changed episodes)
+    ("NUMEXPR_NUM_THREADS", "8"),  # pinned to 1
+    ("PATH", "/elsewhere:/usr/bin:/bin"),  # where tools are found: the code is keyed by version
+])
+def test_allowed_variables_that_change_no_episode_are_hits(name, value, base, monkeypatch):
+    fields = {**base, "isolation": "process"}
+    key = _key(**fields)
+    monkeypatch.setenv(name, value)
+    assert _key(**fields) == key
 
 
 def test_device_auto_on_a_cpu_machine_is_cpu(base, monkeypatch):

@@ -4,7 +4,8 @@
 ``FAULT_STEP`` an exception whose text lists every environment variable it sees (secret-like
 names first, so the error's 500-character cut does not hide them), and that on every episode's
 last step puts one ``info`` entry per variable, named ``NAME=VALUE``. ``Names`` reports, in its
-reset ``info``, one ``var:NAME`` entry per variable it sees.
+reset ``info``, one ``var:NAME`` entry per variable it sees; ``HashOrder`` what string hashing
+decides in its process (the first of a ``set`` of names) and the hash seed its children get.
 """
 
 from __future__ import annotations
@@ -108,6 +109,25 @@ class NeedsData(CartPoleEnv):
         super().__init__(render_mode=render_mode)
 
 
-for _name in ("Leak", "Names", "Recon", "NeedsData"):
+class HashOrder(CartPoleEnv):
+    """Healthy CartPole whose action menu is a ``set`` of names: its order is string hashing's.
+
+    Its reset ``info``: ``first`` (the menu's first name, by its index in ``ITEMS``), ``hash``
+    (of one name) and ``seed`` (``PYTHONHASHSEED`` as its child processes get it; -1 if unset).
+    """
+
+    ITEMS = ("apple", "banana", "cherry", "date", "elder", "fig", "grape", "kiwi")
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None
+              ) -> tuple[np.ndarray, dict[str, Any]]:
+        obs, info = super().reset(seed=seed, options=options)
+        menu = list(set(self.ITEMS))
+        hash_seed = os.environ.get("PYTHONHASHSEED", "-1")
+        return obs, {**info, "first": float(self.ITEMS.index(menu[0])),
+                     "hash": float(hash("evalfleet") % 1_000_003),
+                     "seed": float(hash_seed) if hash_seed.lstrip("-").isdigit() else -2.0}
+
+
+for _name in ("Leak", "Names", "Recon", "NeedsData", "HashOrder"):
     gym.register(id=f"evalfleet-test/{_name}-v0", entry_point=f"{__name__}:{_name}",
                  max_episode_steps=500)
