@@ -42,7 +42,7 @@ from evalfleet.cache import (
     key_ingredients,
 )
 from evalfleet.claims import claim_path, claimed, describe, release, wait_for_earlier
-from evalfleet.envspec import named_files, resolve_env_for, resolved_here
+from evalfleet.envspec import named_files, named_paths, resolve_env_for, resolved_here
 from evalfleet.errors import RequestError, StaleWorkerCode
 from evalfleet.models import (
     RECORDING_INCOMPLETE,
@@ -207,6 +207,8 @@ def receive_unloaded(request: EvalRequest) -> tuple[Received, Callable[..., Rece
     """
     t0 = time.perf_counter()
     check_folders(request)
+    if not resolved_here(request.env, request.isolation):  # a sandbox describes it, next line
+        check_kwarg_paths(request, request.isolation)
     env = resolve_env_for(request.env, request.env_kwargs, request.max_steps, request.isolation,
                           sandbox_limits(request), request.episode_timeout_s,
                           request.sandbox_env_allow)
@@ -214,6 +216,7 @@ def receive_unloaded(request: EvalRequest) -> tuple[Received, Callable[..., Rece
     # to trust it (``auto`` runs it in sandboxes whatever it names).
     isolation = resolve_isolation(request.isolation, env.fingerprint.entry_point
                                   if resolved_here(request.env, request.isolation) else None)
+    check_kwarg_paths(request, isolation)
     if isolation == "inprocess" and request.suite_task is None:
         check_no_sandbox_options(request)
     artifact = read_policy(request.policy, request.policy_factory, env.action_space,
@@ -289,6 +292,26 @@ def check_no_sandbox_options(request: EvalRequest) -> None:
             f"{', '.join(given)} apply to process/bwrap sandboxes, but this evaluation runs its "
             f"envs in-process (isolation {request.isolation!r} for {request.env!r}): they would do "
             "nothing. Pass --isolation process to run the envs in sandboxes, or drop them.")
+
+
+def check_kwarg_paths(request: EvalRequest, isolation: str) -> None:
+    """Files the env kwargs name by a relative path are refused where a sandbox runs the env.
+
+    The cache key reads such a file from this process's working folder and a ``process``
+    sandbox is granted it from the worker's, but the env opens it from the sandbox's own
+    folder: a calibration file named ``calib/gain.txt`` was keyed by its bytes, the env found
+    nothing there and took its default (mean 10.06, with the file 30.19), exit 0.
+    """
+    if isolation == "inprocess":
+        return
+    level = "process" if isolation == "auto" else isolation  # what ``auto`` sandboxes it in
+    for text, path in named_paths(request.env_kwargs).items():
+        if not os.path.isabs(text):
+            raise RequestError(
+                f"env kwargs name the file or folder {text!r} by a relative path, but {level!r} "
+                f"sandboxes (isolation {request.isolation!r} for {request.env!r}) run the env in a "
+                f"folder of their own, where it names another file or none. Pass an absolute path "
+                f"such as {str(path.resolve())!r}.")
 
 
 def check_suite_sandbox_options(base: EvalRequest, tasks: Sequence[tuple[EvalRequest, Received]]

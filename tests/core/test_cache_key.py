@@ -27,7 +27,7 @@ import evalfleet.cluster
 import evalfleet.pipeline
 from evalfleet import cache as cache_mod
 from evalfleet.cache import cache_key
-from evalfleet.errors import EnvSpecError
+from evalfleet.errors import EnvSpecError, RequestError
 from evalfleet.models import EvalRequest
 from evalfleet.pipeline import Received, receive
 from evalfleet.provenance import SOURCE_PREFIX, code_version
@@ -991,6 +991,30 @@ def test_a_granted_variable_is_keyed_by_its_values_digest_not_its_value(base, mo
         b"s3cret-value").hexdigest()[:16]
     assert "s3cret-value" not in str(ingredients)
     assert _received(**base).cache_ingredients["environment"] == {"class": "inherited", "granted": {}}
+
+
+def test_a_relative_path_in_the_kwargs_is_refused_for_sandboxes_before_any_spawns(
+        scenario_env, base, tmp_path, monkeypatch):
+    """A sandbox runs the env in a folder of its own: ``calib/gain.txt`` was keyed by the file
+    here, and the env found nothing there and took its default (mean 10.06 against 30.19), exit 0."""
+    env, default, _ = scenario_env
+    monkeypatch.chdir(tmp_path)
+    relative = str(default.relative_to(tmp_path))
+
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("a sandbox was started for a request stage 1 refuses")
+
+    with monkeypatch.context() as patched:
+        patched.setattr("evalfleet.sandbox.process.ProcessSlots.__init__", refuse)
+        for isolation in ("auto", "process", "bwrap"):
+            with pytest.raises(RequestError, match=(
+                    rf"name the file or folder '{relative}' by a relative path, but "
+                    rf"'{'process' if isolation == 'auto' else isolation}' sandboxes .* Pass an "
+                    rf"absolute path such as '{default}'")):
+                _received(**base, env=env, env_kwargs={"scenario": relative}, isolation=isolation)
+    # In-process the env opens it from the worker's folder, where the key read it.
+    assert _received(**base, env=env, env_kwargs={"scenario": relative},
+                     isolation="inprocess").isolation == "inprocess"
 
 
 def test_inputs_changed_during_a_run_name_what_changed(base, tmp_path, monkeypatch):
