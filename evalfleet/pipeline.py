@@ -46,6 +46,7 @@ from evalfleet.envspec import named_files, named_paths, resolve_env_for, resolve
 from evalfleet.errors import RequestError, StaleWorkerCode
 from evalfleet.models import (
     RECORDING_INCOMPLETE,
+    REPLAY_NONDETERMINISM,
     EvalReport,
     EvalRequest,
     PolicyHandle,
@@ -755,7 +756,7 @@ def cross_device(result: ReplayResult, device: str, received: Received) -> tuple
                      f"env's code changed since they ran ({', '.join(changed)}): replays ran the "
                      "new code; not a determinism finding"]
     if device == received.device:
-        return [f"replay_nondeterminism: {len(result.mismatches)} replayed episodes differ from "
+        return [f"{REPLAY_NONDETERMINISM}: {len(result.mismatches)} replayed episodes differ from "
                 "their rows"], []
     beyond = [e for e in result.episodes if e.matches is False and e.expected is not None and not (
         e.length == e.expected[1]
@@ -953,6 +954,7 @@ def feed_back(
         asked = " and the recordings asked for" if (request.record_trajectories or
                                                     request.record_video) else ""
         missing.append(f"the review (plots, report.html{asked}): {outputs['review_error']}")
+    forget_replayed(request, received, report)
     # The review's shortfall is known now: report.json and the MLflow run (its alarm tags, its
     # copy of report.json) carry it as the final report does.
     report = report.model_copy(update={"alarms": with_missing(report.alarms, missing)})
@@ -1115,21 +1117,54 @@ def store_in_cache(request: EvalRequest, received: Received, collected: Collecte
     """Store the episodes under the request's key (while its lock is held); returns rows stored.
 
     Nothing is stored with the cache off, on a full hit the entry alone answered, or when the
-    determinism audit found re-run episodes that differ (a non-reproducible table must never be
-    reused). A hit that took rows from shard files folds them into the entry. The audit is kept
-    in the entry's manifest, so that a later hit reports it as the miss did.
+    determinism audit found re-run episodes that differ, or replays run ahead (``Collected
+    .replays``) differ from their rows: a non-reproducible table must never be reused, and
+    the key's entry and shard files are dropped with it (their rows came from the same env). A
+    hit that took rows from shard files folds them into the entry. The audit is kept in the
+    entry's manifest, so that a later hit reports it as the miss did.
     """
     if collected is None or request.cache == "off":
         return 0
     if not (collected.fresh.num_rows or collected.resumed or request.cache == "refresh"):
         return 0
     audit = determinism_audit(collected.table, collected.audit_rows) if request.audit else None
-    if (audit and audit["mismatches"]) or inputs_changed(request, received):
+    if (audit and audit["mismatches"]) or replays_differ(collected.replays, received):
+        episode_cache(request).remove(received.cache_key)
+        return 0
+    if inputs_changed(request, received):
         episode_cache(request).discard_shards(received.cache_key)  # persisted as shards finished
         return 0
     return episode_cache(request).store(received.cache_key, collected.table,
                                         received.cache_ingredients,
                                         replace=request.cache == "refresh", audit=audit)
+
+
+def replays_differ(replays: ReviewReplays | None, received: Received) -> bool:
+    """Whether replays found episodes that differ from their rows: a ``replay_nondeterminism``."""
+    if replays is None or replays.result is None:
+        return False
+    alarms, _ = cross_device(replays.result, replays.device, received)
+    return bool(alarms)
+
+
+def forget_replayed(request: EvalRequest, received: Received, report: EvalReport) -> bool:
+    """Drop the key's entry and shard files when the review's replays proved them irreproducible.
+
+    Stage 7 replays after the store where nothing ran them ahead (the warm path, suites, a hit
+    with recordings asked): the table was stored, and a later request was served it as a clean
+    hit, its report without the alarm. Taken under the key's lock, which the caller must not
+    hold. True if something was dropped.
+    """
+    if request.cache == "off" or not any(
+            a.startswith(f"{REPLAY_NONDETERMINISM}: ") for a in report.alarms):
+        return False
+    cache = episode_cache(request)
+    with cache.exclusive(received.cache_key):
+        dropped = cache.remove(received.cache_key)
+    if dropped:
+        logger.warning("replays differ from their rows: cache entry %s dropped (its episodes are "
+                       "not reproducible)", received.cache_key[:12])
+    return dropped
 
 
 def persist_shard(request: EvalRequest, received: Received, shard: Shard, table: pa.Table) -> int:

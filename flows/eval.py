@@ -69,9 +69,9 @@ def stages(request: EvalRequest, address: str | None) -> EvalReport:
                 collected = collect_rewards(tables, handle, planned, collected)  # 5 collect
                 more = schedule.next_episodes(collected.table)
                 planned = spawn_sandboxes(request, received, address, more, collected) if more else None
-        store_in_cache(request, received, collected)                             # before the lock goes
-    if collected is not None:  # stage 7's replays, on a worker: torch is imported there
-        collected = replays_ahead(request, received, collected, address, gpu(received))
+        if collected is not None:  # stage 7's replays, on a worker: torch is imported there
+            collected = replays_ahead(request, received, collected, address, gpu(received))
+        store_in_cache(request, received, collected)  # not if replays differ; before the lock goes
     # The baseline runs with no lock held: its nested evaluation takes its own key's lock (and
     # stops evaluate()'s workers when it is done: nothing here runs on them after it).
     baseline = baseline_episodes(request, received, collected, address)

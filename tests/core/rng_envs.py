@@ -45,6 +45,23 @@ class GlobalNoise(_Blank):
         return np.zeros(2, np.float32), float(np.random.uniform()), False, False, {}
 
 
+class NoisyBeyond(_Blank):
+    """Reproducible on the seeds in ``clean`` (5 per episode); elsewhere its rewards come from
+    numpy's global RNG: an audit that re-runs only clean seeds passes, replays of the rest differ."""
+
+    def __init__(self, clean: list[int] | None = None) -> None:
+        self.clean = set(clean or ())
+        self.noisy = True
+
+    def reset(self, *, seed: int | None = None, options: Any = None) -> tuple[np.ndarray, dict[str, Any]]:
+        self.noisy = seed not in self.clean
+        return super().reset(seed=seed, options=options)
+
+    def step(self, action: int) -> tuple[np.ndarray, float, bool, bool, dict[str, Any]]:
+        reward = float(np.random.uniform()) if self.noisy else 1.0
+        return np.zeros(2, np.float32), reward, False, False, {}
+
+
 class IntegerBox(_Blank):
     """An integer ``Box`` action; the reward is the action it gets."""
 
@@ -63,7 +80,8 @@ class ArrayInfo(_Blank):
         return np.zeros(2, np.float32), 1.0, True, False, info
 
 
-for _name, _steps in (("CoinFlip", STEPS), ("GlobalNoise", 5), ("IntegerBox", 5), ("ArrayInfo", 5)):
+for _name, _steps in (("CoinFlip", STEPS), ("GlobalNoise", 5), ("NoisyBeyond", 5), ("IntegerBox", 5),
+                      ("ArrayInfo", 5)):
     gym.register(id=f"evalfleet-test/{_name}-v0", entry_point=f"{__name__}:{_name}",
                  max_episode_steps=_steps)
 
