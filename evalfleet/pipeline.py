@@ -404,9 +404,8 @@ def received_before_flow(
     received, check = receive_unloaded(request)
     fixed = request.target_ci_halfwidth is None and request.baseline is None
     found = lookup(request, received) if fixed else None
-    # Rows from shard files alone are no hit when audited: the audit runs on a cluster (``plan``).
-    hit = (found is not None and found.status == "hit"
-           and not (found.resumed and request.audit))
+    # Rows no audit covered are no hit when audited: the audit runs on a cluster (``plan``).
+    hit = found is not None and found.status == "hit" and not unaudited(request, found)
     if hit and received.artifact.format in SELF_CONTAINED_FORMATS:
         return received, True
     if on_miss is None or hit:
@@ -467,6 +466,22 @@ def lookup(request: EvalRequest, received: Received, indices: Sequence[int] | No
     return episode_cache(request).lookup(received.cache_key, indices)
 
 
+def unaudited(request: EvalRequest, found: Lookup) -> bool:
+    """Whether an audited request takes rows that no determinism audit covered.
+
+    Rows from shard files (an interrupted evaluation's, never audited), and an entry stored
+    with no audit that compared an episode (``--no-audit``; a run whose audit episodes all
+    failed). Served as a hit, a ``--no-audit`` table of an env that reads the global RNG passed
+    for an audited one, with ``determinism_audit_incomplete`` its only sign.
+    """
+    if not request.audit or not found.stored.num_rows:
+        return False
+    if found.resumed:
+        return True
+    audit = episode_cache(request).audit(found.key)
+    return not (audit and audit.get("checked"))
+
+
 def plan(
     request: EvalRequest, received: Received, address: str | None, episodes: int,
     prior: Collected | None = None, max_shards: int | None = None,
@@ -481,10 +496,10 @@ def plan(
     wanted = [i for i in range(episodes) if i not in have]
     found = lookup(request, received, wanted)
     round_indices = sorted(set(found.missing) | set(found.stored.column("episode_index").to_pylist()))
-    # Audit rounds that run something, and rows from shard files (an interrupted evaluation's,
-    # never audited); a full hit of the entry was audited when it was stored.
+    # Audit rounds that run something, and rows no audit covered (``unaudited``); a full hit
+    # of an audited entry was audited when it was stored.
     audited = (audit_size(len(round_indices))
-               if request.audit and (found.missing or found.resumed) else 0)
+               if request.audit and (found.missing or unaudited(request, found)) else 0)
     work = len(found.missing) + audited
     slots = cluster.worker_slots(address) if work and address else 1
     slots = min(slots, max_shards) if max_shards else slots
@@ -1120,12 +1135,14 @@ def store_in_cache(request: EvalRequest, received: Received, collected: Collecte
     determinism audit found re-run episodes that differ, or replays run ahead (``Collected
     .replays``) differ from their rows: a non-reproducible table must never be reused, and
     the key's entry and shard files are dropped with it (their rows came from the same env). A
-    hit that took rows from shard files folds them into the entry. The audit is kept in the
-    entry's manifest, so that a later hit reports it as the miss did.
+    hit that took rows from shard files folds them into the entry, and so does one whose entry
+    the audit covered only now (``unaudited``). The audit is kept in the entry's manifest, so
+    that a later hit reports it as the miss did.
     """
     if collected is None or request.cache == "off":
         return 0
-    if not (collected.fresh.num_rows or collected.resumed or request.cache == "refresh"):
+    if not (collected.fresh.num_rows or collected.resumed or collected.audit_rows.num_rows
+            or request.cache == "refresh"):
         return 0
     audit = determinism_audit(collected.table, collected.audit_rows) if request.audit else None
     if (audit and audit["mismatches"]) or replays_differ(collected.replays, received):

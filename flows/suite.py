@@ -35,6 +35,7 @@ from evalfleet.pipeline import (
     lookup,
     receive,
     store_in_cache,
+    unaudited,
 )
 from evalfleet.sandbox.isolation import probe_in_background
 from evalfleet.suite import Suite, SuiteReport, baseline_requests, task_requests
@@ -215,7 +216,9 @@ def evaluate_suite(suite: Suite, base: EvalRequest) -> SuiteReport:
     probe_in_background()  # the reports' sandbox manifest (~1 s of child processes), meanwhile
     for group in groups:  # one group holds all its tasks' cache locks at once
         same_as(suite, [rec.cache_key for r, rec in checked if r in group])
-    hit = all(lookup(r, rec).status == "hit" for r, rec in checked)
+    # Rows no audit covered are no hit when audited: the audit runs on the cluster.
+    found = [(r, lookup(r, rec)) for r, rec in checked]
+    hit = all(f.status == "hit" and not unaudited(r, f) for r, f in found)
     torch = any(rec.artifact.format != "callable" for _, rec in checked)
     cluster = nullcontext(None) if hit else fleet_cluster(
         base.dask_address, base.workers, worker_modules(torch))

@@ -24,11 +24,16 @@ def _table(n: int):
 
 
 def _stored(request: EvalRequest) -> None:
-    """The request's whole episode range in the cache, under the key stage 1 computes now."""
+    """The request's whole episode range in the cache, under the key stage 1 computes now.
+
+    With the audit an audited run keeps: an entry no audit covered is no hit for an audited
+    request (it runs the audit's sample on a cluster).
+    """
     received, hit = received_before_flow(request)
     assert not hit
     episode_cache(request).store(received.cache_key, _table(request.episodes),
-                                 received.cache_ingredients)
+                                 received.cache_ingredients,
+                                 audit={"checked": 2, "mismatches": []})
 
 
 def test_a_torchscript_hit_loads_no_policy(example_policy, tmp_path):

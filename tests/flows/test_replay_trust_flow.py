@@ -3,6 +3,8 @@
 A table whose replays differ from their rows is dropped from the cache: the determinism audit
 re-ran two episodes whose seeds happened to be clean and passed, the store came before the
 replays, and the next request was a clean hit whose report had lost ``replay_nondeterminism``.
+An entry stored by a ``--no-audit`` run is audited when an audited request is answered from it,
+not served as audited with ``determinism_audit_incomplete`` as its only sign.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import pytest
 from evalfleet.audit import audit_sample
 from evalfleet.errors import OutputsMissing
 from evalfleet.models import EvalReport, EvalRequest
-from evalfleet.pipeline import lookup, receive
+from evalfleet.pipeline import episode_cache, lookup, receive, received_before_flow
 from evalfleet.seeds import SeedLedger
 from flows.eval import evaluate
 from flows.local_runner import LocalFlowRunner
@@ -70,3 +72,34 @@ def test_the_fast_path_drops_what_its_later_replays_prove_irreproducible(prefect
         except OutputsMissing:  # the second evaluation's late alarm, as the first's above
             pass
 
+
+def test_an_audited_request_audits_an_entry_a_no_audit_run_stored(prefect_server, tmp_path):
+    # Rewards from the global RNG on every seed; review off, so no replay saw it either.
+    request = EvalRequest.build(env=rng_envs.env_id("GlobalNoise"), policy=POLICY, episodes=16,
+                                workers=1, isolation="inprocess", output=tmp_path / "out",
+                                review=False)
+    unaudited = evaluate(request.model_copy(update={"audit": False}))
+    assert unaudited.cache["status"] == "miss" and unaudited.audit is None
+    audited = evaluate(request.model_copy(update={"request_id": "audited"}))
+    assert audited.audit is not None and audited.audit["checked"] == 2, audited.audit
+    assert _alarmed(audited, "non_deterministic_env"), audited.alarms
+    assert not _alarmed(audited, "determinism_audit_incomplete"), audited.alarms
+    assert lookup(request, receive(request)).status == "miss"  # the entry it disproved is gone
+
+
+def test_an_audited_request_keeps_the_audit_of_an_unaudited_entry_it_ran(prefect_server, tmp_path,
+                                                                         example_policy):
+    request = EvalRequest.build(policy=example_policy, episodes=16, workers=1,
+                                output=tmp_path / "out", review=False)
+    evaluate(request.model_copy(update={"audit": False}))
+    assert received_before_flow(request)[1] is False  # not a hit: the audit must run
+    audited = evaluate(request.model_copy(update={"request_id": "audited"}))
+    assert audited.cache["status"] == "hit" and audited.cache["computed"] == 0
+    assert audited.audit == {"checked": 2, "mismatches": []}
+    assert not _alarmed(audited, "determinism_audit_incomplete"), audited.alarms
+    cache = episode_cache(request)
+    assert cache.audit(audited.cache["key"]) == audited.audit
+    assert received_before_flow(request)[1] is True  # audited now: a hit starts no cluster
+    hit = evaluate(request.model_copy(update={"request_id": "hit"}))
+    assert hit.cache["status"] == "hit" and hit.audit == audited.audit
+    assert hit.alarms == audited.alarms
