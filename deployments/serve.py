@@ -27,6 +27,7 @@ from evalfleet.errors import RequestError
 from evalfleet.models import EvalReport, EvalRequest, with_missing
 from evalfleet.storage import write_json
 from evalfleet.suite import Suite, SuiteReport
+from flows.api_ledger import final_state
 from flows.eval import evaluate
 from flows.suite import evaluate_suite
 
@@ -106,8 +107,8 @@ def service_flow(request: EvalRequest, suite: Suite | None = None) -> EvalReport
             "deployment is served (evalfleet serve does), or put dask_address in the request."
         )
     if suite is not None:
-        return evaluate_suite(suite, request.model_copy(update={"dask_address": address}))
-    return evaluate(request.model_copy(update={"dask_address": address}))
+        return final_state(evaluate_suite(suite, request.model_copy(update={"dask_address": address})))
+    return final_state(evaluate(request.model_copy(update={"dask_address": address})))
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import httpx
 from pydantic import BaseModel
@@ -131,7 +131,10 @@ def best_effort(what: str) -> Iterator[None]:
 
 
 def kept(result: R) -> R:
-    """Called by a flow body with what it returns: ``run_recorded`` keeps it for its caller."""
+    """Called by a flow body with what it returns: ``run_recorded`` keeps it for its caller.
+
+    The flow run ends in the state ``final_state`` gives it; its caller gets ``result`` as is.
+    """
     slot = _SLOT.get()
     if slot is not None:
         from prefect.context import FlowRunContext
@@ -139,7 +142,31 @@ def kept(result: R) -> R:
         ctx = FlowRunContext.get()
         slot["result"] = result
         slot["flow_run_id"] = str(ctx.flow_run.id) if ctx and ctx.flow_run else None
-    return result
+    return final_state(result)
+
+
+def final_state(result: R) -> R:
+    """``result``, or a Completed state named for what makes the CLI exit non-zero on it.
+
+    A report with outputs asked for and not produced (``missing_outputs``: the CLI exits 5, or 3
+    for a recording) or a harness fault (exit 3) ended its flow run plain "Completed" in the
+    Prefect UI, the run list a service is watched by. Its run now ends Completed (it has results:
+    nothing that waits on a completed run changes) under the name "Outputs missing" or "Harness
+    fault", with what failed as the state's message. Prefect hands a flow's caller the data of
+    the Completed state its body returns: the report itself.
+    """
+    missing = list(getattr(result, "missing_outputs", None) or [])
+    if missing:
+        name, message = "Outputs missing", "; ".join(missing)
+    elif getattr(result, "harness_fault", False):
+        alarms = list(getattr(result, "alarms", None) or [])
+        name = "Harness fault"
+        message = f"coverage {float(getattr(result, 'coverage', 1.0)):.1%}; " + "; ".join(alarms)
+    else:
+        return result
+    from prefect.states import Completed
+
+    return cast(R, Completed(name=name, message=message[:2000], data=result))
 
 
 def run_recorded(call: Callable[[], R], name: str) -> R:

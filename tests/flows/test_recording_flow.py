@@ -46,6 +46,8 @@ def test_default_env_records_the_videos_asked_for(prefect_server, tmp_path, exam
                                         max_steps=120, record_video=2, output=tmp_path / "out"))
     _check_videos(report, 2)
     assert not report.harness_fault
+    state = flow_run_state(f"{report.env_id}-{report.request_id}")
+    assert (state.type.value, state.name) == ("COMPLETED", "Completed")
     execution = report.manifest["execution"]
     if execution["device"] == "cpu":  # no GPU here: 'auto' fell back, and the report says so
         assert execution["device_requested"] == "auto"
@@ -83,6 +85,20 @@ def test_fewer_videos_than_asked_fail_the_run(prefect_server, tmp_path):
     assert "renderer lost its context" in alarm[0]
     assert report.harness_fault
     assert report.missing_outputs == alarm  # the API's list of what was asked and is not there
+    # The Prefect UI's run list says so too: before, the run was a plain green "Completed".
+    state = flow_run_state(f"{report.env_id}-{report.request_id}")
+    assert (state.type.value, state.name) == ("COMPLETED", "Outputs missing")
+    assert "wrote" in state.message and "of 2 videos asked for" in state.message
+
+
+def flow_run_state(name: str):
+    """The final state of the flow run named ``name`` on the test's Prefect server."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
+
+    with get_client(sync_client=True) as client:
+        [run] = client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=[name])))
+    return run.state
 
 
 def test_allow_failures_never_waives_a_recording_asked_for(prefect_server, tmp_path, capsys):
