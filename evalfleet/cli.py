@@ -19,6 +19,7 @@ from evalfleet.console import QUIET_ENV, configure_console, quiet_environment
 from evalfleet.environ import restored_environment
 from evalfleet.errors import EvalfleetError, RequestError, Stopped
 from evalfleet.models import (
+    INPUTS_CHANGED,
     OUTPUT_MISSING,
     RECORDING_INCOMPLETE,
     EvalReport,
@@ -531,9 +532,11 @@ def _run_eval(evaluate: Callable[[EvalRequest], EvalReport], args: argparse.Name
     print(summary_text(report))
     # A recording asked for and not written is a missing output, never waived: --allow-failures
     # is about coverage. It exited 0 with 0 of 2 videos, as the hint below once suggested.
-    recording = [a for a in report.alarms if a.startswith(f"{RECORDING_INCOMPLETE}: ")]
-    if recording or (report.harness_fault and not args.allow_failures):
-        why = "; ".join(recording) if recording else (
+    # Nor are results whose inputs changed while they ran: their numbers mix two versions.
+    unwaived = [a for a in report.alarms
+                if a.startswith((f"{RECORDING_INCOMPLETE}: ", f"{INPUTS_CHANGED}: "))]
+    if unwaived or (report.harness_fault and not args.allow_failures):
+        why = "; ".join(unwaived) if unwaived else (
             f"more than 5% of episodes failed in the harness (coverage {percent(report.coverage, 1)})"
             " (pass --allow-failures to exit 0 anyway)")
         print(f"evalfleet: harness fault: {why}", file=sys.stderr)

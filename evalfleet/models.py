@@ -661,6 +661,8 @@ class EvalReport(_Frozen):
 OUTPUT_MISSING = "output_missing"
 #: The alarm prefix of fewer videos or trajectories written than asked for.
 RECORDING_INCOMPLETE = "recording_incomplete"
+#: The alarm prefix of inputs the cache key names (code, kwargs files) changed while episodes ran.
+INPUTS_CHANGED = "inputs_changed"
 #: The alarm prefix of replays that differ from their rows on the episodes' device.
 REPLAY_NONDETERMINISM = "replay_nondeterminism"
 

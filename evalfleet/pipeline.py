@@ -45,6 +45,7 @@ from evalfleet.claims import claim_path, claimed, describe, release, wait_for_ea
 from evalfleet.envspec import named_files, named_paths, resolve_env_for, resolved_here
 from evalfleet.errors import RequestError, StaleWorkerCode
 from evalfleet.models import (
+    INPUTS_CHANGED,
     RECORDING_INCOMPLETE,
     REPLAY_NONDETERMINISM,
     EvalReport,
@@ -685,7 +686,7 @@ def summarize(
     changed = inputs_changed(request, received, done=True) if collected.fresh.num_rows else []
     if changed:  # its episodes mix two versions of what the key names: no number of it holds
         alarms.append(
-            f"inputs_changed: {'; '.join(changed)} changed while the episodes ran, so they mix "
+            f"{INPUTS_CHANGED}: {'; '.join(changed)} changed while the episodes ran, so they mix "
             "both versions; nothing of this evaluation was cached. Keep the env's code and files "
             "as they are while it runs, and run it again")
     returns = report.returns

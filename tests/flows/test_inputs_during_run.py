@@ -18,6 +18,7 @@ from evalfleet.cli import EXIT_HARNESS_FAULT, run_cli
 from evalfleet.models import EvalRequest
 from flows.eval import evaluate
 from tests.flows.drift_envs import ENV_ID
+from tests.flows.test_recording_flow import flow_run_state
 
 pytestmark = pytest.mark.slow
 
@@ -31,14 +32,19 @@ def test_a_scenario_file_rewritten_during_the_run_is_an_alarm_and_nothing_is_cac
     args = ["--env", ENV_ID, "--policy", "tests.flows.drift_envs:zeros", "--episodes", "40",
             "--concurrency", "4", "--workers", "1", "--isolation", "inprocess", "--no-audit",
             "--shard-episodes", "10", "--output", str(tmp_path / "out"), "--quiet",
+            "--allow-failures",  # about coverage: it never waives numbers that mix two inputs
             "--report", str(tmp_path / "report.json"),
             "--env-kwargs", json.dumps({"gain_file": str(gain)})]
     assert run_cli(evaluate, args) == EXIT_HARNESS_FAULT
+    assert "evalfleet: harness fault: inputs_changed: " in capsys.readouterr().err
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["harness_fault"] is True
     [alarm] = [a for a in report["alarms"] if a.startswith("inputs_changed:")]
     assert f"the file {gain}" in alarm and "nothing of this evaluation was cached" in alarm
     assert 10.0 < report["returns"]["mean"] < 20.0  # the mix, reported as such
+    state = flow_run_state(f"{report['env_id']}-{report['request_id']}")  # the Prefect UI's word
+    assert (state.type.value, state.name) == ("COMPLETED", "Harness fault")
+    assert state.message.startswith("coverage 100.0%; ") and "inputs_changed: " in state.message
     key = report["cache"]["key"]
     cache = EpisodeCache(tmp_path / "out" / "cache")
     assert cache.lookup(key, range(40)).stored.num_rows == 0 and not cache.shard_files(key)
