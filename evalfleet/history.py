@@ -695,10 +695,9 @@ def assess(
         out.update(unsettled_best=unsettled, out_of_order="; ".join(
             m for m in (out.get("out_of_order"), note) if m))
     elif best is None:  # earlier checkpoints, none trusted: nothing to compare with, no pass
-        faulty = sorted(c.step for c in earlier)
-        listed = ", ".join(str(s) for s in faulty[:5]) + (", ..." if len(faulty) > 5 else "")
         verdict = "no_paired_episodes"
-        note = (f"every earlier checkpoint of this training run (steps {listed}) was a harness "
+        note = (f"every earlier checkpoint of this training run (steps "
+                f"{_steps(sorted(c.step for c in earlier))}) was a harness "
                 "fault (more than 5% of its episodes failed in the harness), so none is trusted "
                 "to compare with")
     else:

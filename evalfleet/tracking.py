@@ -220,6 +220,11 @@ def log_into_trainer_run(client: Any, report: dict[str, Any], metrics: dict[str,
     return len(batch)
 
 
+def alarm_tag(alarm: str) -> str:
+    """The MLflow tag that marks a run with ``alarm`` (an alarm line ``name: message``, or a name)."""
+    return f"evalfleet.alarm.{alarm.split(':', 1)[0]}"
+
+
 def log_late_alarms(tracking_uri: str, mlflow_run_id: str, report: dict[str, Any],
                     late: list[str]) -> None:
     """Tag alarms raised after the evaluation's MLflow run was logged (a failed callback).
@@ -236,7 +241,7 @@ def log_late_alarms(tracking_uri: str, mlflow_run_id: str, report: dict[str, Any
     count = float(len(report.get("alarms") or []))
     client.log_batch(mlflow_run_id,
                      metrics=[Metric("eval/alarm_count", count, timestamp, int(report.get("step") or 0))],
-                     tags=[RunTag(f"evalfleet.alarm.{a.split(':', 1)[0]}", "true") for a in late])
+                     tags=[RunTag(alarm_tag(a), "true") for a in late])
     log_into_trainer_run(client, report, {"eval/alarm_count": count}, timestamp)
 
 
@@ -278,7 +283,7 @@ def log_evaluation(
         tags["evalfleet.baseline_verdict"] = str(report["comparison"].get("verdict"))
     tags.update(history_tags(report))
     for alarm in report["alarms"]:
-        tags[f"evalfleet.alarm.{alarm.split(':', 1)[0]}"] = "true"
+        tags[alarm_tag(alarm)] = "true"
     run = client.create_run(exp_id, tags=tags, run_name=run_name)
     run_id: str = run.info.run_id
     from mlflow.entities import Metric, Param
@@ -416,7 +421,7 @@ def log_suite(
     from evalfleet.suite import alarm_names
 
     for name in alarm_names(report.get("alarms") or [], report["request_id"]):  # its tasks' too
-        tags[f"evalfleet.alarm.{name}"] = "true"
+        tags[alarm_tag(name)] = "true"
     run = client.create_run(exp_id, tags=tags, run_name=run_name)
     run_id: str = run.info.run_id
     ts = int(run.info.start_time)
