@@ -10,15 +10,10 @@ import sys
 import tempfile
 import threading
 import time
-import uuid
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager, suppress
+from contextlib import AbstractContextManager, contextmanager, nullcontext, suppress
 from dataclasses import dataclass
-from typing import Any
-
-import dask
-from distributed import Client, LocalCluster, get_worker
-from distributed.diagnostics.plugin import WorkerPlugin
+from typing import TYPE_CHECKING, Any
 
 from evalfleet.environ import exported
 from evalfleet.errors import PolicyIntegrityError, RequestError
@@ -32,6 +27,9 @@ from evalfleet.policy import (
     resolve_device,
     sha256_bytes,
 )
+
+if TYPE_CHECKING:  # distributed is imported where a cluster is used: a CLI cache hit needs none
+    from distributed import Client
 
 logger = logging.getLogger(__name__)
 
@@ -171,7 +169,7 @@ def _cluster_gpus(address: str) -> tuple[int, int, str, list[str]]:
 #: server the workers are forked from: a worker starts in a fraction of a second instead of
 #: importing them itself, and the workers share those pages instead of holding a copy each.
 WORKER_MODULES = ("distributed", "numpy", "pyarrow", "cloudpickle", "gymnasium",
-                  "evalfleet.worker", "evalfleet.lifeline",
+                  "evalfleet.worker", "evalfleet.installer", "evalfleet.lifeline",
                   "pandas")  # pyarrow imports it at a shard's first table (~0.5-2 s per worker)
 
 _local_clusters = 0  # local clusters open in this process: the last one out stops the fork server
@@ -207,6 +205,9 @@ def fleet_cluster(address: str | None, workers: int, preload: tuple[str, ...] = 
 
     ``single_use``: a cluster for one evaluation, whose workers ``done_with`` may stop early.
     """
+    import dask
+    from distributed import LocalCluster
+
     if address:
         client = client_for(address)
         if not client.scheduler_info().get("workers"):
@@ -459,6 +460,8 @@ def worker_environment() -> dict[str, str]:
     Dask's rule: ``distributed.nanny.pre-spawn-environ``, except where this process's own
     environment sets the variable; one hash seed for all workers.
     """
+    import dask
+
     config = dask.config.get("distributed.nanny.pre-spawn-environ")
     env = {k: os.environ.get(k, str(v)) for k, v in config.items() if v is not None}
     if env.get("PYTHONHASHSEED") in (None, "0"):
@@ -478,6 +481,8 @@ def _nanny_exports_nothing() -> Iterator[None]:
     nannies are given nothing to export but the hash seed Dask insists on setting (left as it was,
     or ``random``: what an unset one means).
     """
+    import dask
+
     seed = os.environ.get("PYTHONHASHSEED")
     worker = {f"distributed.nanny.environ.{k}": v for k, v in worker_environment().items()}
     with dask.config.set({"distributed.nanny.pre-spawn-environ": {"PYTHONHASHSEED": seed or "random"},
@@ -489,6 +494,8 @@ def _nanny_exports_nothing() -> Iterator[None]:
 
 def client_for(address: str) -> Client:
     """One Dask client per scheduler address in this process."""
+    from distributed import Client
+
     with _lock:
         client = _clients.get(address)
         if client is None or client.status not in ("running", "connecting", "newly-created"):
@@ -639,50 +646,13 @@ def lost_workers(why: str, done: list[Any]) -> str:
             "again: only the missing episodes run.")
 
 
-class PolicyInstaller(WorkerPlugin):
-    """Installs one policy's bytes on every worker, including workers that join or restart later.
-
-    The bytes travel once per worker; ``setup`` verifies their sha256 on arrival. Each evaluation
-    registers a plugin of its own name: two evaluations of the same bytes at once (one checkpoint
-    on two envs) shared one name, so the second's registration and the first's release tore
-    down the policy the other was still running.
-    """
-
-    def __init__(self, sha256: str, payload: bytes) -> None:
-        self.sha256 = sha256
-        self.payload = payload
-        self.name = f"evalfleet-policy-{sha256[:16]}-{uuid.uuid4().hex[:12]}"
-
-    def setup(self, worker: Any) -> None:
-        """Verify and keep the bytes in this worker process."""
-        digest = sha256_bytes(self.payload)
-        if digest != self.sha256:
-            raise PolicyIntegrityError(
-                f"policy bytes arrived on worker {worker.name} hashing to {digest[:12]}, expected "
-                f"{self.sha256[:12]}: the transfer was corrupted"
-            )
-        with _lock:
-            _installed[self.sha256] = self.payload
-            _holders.setdefault(self.sha256, set()).add(self.name)
-
-    def teardown(self, worker: Any) -> None:
-        """Forget the bytes and their loaded policies, unless another evaluation still uses them."""
-        with _lock:
-            holders = _holders.get(self.sha256, set())
-            holders.discard(self.name)
-            if holders:
-                return
-            _holders.pop(self.sha256, None)
-            _installed.pop(self.sha256, None)
-            for key in [k for k in _loaded if k[0] == self.sha256]:
-                del _loaded[key]
-
-
 def distribute(artifact: PolicyArtifact, address: str | None, device: str, deterministic: bool,
                code: dict[str, str] | None = None) -> PolicyHandle:
     """Stage 3: one copy of the policy bytes per worker (a worker plugin), not per shard."""
     plugin_name = None
     if address is not None:
+        from evalfleet.installer import PolicyInstaller
+
         plugin = PolicyInstaller(artifact.sha256, artifact.payload)
         client_for(address).register_plugin(plugin, name=plugin.name)
         plugin_name = plugin.name
@@ -702,6 +672,18 @@ def distribute(artifact: PolicyArtifact, address: str | None, device: str, deter
         distributed_at=time.time(),
         code=tuple(sorted((code or {}).items())),
     )
+
+
+def annotated(resources: dict[str, int]) -> AbstractContextManager[Any]:
+    """``dask.annotate(resources=resources)``: the Dask tasks submitted in the block ask for them.
+
+    Nothing to ask for (inference on CPU): no annotation, and no import of dask for it.
+    """
+    if not resources:
+        return nullcontext()
+    from dask.base import annotate
+
+    return annotate(resources=resources)
 
 
 @contextmanager
@@ -780,6 +762,8 @@ def policy_on_worker(handle: PolicyHandle, source: str, action_space: Any) -> Lo
 
 def worker_name() -> str:
     """The Dask worker's name, or this process's pid outside a worker."""
+    from distributed import get_worker
+
     try:
         return str(get_worker().name)
     except ValueError:

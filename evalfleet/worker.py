@@ -16,7 +16,6 @@ from typing import Any
 
 import cloudpickle
 import pyarrow as pa
-from distributed import get_worker
 
 from evalfleet.cluster import policy_on_worker, worker_name
 from evalfleet.envspec import (
@@ -44,6 +43,8 @@ logger = logging.getLogger(__name__)
 
 
 def _publish(topic: str, message: dict[str, Any]) -> None:
+    from distributed import get_worker
+
     try:
         get_worker().log_event(topic, message)
     except ValueError:  # not on a Dask worker (direct calls in tests): nobody listens

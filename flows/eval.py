@@ -5,14 +5,11 @@ from __future__ import annotations
 from contextlib import nullcontext
 from typing import TYPE_CHECKING
 
-import dask
 import pyarrow as pa
 from prefect import flow, tags, unmapped
-from prefect.task_runners import ThreadPoolTaskRunner
-from prefect_dask import DaskTaskRunner
 
 from evalfleet.audit import RoundSchedule
-from evalfleet.cluster import done_with, fleet_cluster, idle_fork_server_stopped, installed
+from evalfleet.cluster import annotated, done_with, fleet_cluster, idle_fork_server_stopped, installed
 from evalfleet.models import EvalReport, EvalRequest
 from evalfleet.pipeline import (
     Collected,
@@ -33,7 +30,7 @@ from evalfleet.storage import read_episodes
 from flows.api_ledger import api_ledger, kept, run_recorded, settle
 from flows.progress import watch
 from flows.reaper import driver_tag, reap_quietly, untagged_tasks
-from flows.runtime import Ahead, prefect_api, worker_preload
+from flows.runtime import Ahead, prefect_api, task_runner, worker_preload
 from tasks.aggregate import aggregate
 from tasks.collect_rewards import collect_rewards
 from tasks.distribute_policy import distribute_policy
@@ -60,7 +57,7 @@ def stages(request: EvalRequest, address: str | None) -> EvalReport:
     with key_held(request, received.cache_key):                                  # one run per key
         planned = spawn_sandboxes(request, received, address, request.episodes)  # 2 spawn sandboxes
         handle = distribute_policy(request, received, planned, address)          # 3 distribute policy
-        with installed(handle, address), dask.annotate(resources=gpu(received)), \
+        with installed(handle, address), annotated(gpu(received)), \
                 watch(request, address):                                         # progress
             while planned is not None:                                           # rounds (adaptive)
                 shards = run_episodes.map(planned.shards, unmapped(handle), unmapped(request),
@@ -99,10 +96,10 @@ def baseline_episodes(
         return collected.table, request.baseline
     if request.baseline.startswith("sha256:"):
         return cached_baseline(request, received, episodes)
-    runner = DaskTaskRunner(address=address) if address else ThreadPoolTaskRunner()
+    flow_run = eval_flow.with_options(task_runner=task_runner(address))
     with tags(driver_tag()):
-        report = run_recorded(lambda: eval_flow.with_options(task_runner=runner)(
-            baseline_request(request, episodes), address), "the baseline's flow run")
+        report = run_recorded(lambda: flow_run(baseline_request(request, episodes), address),
+                              "the baseline's flow run")
     return read_episodes(report.outputs["episodes"]), request.baseline
 
 
@@ -131,10 +128,9 @@ def evaluate(request: EvalRequest) -> EvalReport:
             api.wait()  # the cluster started while the server booted
             ahead.join()
             reap_quietly()  # flow runs of killed drivers end Crashed
-            runner = DaskTaskRunner(address=address) if address else ThreadPoolTaskRunner()
+            flow_run = eval_flow.with_options(task_runner=task_runner(address))
             with tags(driver_tag()):
-                report = run_recorded(lambda: eval_flow.with_options(task_runner=runner)(
-                    request, address), "the flow run")
+                report = run_recorded(lambda: flow_run(request, address), "the flow run")
             return settle(report, ledger)
 
 

@@ -8,7 +8,7 @@ import socket
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from prefect.settings import PREFECT_API_URL, PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
 
@@ -196,6 +196,21 @@ def worker_preload(received: Received) -> tuple[str, ...]:
 #: What stages 6 and 7 import on first use (~2 s in all): statistics, MLflow's SQL store, plots.
 LATER_MODULES = ("scipy.special", "mlflow.tracking", "mlflow.store.tracking.sqlalchemy_store",
                  "evalfleet.plots")
+
+
+def task_runner(address: str | None) -> Any:
+    """The flow's task runner: Dask's on the cluster at ``address``; threads here with none.
+
+    ``prefect_dask`` (and ``distributed`` with it, ~0.2 s) is imported only when there is a
+    cluster: a cache hit from the CLI starts none.
+    """
+    if not address:
+        from prefect.task_runners import ThreadPoolTaskRunner
+
+        return ThreadPoolTaskRunner()
+    from prefect_dask import DaskTaskRunner
+
+    return DaskTaskRunner(address=address)
 
 
 class Ahead:

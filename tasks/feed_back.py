@@ -2,12 +2,12 @@
 
 from dataclasses import replace
 
-import dask
 import pyarrow as pa
 from prefect import task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 
+from evalfleet.cluster import annotated
 from evalfleet.models import EvalReport, EvalRequest
 from evalfleet.pipeline import Collected, Received, review_skipped
 from evalfleet.pipeline import feed_back as write_results
@@ -53,7 +53,7 @@ def replays_ahead(request: EvalRequest, received: Received, collected: Collected
     """
     if address is None or review_skipped(request, collected) is not None:
         return collected
-    with dask.annotate(resources=resources):
+    with annotated(resources):
         future = replay_episodes.submit(request, received.artifact, received.isolation,
                                         collected.table, received.device)
     try:
