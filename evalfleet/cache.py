@@ -116,11 +116,12 @@ def env_environment(isolation: str, granted: Iterable[str],
     In-process the env inherits the worker's whole environment; in a sandbox an allow-list, with
     the values of the allowed variables that can change an episode (``KEYED``: the locale, a
     renderer...), the ``--sandbox-env`` grants (values by sha256: the key is stored in
-    manifests, a secret is not) and the ``--sandbox-read`` / ``--sandbox-write`` grants
-    (``read``, ``write``). A run with ``HUNT_GAIN=3`` granted was served for the request without
-    it, and an in-process result for ``--isolation process``: the env read what it was given. A
-    ``bwrap`` jail has a class of its own: it shows a single-file env module alone, where a
-    ``process`` sandbox reads the files beside it.
+    manifests, a secret is not) and the ``--sandbox-read`` grants, with what each holds
+    (``envspec.named_files``), and ``--sandbox-write`` grants (``read``, ``write``). A run with
+    ``HUNT_GAIN=3`` granted was served for the request without it, and an in-process result for
+    ``--isolation process``: the env read what it was given. A ``bwrap`` jail has a class of its
+    own: it shows a single-file env module alone, where a ``process`` sandbox reads the files
+    beside it.
     """
     values = os.environ if values is None else values
 
@@ -132,12 +133,17 @@ def env_environment(isolation: str, granted: Iterable[str],
     if isolation == "inprocess":
         return {"class": "inherited", "granted": grants}
     # The sandbox package imports gymnasium: `evalfleet cache ls` imports this module, not it.
+    from evalfleet.envspec import named_files
     from evalfleet.sandbox.environment import keyed
 
+    readable = sorted({os.path.normpath(path) for path in read})
+    held = named_files(readable)
     return {"class": "allow-list, bwrap jail" if isolation == "bwrap" else "allow-list",
             "allowed": {name: digest(name) for name in sorted(values) if keyed(name)},
             "granted": grants,
-            "read": sorted({os.path.normpath(path) for path in read}),
+            # What each readable grant holds, as the kwargs' files are keyed: an env's data
+            # folder edited between two requests was served the episodes of its old data.
+            "read": {path: held.get(path) for path in readable},
             "write": sorted({os.path.normpath(path) for path in write})}
 
 

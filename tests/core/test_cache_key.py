@@ -576,8 +576,8 @@ PLANTED: dict[str, list[str]] = {
     "base seed": ["seed", "max_steps", "deterministic"],
     "inference device": ["device", "auto_on_a_gpu_machine", "forward_blocks"],
     "what the env sees of the environment": ["isolation_class", "granted_variable",
-                                             "granted_value", "read_grant", "write_grant",
-                                             "bwrap_jail", "keyed_variable", "keyed_locale"],
+                                             "granted_value", "read_grant", "read_grant_contents",
+                                             "write_grant", "bwrap_jail", "keyed_variable", "keyed_locale"],
     "evalfleet": ["evalfleet_version", "gymnasium_version", "numpy_version", "torch_version"],
     "episode table schema": ["schema"],
 }
@@ -684,6 +684,14 @@ def test_each_planted_change_is_a_miss(change, base, tmp_path, monkeypatch, requ
             fields["sandbox_env_allow"] = ["EVALFLEET_TEST_GAIN"]
             key = _key(**fields)
             monkeypatch.setenv("EVALFLEET_TEST_GAIN", "4")
+    elif change == "read_grant_contents":
+        # An env's data folder granted by --sandbox-read, edited between two requests: the
+        # second was served the episodes of the old data (only the grant's path was keyed).
+        (tmp_path / "data").mkdir()
+        (tmp_path / "data" / "gain.txt").write_text("1.0")
+        fields.update(isolation="process", sandbox_read=[str(tmp_path / "data")])
+        key = _key(**fields)
+        (tmp_path / "data" / "gain.txt").write_text("3.0")
     elif change in ("read_grant", "write_grant"):
         # A run without --sandbox-read of an env's optional calibration folder (gain 1.0) was
         # served for the request with it (truth: gain 3.0, mean 30.19 against 10.06).
