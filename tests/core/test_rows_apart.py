@@ -175,3 +175,40 @@ def test_a_policy_loaded_unchecked_ends_its_episodes_as_the_policys_error(tmp_pa
     assert table.column("length").to_pylist() == [0] * 6
     assert all("a row's outputs depend on the other rows of its batch" in e
                for e in table.column("error").to_pylist())
+
+
+def push_against_the_batch(obs: np.ndarray) -> np.ndarray:
+    """A callable CartPole controller that centres the pole angle on its batch's mean."""
+    return ((obs[:, 2] - obs[:, 2].mean()) > 0).astype(np.int64)
+
+
+_calls = [0]
+
+
+def push_by_call_count(obs: np.ndarray) -> np.ndarray:
+    """A callable that changes with its calls, not with its batch: the audit's to report."""
+    _calls[0] += 1
+    return np.full(len(obs), _calls[0] % 2, dtype=np.int64)
+
+
+def push_alone(obs: np.ndarray) -> np.ndarray:
+    """Each row on its own."""
+    return (obs[:, 2] > 0).astype(np.int64)
+
+
+def test_a_callable_whose_rows_depend_on_the_batch_is_refused_at_stage_one() -> None:
+    # Its actions followed --concurrency: the same request scored differently with the number
+    # of envs a shard runs at once, with no alarm (the check ran for torch policies only).
+    source = f"{__name__}:push_against_the_batch"
+    with pytest.raises(PolicyError) as caught:
+        receive_policy(source, None, CARTPOLE.observation_space, CARTPOLE.action_space)
+    assert str(caught.value).startswith(
+        f"policy {source!r}: a row's outputs depend on the other rows of its batch: "
+        "row 2's outputs alone are [0], in a batch of 8 rows [1]")
+    assert "normalisation over the batch in forward (x - x.mean(0))" in str(caught.value)
+
+
+@pytest.mark.parametrize("name", ["push_alone", "push_by_call_count"])
+def test_callables_with_rows_apart_or_that_change_per_call_pass_stage_one(name) -> None:
+    art = receive_policy(f"{__name__}:{name}", None, CARTPOLE.observation_space, CARTPOLE.action_space)
+    assert art.format == "callable" and art.output_kind == "actions"
