@@ -28,6 +28,8 @@ import io
 import logging
 import math
 import os
+import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -65,6 +67,9 @@ PAD_ROWS = 8
 ROW_TOLERANCE = 1e-4
 #: Rows of the batch ``rows_apart`` compares, and how many of them it also runs alone.
 ROWS_BATCH, ROWS_ALONE = 8, 4
+#: Seconds a callable policy's rows check may take (plus 20 dummy batches' time) before it is
+#: given up: its code may hang or crawl on rows other than the dummy batch's zeros.
+CALLABLE_ROWS_CHECK_S = 2.0
 
 
 def import_object(ref: str, what: str) -> Any:
@@ -530,6 +535,7 @@ def check_outputs(
     shape = observation_space.shape or ()
     obs = np.zeros((DUMMY_BATCH, *shape), dtype=np.float32)
     space = policy.action_space
+    t0 = time.perf_counter()
     try:
         raw = np.asarray(policy.raw(obs))
     except RowsApart as err:  # seen by the first forward (``pad_rows``)
@@ -566,14 +572,37 @@ def check_outputs(
     # doing, and the determinism audit reports it. One normalising over its batch scored
     # differently with --concurrency, with no alarm.
     x = check_rows(tuple(shape))[:ROWS_BATCH]
-    try:
-        seen = (rows_apart(policy.raw, x) if policy.is_torch or _repeats(policy.raw, x)
-                else None)
-    except Exception:  # noqa: BLE001 - rows it cannot take (the zeros passed): no finding
-        seen = None
+    if policy.is_torch:
+        seen = _rows_seen(lambda: rows_apart(policy.raw, x))
+    else:  # a callable's code may hang or crawl on rows other than zeros: a bounded look
+        bound = CALLABLE_ROWS_CHECK_S + 20 * (time.perf_counter() - t0)
+        seen = _within(bound, lambda: _rows_seen(
+            lambda: rows_apart(policy.raw, x) if _repeats(policy.raw, x) else None))
     if seen is not None:
         raise PolicyError(f"policy {source!r}: {seen}")
     return "logits" if logits else "actions"
+
+
+def _rows_seen(look: Callable[[], str | None]) -> str | None:
+    """``rows_apart``'s finding; None where the policy cannot take the rows (the zeros passed)."""
+    try:
+        return look()
+    except Exception:  # noqa: BLE001 - no finding: the run stage meets what the rows raise
+        return None
+
+
+def _within(seconds: float, look: Callable[[], str | None]) -> str | None:
+    """``look()`` on a daemon thread, or None if it takes more than ``seconds``.
+
+    Stage 1 runs in a process of its own that ends after it: a call still running there goes
+    with it (the run stage bounds such calls with ``--policy-timeout``).
+    """
+    found: list[str | None] = [None]
+    thread = threading.Thread(target=lambda: found.__setitem__(0, look()), daemon=True,
+                              name="evalfleet-rows-check")
+    thread.start()
+    thread.join(seconds)
+    return None if thread.is_alive() else found[0]
 
 
 def _repeats(run: Callable[[npt.NDArray[np.float32]], npt.NDArray[Any]],

@@ -10,6 +10,8 @@ every block to 256 rows of copies, which fed the BatchNorm statistics and hid it
 from __future__ import annotations
 
 import re
+import threading
+import time
 from pathlib import Path
 
 import gymnasium as gym
@@ -20,7 +22,7 @@ import torch
 import envs  # noqa: F401  (registers the environments)
 from evalfleet.envspec import env_thunk, resolve_env
 from evalfleet.errors import PolicyError
-from evalfleet.policy import load_policy, pad_rows, receive_policy
+from evalfleet.policy import CALLABLE_ROWS_CHECK_S, load_policy, pad_rows, receive_policy
 from evalfleet.records import records_to_table
 from evalfleet.runner import EpisodeContext, run_shard
 from evalfleet.sandbox.base import InProcessSlots
@@ -212,3 +214,18 @@ def test_a_callable_whose_rows_depend_on_the_batch_is_refused_at_stage_one() -> 
 def test_callables_with_rows_apart_or_that_change_per_call_pass_stage_one(name) -> None:
     art = receive_policy(f"{__name__}:{name}", None, CARTPOLE.observation_space, CARTPOLE.action_space)
     assert art.format == "callable" and art.output_kind == "actions"
+
+
+def push_hanging_off_zero(obs: np.ndarray) -> np.ndarray:
+    """Each row on its own, but any row away from the dummy batch's zeros hangs (for 60 s)."""
+    if obs.any():
+        threading.Event().wait(60)
+    return (obs[:, 2] > 0).astype(np.int64)
+
+
+def test_a_callable_that_hangs_on_the_check_rows_is_not_waited_for() -> None:
+    t0 = time.perf_counter()
+    art = receive_policy(f"{__name__}:push_hanging_off_zero", None, CARTPOLE.observation_space,
+                         CARTPOLE.action_space)
+    assert art.format == "callable"
+    assert time.perf_counter() - t0 < CALLABLE_ROWS_CHECK_S + 5
