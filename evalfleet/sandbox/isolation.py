@@ -14,8 +14,9 @@ Requirements per level:
   namespace per sandbox (``pidns``; with a user namespace of its own under a non-root worker),
   file access confined by Landlock (``landlock``), and how each level caps a sandbox's
   processes (``process_cap``).
-- ``bwrap``: ``process``'s requirements, plus a working bubblewrap jail (``bwrap``; a pid
-  namespace per sandbox inside it: ``bwrap_pidns``).
+- ``bwrap``: ``process``'s requirements, plus a working bubblewrap jail (``bwrap``) whose
+  sandboxes can each have a ``/tmp`` of their own (part of ``bwrap``); a pid namespace per
+  sandbox inside it: ``bwrap_pidns``.
 
 What each level guarantees when every mechanism holds (as on a root microVM; the README's
 "Security" section has the table, root and non-root worker side by side):
@@ -40,11 +41,12 @@ What each level guarantees when every mechanism holds (as on a root microVM; the
   worker may. Not a jail for hostile code.
 - ``bwrap``: ``process`` inside bubblewrap: it sees only the jail's read-only binds (system
   libraries, a few /etc files, the interpreter, site-packages, the package folders of evalfleet
-  and the env, see :mod:`evalfleet.sandbox.bwrap`) and a private /tmp, the only writable place;
-  all namespaces are new and all capabilities dropped. The sandboxes of one jail share its /tmp
-  and its uid (one can read another's work folder). Under a root worker the jail's processes are
-  uid 0 outside, which the kernel exempts from RLIMIT_NPROC: each sandbox gets a pids cgroup
-  (v1) instead, where one can be made (``process_cap['bwrap']``; None where neither holds).
+  and the env, see :mod:`evalfleet.sandbox.bwrap`) and a ``/tmp`` and ``/dev/shm`` of its own,
+  fresh per sandbox, the only writable places (the jail's outlive an evaluation: no file one
+  sandbox writes reaches another); all namespaces are new and all capabilities dropped. Under a
+  root worker the jail's processes are uid 0 outside, which the kernel exempts from
+  RLIMIT_NPROC: each sandbox gets a pids cgroup (v1) instead, where one can be made
+  (``process_cap['bwrap']``; None where neither holds).
 
 Not covered at any level: the shared kernel (the microVM is that boundary), side channels, AF_UNIX
 sockets (a socket file the sandbox can reach is reachable), memory per sandbox (RLIMIT_AS is per
@@ -159,7 +161,10 @@ if int(caps, 16):
 ifaces = [name for _, name in socket.if_nameindex()]
 if ifaces != ["lo"]:
     problems.append(f"network interfaces visible: {ifaces}")
-from evalfleet.sandbox.forkserver import _check_sandbox_namespaces
+from evalfleet.sandbox.forkserver import _check_private_tmp, _check_sandbox_namespaces
+own_tmp = _check_private_tmp()
+if own_tmp:
+    problems.append(f"a sandbox cannot have a /tmp of its own: {own_tmp}")
 print("; ".join(problems) or "ok")
 print(_check_sandbox_namespaces(True) or "ok")
 """

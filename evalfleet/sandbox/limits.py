@@ -12,6 +12,7 @@ import contextlib
 import ctypes
 import errno
 import os
+import re
 import resource
 import signal
 import socket
@@ -31,6 +32,11 @@ _PR_SET_PDEATHSIG = 1
 _CLONE_NEWNET = 0x40000000
 _CLONE_NEWUSER = 0x10000000
 _CLONE_NEWPID = 0x20000000
+_CLONE_NEWNS = 0x00020000
+_MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC = 1, 2, 4, 8
+_MS_REMOUNT, _MS_NOATIME, _MS_NODIRATIME, _MS_BIND, _MS_REC = 32, 1024, 2048, 4096, 16384
+_MS_PRIVATE, _MS_RELATIME, _MS_STRICTATIME = 1 << 18, 1 << 21, 1 << 24
+_ST_RELATIME = 4096
 
 #: Exit status of a sandbox that ran out of memory and could not even report it.
 EXIT_OOM = 86
@@ -143,13 +149,96 @@ def enter_sandbox_namespaces(*, new_user: bool) -> str | None:
         return f"unshare({what}) failed: {os.strerror(ctypes.get_errno())}"
     if new_user:
         try:
-            for name, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"),
-                               ("gid_map", f"{gid} {gid} 1")):
-                with open(f"/proc/self/{name}", "w") as fh:
-                    fh.write(text)
+            _map_own_ids(uid, gid)
         except OSError as err:
             return f"cannot map the sandbox's uid in its user namespace: {err}"
     return None
+
+
+def _map_own_ids(uid: int, gid: int) -> None:
+    """In a user namespace just entered: map ``uid`` and ``gid`` (the caller's, outside) alone."""
+    for name, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"),
+                       ("gid_map", f"{gid} {gid} 1")):
+        with open(f"/proc/self/{name}", "w") as fh:
+            fh.write(text)
+
+
+def _mount(source: str | None, target: str, fstype: str | None, flags: int,
+           data: str | None = None) -> None:
+    libc = _libc()
+    if libc.mount(source and source.encode(), target.encode(), fstype and fstype.encode(),
+                  ctypes.c_ulong(flags), data and data.encode()) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"mount {target}: {os.strerror(err)}")
+
+
+def _mount_points_under(root: str) -> list[str]:
+    """The outermost mount points strictly beneath ``root`` in this process's mount namespace."""
+    found: list[str] = []
+    with open("/proc/self/mountinfo") as fh:
+        for line in fh:
+            # Field 5 is the mount point, with space, tab, newline and backslash as \ooo.
+            point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), line.split()[4])
+            if point.startswith(root.rstrip("/") + "/"):
+                found.append(point)
+    kept: list[str] = []
+    for point in sorted(set(found), key=lambda p: (len(p), p)):
+        if not any(point.startswith(k + "/") for k in kept):
+            kept.append(point)  # a mount beneath one kept comes along with it (MS_REC)
+    return kept
+
+
+def private_tmp(folder: str, *, new_user: bool) -> None:
+    """Give this process a mount namespace of its own: a fresh, empty ``/tmp`` and ``/dev/shm``.
+
+    For a sandbox forked in a bwrap jail. The jail, its tmpfs ``/tmp`` and its ``/dev`` serve
+    every later evaluation of the worker's envs from the same packages: a file one sandbox left
+    there (an env caching a level it generated) was read by the sandboxes of later evaluations,
+    with other kwargs, and changed their returns. Here each sandbox gets its own, gone with it.
+    The jail's binds beneath ``/tmp`` (``bwrap.rebinds_under_tmp``: a virtual environment or a
+    module kept under ``/tmp``) are bound again, read-only as they were; ``folder`` (the
+    sandbox's own, made by the server in the jail's ``/tmp``) is made again, empty; the jail's
+    ``/dev`` is made read-only (its devices stay usable: each is a mount of its own).
+
+    Needs CAP_SYS_ADMIN over this process's user namespace, as in a sandbox's own one;
+    ``new_user``: enter one first (a sandbox without a pid namespace has none). Raises
+    ``OSError`` where it cannot be had: such a sandbox never runs env code.
+    """
+    libc = _libc()
+    if new_user:
+        uid, gid = os.geteuid(), os.getegid()
+        if libc.unshare(_CLONE_NEWUSER | _CLONE_NEWNS) != 0:
+            raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWUSER|CLONE_NEWNS) failed: "
+                                              f"{os.strerror(ctypes.get_errno())}")
+        _map_own_ids(uid, gid)
+    elif libc.unshare(_CLONE_NEWNS) != 0:
+        raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWNS) failed: "
+                                          f"{os.strerror(ctypes.get_errno())}")
+    # Nothing mounted from here on reaches the jail's namespace (or another sandbox's).
+    _mount(None, "/", None, _MS_REC | _MS_PRIVATE)
+    # Open before the new tmpfs hides them; bound again from the open descriptors.
+    keep = [(path, os.open(path, os.O_PATH | os.O_CLOEXEC)) for path in _mount_points_under("/tmp")]
+    try:
+        _mount("tmpfs", "/tmp", "tmpfs", _MS_NOSUID | _MS_NODEV, "mode=0755")
+        for path, fd in keep:
+            if os.path.isdir(f"/proc/self/fd/{fd}"):
+                os.makedirs(path, exist_ok=True)
+            else:  # a single-file module: a file to bind onto
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                os.close(os.open(path, os.O_CREAT | os.O_WRONLY | os.O_CLOEXEC, 0o644))
+            # A bind keeps the flags of its source: read-only, and locked so by the kernel.
+            _mount(f"/proc/self/fd/{fd}", path, None, _MS_BIND | _MS_REC)
+    finally:
+        for _, fd in keep:
+            os.close(fd)
+    os.makedirs(folder, mode=0o700, exist_ok=True)
+    if os.path.isdir("/dev/shm"):
+        _mount("tmpfs", "/dev/shm", "tmpfs", _MS_NOSUID | _MS_NODEV, "mode=1777")
+    # Remounting must repeat the flags the jail's namespace locked (nosuid, nodev, atime).
+    flags = os.statvfs("/dev").f_flag
+    kept = flags & (_MS_NOSUID | _MS_NODEV | _MS_NOEXEC | _MS_NOATIME | _MS_NODIRATIME)
+    atime = _MS_RELATIME if flags & _ST_RELATIME else 0 if flags & _MS_NOATIME else _MS_STRICTATIME
+    _mount(None, "/dev", None, _MS_REMOUNT | _MS_BIND | _MS_RDONLY | kept | atime)
 
 
 def drop_all_capabilities() -> None:
