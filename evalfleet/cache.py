@@ -31,7 +31,7 @@ equals a cold 3,000-episode run because episode ``i`` always has seed ``ledger(s
 The worker count is not in the key: it must not change results. The isolation level is in it
 only as what the env sees (inherited, allow-listed, or allow-listed in a bwrap jail): an
 in-process result was served for ``--isolation process``, whose env saw another environment,
-and a bwrap jail's for ``process``, whose env read a file beside its module. What an in-process
+and a bwrap jail's for ``process``, whose env saw other files. What an in-process
 env reads of the inherited environment beyond the grants is not keyed: name such a variable with
 ``--sandbox-env``.
 
@@ -120,8 +120,8 @@ def env_environment(isolation: str, granted: Iterable[str],
     (``envspec.named_files``), and ``--sandbox-write`` grants (``read``, ``write``). A run with
     ``HUNT_GAIN=3`` granted was served for the request without it, and an in-process result for
     ``--isolation process``: the env read what it was given. A ``bwrap`` jail has a class of its
-    own: it shows a single-file env module alone, where a ``process`` sandbox reads the files
-    beside it.
+    own: its sandboxes write a ``/tmp`` of their own, where a ``process`` sandbox writes only its
+    folder, and see the jail's ``/proc``.
     """
     values = os.environ if values is None else values
 

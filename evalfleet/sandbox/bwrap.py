@@ -25,6 +25,9 @@ import os
 import shutil
 import sys
 from collections.abc import Iterable
+from pathlib import Path
+
+from evalfleet.provenance import beside_data
 
 #: The jail's namespaces and privileges, as the design asks for untrusted environment code.
 JAIL_ARGS = (
@@ -104,12 +107,35 @@ def package_paths(modules: Iterable[str]) -> list[str]:
     return out
 
 
+def module_neighbours(module: str) -> list[str]:
+    """The files of single-file module ``module``'s folder it may read: itself and what it keys.
+
+    Its own file, its sibling ``.py`` files and its data files, each a file of its own. The data
+    files are those its code version keys (``provenance.beside_data``: regular files
+    directly in the folder, no dotfile, no subfolder, nothing compiled); the ``.py`` files are
+    the modules it may import beside it (keyed when imported). Never the folder: a module kept
+    in a project root or a home sits beside the policies, ``.aws``, the results, the cache and
+    the MLflow store, none of which is in the key, and a folder grant reached all of them.
+    """
+    path = Path(module)
+    code: list[str] = []
+    try:
+        with os.scandir(path.parent) as entries:
+            code = [e.path for e in entries
+                    if e.name.endswith(".py") and not e.name.startswith(".") and e.is_file()]
+    except OSError:  # a folder this process cannot list: the module alone
+        pass
+    return sorted({module, *code, *(str(p) for _, p in beside_data(path))})
+
+
 def jail_binds(packages: Iterable[str] = ()) -> list[str]:
     """Paths the jail binds read-only: system, interpreter, site-packages, ``packages``' folders.
 
     ``sys.path`` entries that are not ``site-packages`` folders (a project root, a ``PYTHONPATH``
     entry, an editable install's source root) are NOT bound whole: only the folders of
-    ``packages`` found in them are, so the rest of a checkout, a home or /work stays unseen.
+    ``packages`` found in them are, so the rest of a checkout, a home or /work stays unseen. A
+    single-file module gives its file and the files beside it that its key covers
+    (``module_neighbours``), one by one.
     """
     wanted: list[str] = [*ETC_PATHS]
     prefixes = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix}
@@ -122,7 +148,9 @@ def jail_binds(packages: Iterable[str] = ()) -> list[str]:
             continue
         if os.path.isfile(entry) or os.path.basename(entry.rstrip("/")) in _SITE_DIRS:
             wanted.append(entry)
-    wanted.extend(package_paths(["evalfleet", *packages]))
+    found = package_paths(["evalfleet", *packages])
+    wanted.extend(found)
+    wanted.extend(n for path in found if os.path.isfile(path) for n in module_neighbours(path))
     kept: list[str] = []
     for path in sorted({os.path.abspath(p) for p in wanted if p}, key=lambda p: (len(p), p)):
         if not os.path.exists(path) or _inside(path, SYSTEM_PATHS) or _inside(path, kept):

@@ -30,7 +30,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from evalfleet.errors import IsolationUnavailable
-from evalfleet.sandbox.bwrap import jail_command
+from evalfleet.sandbox.bwrap import jail_command, module_neighbours, package_paths
 from evalfleet.sandbox.environment import PINNED, sandbox_environment
 
 logger = logging.getLogger(__name__)
@@ -91,6 +91,9 @@ class ForkServer:
                  ) -> None:
         self.level = level
         self.packages = packages
+        # The files of single-file env modules the jail binds, as they are now (``fork_server``).
+        self.bound = bound_module_files(packages) if level == "bwrap" else ()
+        self.retired = False  # replaced in the registry; stops once no evaluation uses it
         self._lock = threading.Lock()
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         inner = [*SERVER_COMMAND, str(theirs.fileno()), level, str(os.getpid())]
@@ -248,7 +251,28 @@ def _remove_cgroup_tree(path: str) -> None:
 
 _servers: dict[tuple[str, tuple[str, ...]], ForkServer] = {}
 _latest: dict[str, tuple[str, tuple[str, ...]]] = {}
+_retired: list[ForkServer] = []  # out of the registry, still serving an evaluation
 _servers_lock = threading.Lock()
+
+
+def bound_module_files(packages: Sequence[str]) -> tuple[tuple[str, int, int], ...]:
+    """The single-file modules' files a jail of ``packages`` binds, each with device and inode.
+
+    A bind shows the file that was there when the jail started. One replaced since (an editor
+    that saves by rename, a data file rewritten by rename), added or removed would leave a warm
+    jail running what was there before, under a cache key made of what is there now.
+    """
+    out: list[tuple[str, int, int]] = []
+    for path in package_paths(packages):
+        if not os.path.isfile(path):
+            continue
+        for name in module_neighbours(path):
+            try:
+                st = os.stat(name)
+            except OSError:
+                continue
+            out.append((name, st.st_dev, st.st_ino))
+    return tuple(out)
 
 
 def _server_key(level: str, packages: Sequence[str]) -> tuple[str, tuple[str, ...]]:
@@ -264,6 +288,7 @@ def fork_server(level: str, start_timeout_s: float, packages: Sequence[str] | No
 
     ``packages=None``: the server of ``level`` used last (started with no env packages if none).
     """
+    idle: ForkServer | None = None
     with _servers_lock:
         key = (_latest.get(level, _server_key(level, ())) if packages is None
                else _server_key(level, packages))
@@ -271,18 +296,42 @@ def fork_server(level: str, start_timeout_s: float, packages: Sequence[str] | No
         if server is not None and not server.alive:
             server.stop()
             server = None
+        if server is not None and server.bound != bound_module_files(key[1]):
+            # A new jail binds the files as they are now; the old one finishes its evaluations.
+            logger.info("an env module's files changed: a new %s jail for %s", level, key[1])
+            del _servers[key]
+            server.retired = True
+            if server.prepared:
+                _retired.append(server)
+            else:
+                idle = server
+            server = None
         if server is None:
             server = _servers[key] = ForkServer(level, start_timeout_s, key[1])
         _latest[level] = key
-        return server
+    if idle is not None:
+        idle.stop()
+    return server
+
+
+def release_fork_server(server: ForkServer, token: str) -> None:
+    """The evaluation ``token`` is done with ``server``: a retired one stops with its last."""
+    with _servers_lock:
+        server.prepared.discard(token)
+        done = server.retired and not server.prepared and server in _retired
+        if done:
+            _retired.remove(server)
+    if done:
+        server.stop()
 
 
 def shutdown_fork_servers() -> None:
     """Stop every fork server of this process (each kills its sandboxes first)."""
     with _servers_lock:
-        servers = list(_servers.values())
+        servers = [*_servers.values(), *_retired]
         _servers.clear()
         _latest.clear()
+        _retired.clear()
     for server in servers:
         server.stop()
 
@@ -293,6 +342,8 @@ def discard_fork_server(server: ForkServer) -> None:
     with _servers_lock:
         for key in [k for k, v in _servers.items() if v is server]:
             del _servers[key]
+        if server in _retired:
+            _retired.remove(server)
     server.stop()
 
 

@@ -59,7 +59,7 @@ import numpy as np
 
 from evalfleet.sandbox import limits as lim
 from evalfleet.sandbox import wire
-from evalfleet.sandbox.bwrap import SYSTEM_PATHS, jail_binds, package_paths
+from evalfleet.sandbox.bwrap import SYSTEM_PATHS, jail_binds
 from evalfleet.sandbox.isolation import import_project_envs
 from evalfleet.sandbox.slots import error_text, scalar_info
 from evalfleet.seeds import fresh_global_rng
@@ -67,6 +67,7 @@ from evalfleet.seeds import fresh_global_rng
 #: Added to a PermissionError of a Landlock-confined sandbox: what it may open, and how to widen it.
 CONFINED_HINT = (" [process sandboxes open only what running the env needs; grant a path with "
                  "--sandbox-read / --sandbox-write]")
+
 
 #: Exit status of a sandbox whose own code failed before serving (never an env's exception).
 EXIT_SETUP = 70
@@ -345,18 +346,15 @@ def file_rules(packages: Iterable[str], data: Iterable[str] = ()) -> lim.FileRul
 
     ``packages``: what the request names (``process.env_modules``: evalfleet's envs and the env
     id's ``module:`` prefix), never what the env reports of itself. ``data``: files and folders
-    its kwargs name (``process.env_data_files``), read too, and so is the folder of the id's
-    module when it is a single file (what it imports or reads beside it).
+    its kwargs name (``process.env_data_files``), read too.
 
     The system folders, the interpreter's, the site-packages and the packages of evalfleet and
-    of the env (``jail_binds``), beside the ``sys.path`` folders, listed only: never the rest of
-    a project checkout, a home, the results or a secret file, even under a root worker's
-    CAP_DAC_READ_SEARCH.
+    of the env (``jail_binds``; of a single-file module, its file and, one by one, the files
+    beside it that its key covers: ``bwrap.module_neighbours``), beside the ``sys.path``
+    folders, listed only: never the rest of a project checkout, a home, the results or a secret
+    file, even under a root worker's CAP_DAC_READ_SEARCH.
     """
-    # A module that is a single file reads what lies beside it (modules it imports, data).
-    beside = [os.path.dirname(path) for path in package_paths(packages) if os.path.isfile(path)]
-    read = (*[p for p in SYSTEM_PATHS if os.path.exists(p)], *jail_binds(packages), *beside,
-            *data)
+    read = (*[p for p in SYSTEM_PATHS if os.path.exists(p)], *jail_binds(packages), *data)
     listed = tuple(dict.fromkeys(
         os.path.realpath(entry) for entry in sys.path
         if entry and os.path.isabs(entry) and os.path.isdir(entry)))

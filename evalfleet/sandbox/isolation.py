@@ -33,12 +33,12 @@ What each level guarantees when every mechanism holds (as on a root microVM; the
   (non-root worker). Under a root worker it runs as a uid of its own keeping only
   CAP_DAC_READ_SEARCH. Where the kernel has Landlock (``landlock``), it opens only what the
   bwrap jail would bind (system libraries, a few /etc files, the interpreter, site-packages,
-  the package folders of evalfleet and the env; the ``sys.path`` folders listed only), the
-  folder of a single-file env module, the paths the request's env kwargs name, a few CPU facts
-  and devices, and writes only its own folder: no home, project checkout, results
-  folder or another process's ``/proc/<pid>/environ``. Without Landlock it reads every file
-  (root worker) or the worker's (non-root worker), and writes where anyone may or where the
-  worker may. Not a jail for hostile code.
+  the package folders of evalfleet and the env, and of a single-file env module its file and
+  the files beside it its key covers; the ``sys.path`` folders listed only), the paths the
+  request's env kwargs name, a few CPU facts and devices, and writes only its own folder: no
+  home, project checkout, results folder or another process's ``/proc/<pid>/environ``. Without
+  Landlock it reads every file (root worker) or the worker's (non-root worker), and writes where
+  anyone may or where the worker may. Not a jail for hostile code.
 - ``bwrap``: ``process`` inside bubblewrap: it sees only the jail's read-only binds (system
   libraries, a few /etc files, the interpreter, site-packages, the package folders of evalfleet
   and the env, see :mod:`evalfleet.sandbox.bwrap`) and a ``/tmp`` and ``/dev/shm`` of its own,

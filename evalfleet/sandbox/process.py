@@ -54,6 +54,7 @@ from evalfleet.sandbox.forkclient import (
     ForkServerError,
     discard_fork_server,
     fork_server,
+    release_fork_server,
     shutdown_fork_servers,
 )
 from evalfleet.sandbox.limits import EXIT_OOM, SandboxLimits
@@ -106,7 +107,8 @@ def env_modules(env_spec: dict[str, Any]) -> list[str]:
     entry (another evaluation's results, say) with a line like ``import results``, even dead.
     A bwrap jail shows their package folders (``fork_server``'s ``packages``), and so does a
     ``process`` sandbox's Landlock ruleset (``bwrap.package_paths``: regular packages, and the
-    single file of the id's own module).
+    single file of the id's own module with the files beside it its key covers,
+    ``bwrap.module_neighbours``).
     """
     from evalfleet.envspec import BUILTIN_ENV_MODULES
 
@@ -268,11 +270,20 @@ class ProcessSlots:
                 self._server.call(("forget", self._token), self.limits.start_timeout_s)
             except ForkServerError:
                 pass
+        if self._server is not None:
+            release_fork_server(self._server, self._token)
 
     # -- internals ---------------------------------------------------------------------------------
 
     def _ensure_server(self) -> ForkServer:
-        server = fork_server(self.isolation, self.limits.start_timeout_s, self._packages)
+        # The server these slots started on while it lives: their sandboxes are its children,
+        # and the registry may meanwhile hold a newer one (``fork_server`` retires a jail whose
+        # env module's files changed).
+        server = self._server
+        if server is None or not server.alive:
+            if server is not None:
+                release_fork_server(server, self._token)
+            server = fork_server(self.isolation, self.limits.start_timeout_s, self._packages)
         if self._token not in server.prepared:
             answer = server.call(
                 ("prepare", self._token, self._maker_blob, list(sys.path), self._preload,

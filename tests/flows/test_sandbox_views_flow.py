@@ -3,8 +3,10 @@
 Planted: an env with an optional calibration file (gain 3.0 when it can read it, else its
 default 1.0, a common pattern), in a single-file module of a folder of its own. A run without
 ``--sandbox-read`` of the file's folder filled the entry that a run with it was served (mean a
-third of the truth); a bwrap jail, which shows the module's file alone, filled the entry that a
-``process`` sandbox, which reads the files beside the module, was served.
+third of the truth); a bwrap jail, which then showed the module's file alone, filled the entry
+that a ``process`` sandbox, which read the files beside the module, was served. Both now see
+the same files of the module's folder; they still differ in where an env may write (a bwrap
+sandbox has a ``/tmp`` of its own, a ``process`` one only its folder), and keep apart entries.
 """
 
 from __future__ import annotations
@@ -80,6 +82,39 @@ def _plant(folder: Path, env: str, calib: Path, monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(folder), str(ROOT)]))
 
 
+SCRATCH_MODULE = """
+    import tempfile
+
+    import gymnasium as gym
+    import numpy as np
+    from gymnasium import spaces
+
+
+    class ScratchEnv(gym.Env):
+        observation_space = spaces.Box(-100.0, 100.0, (2,), np.float32)
+        action_space = spaces.Discrete(2)
+
+        def __init__(self):
+            try:  # a scratch file in /tmp when it may (its fast path), else its default
+                with tempfile.NamedTemporaryFile(dir="/tmp"):
+                    self.gain = 3.0
+            except OSError:
+                self.gain = 1.0
+
+        def reset(self, *, seed=None, options=None):
+            super().reset(seed=seed)
+            self.t, self.horizon = 0, int(self.np_random.integers(5, 15))
+            return np.zeros(2, np.float32), {{}}
+
+        def step(self, action):
+            self.t += 1
+            return np.full(2, self.t, np.float32), self.gain, self.t >= self.horizon, False, {{}}
+
+
+    gym.register("{env_id}", entry_point="{module}:ScratchEnv", max_episode_steps=50)
+"""
+
+
 def _request(tmp_path: Path, env: str, **fields: object) -> EvalRequest:
     return EvalRequest.build(env=env, policy="tests.flows.user_envs:toward_goal", episodes=16,
                              workers=1, output=tmp_path / "out", cache_dir=tmp_path / "cache",
@@ -105,9 +140,13 @@ def test_bwrap_and_process_sandboxes_keep_apart_entries(prefect_server, tmp_path
     if available_levels()["bwrap"] is not None or probe().get("landlock") is not None:
         pytest.skip("needs bwrap and Landlock (the two views of a module's folder)")
     env, folder = gain_env
-    _plant(folder, env, folder / "gain.txt", monkeypatch)  # beside the module: its data file
+    module, env_id = env.split(":")
+    (folder / f"{module}.py").write_text(textwrap.dedent(SCRATCH_MODULE.format(
+        env_id=env_id, module=module)))
+    monkeypatch.syspath_prepend(str(folder))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(folder), str(ROOT)]))
     jailed = evaluate(_request(tmp_path, env, isolation="bwrap"))
     process = evaluate(_request(tmp_path, env, isolation="process"))
     assert (jailed.cache["status"], process.cache["status"]) == ("miss", "miss"), process.cache
     assert process.isolation == "process"
-    assert process.mean == pytest.approx(3 * jailed.mean)  # the jail does not show gain.txt
+    assert jailed.mean == pytest.approx(3 * process.mean)  # /tmp: the jail's sandbox writes it

@@ -1,0 +1,144 @@
+"""A single-file env module's sandbox reads the files of its folder its key covers, nothing more.
+
+The usual layout: the env module in the project root (``PYTHONPATH=.``), beside the policy,
+another team's policy, ``.aws/credentials`` and the default ``results/`` folder (parquet, the
+cache's manifests, ``mlflow.db``). A ``process`` sandbox was granted the module's whole folder,
+recursively, and its env read all of them. Now it gets the module, its sibling ``.py`` files and
+its data files (regular files directly beside it, no dotfile), one by one, as the bwrap jail
+binds them; a file in a subfolder needs ``--sandbox-read``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from evalfleet.sandbox.forkclient import fork_server
+from evalfleet.sandbox.isolation import available_levels
+from evalfleet.sandbox.limits import landlock_abi
+
+from .test_fresh_tmp import run_evaluation
+
+PROJ_ENV = '''
+import json
+import os
+
+import gymnasium as gym
+import numpy as np
+
+import {helper} as helper  # a module beside it: imported, so readable
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+TARGETS = {targets!r}
+
+
+def readable(path):
+    try:
+        with open(path, "rb") as fh:
+            fh.read(1)
+        return 1
+    except OSError:
+        return 0
+
+
+class ProjEnv(gym.Env):
+    observation_space = gym.spaces.Box(-1.0, 1.0, (4,), np.float32)
+    action_space = gym.spaces.Discrete(2)
+
+    def __init__(self, extra=False):
+        with open(os.path.join(HERE, "level.json")) as fh:  # its data file, beside it
+            self.gain = json.load(fh)["gain"] * helper.FACTOR
+        if extra:  # data in a subfolder: granted by --sandbox-read only
+            with open(os.path.join(HERE, "levels", "extra.json")) as fh:
+                self.gain += json.load(fh)["gain"]
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.t = 0
+        return np.zeros(4, np.float32), {{}}
+
+    def step(self, action):
+        self.t += 1
+        if self.t < 3:
+            return np.zeros(4, np.float32), self.gain, False, False, {{}}
+        seen = {{f"read_{{name}}": readable(path) for name, path in TARGETS.items()}}
+        return np.zeros(4, np.float32), self.gain, True, False, seen
+
+
+gym.register(id="{env_id}", entry_point="{module}:ProjEnv", max_episode_steps=10)
+'''
+
+#: Beside the module in the project root, as a team keeps them: none is in the env's key.
+PRIVATE = {
+    "other_policy": "other_team/policy.pt",
+    "aws": ".aws/credentials",
+    "dotenv": ".env",
+    "results": "results/runs/9f1e/episodes.parquet",
+    "manifest": "results/cache/ab/manifest.json",
+    "mlflow": "results/mlflow.db",
+}
+#: Beside it too, and read: its data file, a policy file kept directly beside it (a data file
+#: to its key: keep a module in a folder of its own) and the module it imports.
+OWN = {"data": "level.json", "policy": "my_policy.pt"}
+
+
+def _plant(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, gain: float = 2.0
+           ) -> tuple[str, str, Path]:
+    """The project root with its env module, on ``sys.path``: (env id, module, root)."""
+    tag = f"{os.getpid()}_{tmp_path.name.replace('-', '_')}"
+    module, helper, name = f"proj_env_{tag}", f"proj_helper_{tag}", f"Proj{tag}-v0"
+    proj = tmp_path / "proj"
+    targets = {k: str(proj / v) for k, v in {**PRIVATE, **OWN}.items()}
+    targets["helper"] = str(proj / f"{helper}.py")
+    for rel in PRIVATE.values():
+        (proj / rel).parent.mkdir(parents=True, exist_ok=True)
+        (proj / rel).write_text("private")
+    (proj / "level.json").write_text(f'{{"gain": {gain}}}')
+    (proj / "my_policy.pt").write_text("weights")
+    (proj / "levels").mkdir()
+    (proj / "levels" / "extra.json").write_text('{"gain": 10.0}')
+    (proj / f"{helper}.py").write_text("FACTOR = 1.5\n")
+    (proj / f"{module}.py").write_text(PROJ_ENV.format(
+        helper=helper, targets=targets, env_id=name, module=module))
+    for path in (tmp_path, *proj.rglob("*"), proj):
+        path.chmod(0o755 if path.is_dir() else 0o644)  # a root worker's sandboxes: uids of their own
+    monkeypatch.syspath_prepend(str(proj))
+    return f"{module}:{name}", module, proj
+
+
+def _skip_unless(level: str) -> None:
+    if available_levels()[level] is not None:
+        pytest.skip(f"{level} level unavailable: {available_levels()[level]}")
+    if level == "process" and landlock_abi() == 0:
+        pytest.skip("this kernel has no Landlock: a process sandbox reads the worker's files")
+
+
+@pytest.mark.parametrize("level", ["process", "bwrap"])
+def test_an_env_in_a_project_root_reads_only_its_own_files(level: str, tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    _skip_unless(level)
+    env_id, _, _ = _plant(tmp_path, monkeypatch)
+    records = run_evaluation(level, env_id, {})
+    # 3 steps of 2.0 (level.json) x 1.5 (the sibling module): both read, in both levels.
+    assert [(r.end_reason, r.episode_return) for r in records] == [("terminated", 9.0)] * 4, \
+        records[0].error
+    seen = {k.removeprefix("read_"): v for k, v in records[0].metrics.items()
+            if k.startswith("read_")}
+    assert seen == {**dict.fromkeys(PRIVATE, 0), **dict.fromkeys(OWN, 1), "helper": 1}, seen
+
+
+def test_a_warm_jail_sees_a_data_file_replaced_since(tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    _skip_unless("bwrap")
+    env_id, module, proj = _plant(tmp_path, monkeypatch)
+    assert [r.episode_return for r in run_evaluation("bwrap", env_id, {})] == [9.0] * 4
+    jail = fork_server("bwrap", 60, ["envs", module])
+    # Saved by rename, as editors and atomic writers do: a new inode the old bind never shows.
+    (proj / "level.tmp").write_text('{"gain": 4.0}')
+    os.replace(proj / "level.tmp", proj / "level.json")
+    (proj / "level.json").chmod(0o644)
+    assert [r.episode_return for r in run_evaluation("bwrap", env_id, {})] == [18.0] * 4
+    assert fork_server("bwrap", 60, ["envs", module]) is not jail
+    assert not jail.alive, "the replaced jail was left running"
