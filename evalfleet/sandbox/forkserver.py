@@ -57,6 +57,7 @@ from typing import Any
 
 import numpy as np
 
+from evalfleet.redaction import redact
 from evalfleet.sandbox import limits as lim
 from evalfleet.sandbox import wire
 from evalfleet.sandbox.bwrap import SYSTEM_PATHS, jail_binds
@@ -68,6 +69,18 @@ from evalfleet.seeds import fresh_global_rng
 CONFINED_HINT = (" [process sandboxes open only what running the env needs; grant a path with "
                  "--sandbox-read / --sandbox-write]")
 
+
+def confined_hint(path: str | None) -> str:
+    """``CONFINED_HINT``, naming ``path`` (the refused one, absolute) in the flags when known.
+
+    A data file in a subfolder of the env module's folder, say, is refused now that the folder
+    is not granted whole: the row's error (and stage 1's) says which flag reads it.
+    """
+    if not path:
+        return CONFINED_HINT
+    where = redact(path)
+    return (" [process sandboxes open only what running the env needs: --sandbox-read "
+            f"{where} lets it read this path, --sandbox-write {where} write it]")
 
 #: Exit status of a sandbox whose own code failed before serving (never an env's exception).
 EXIT_SETUP = 70
@@ -618,6 +631,20 @@ def _sandbox_main(fd: int, maker: Callable[[], Any], k: int, limits: lim.Sandbox
     return _Sandbox(maker, k, limits, own_pidns, confined).serve(sock)
 
 
+def _permission_error(err: BaseException) -> PermissionError | None:
+    """``err`` if a PermissionError, else the first one it was raised from or while handling.
+
+    Stage 1 makes the env inside ``envspec.env_facts``, which re-raises any failure as an
+    ``EnvSpecError``; an env may wrap one in its own error too.
+    """
+    seen: BaseException | None = err
+    for _ in range(8):
+        if seen is None or isinstance(seen, PermissionError):
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
 class _Sandbox:
     def __init__(self, maker: Callable[[], Any], k: int, limits: lim.SandboxLimits,
                  own_pidns: bool, confined: bool = False) -> None:
@@ -650,8 +677,11 @@ class _Sandbox:
             return wire.Result(wire.OOM, error=f"MemoryError (address-space limit "
                                                f"{self.limits.address_space_bytes} bytes)")
         text = error_text(err)
-        if self.confined and isinstance(err, PermissionError):
-            text = f"{text}{CONFINED_HINT}"
+        refused = _permission_error(err) if self.confined else None
+        if refused is not None:
+            name = refused.filename
+            name = os.fsdecode(name) if isinstance(name, (str, bytes)) else None
+            text = f"{text}{confined_hint(os.path.abspath(name) if name else None)}"
         return wire.Result(wire.ENV_ERROR, error=text)
 
     def reset(self, i: int, seed: int) -> wire.Result:

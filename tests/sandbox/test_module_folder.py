@@ -5,19 +5,21 @@ another team's policy, ``.aws/credentials`` and the default ``results/`` folder 
 cache's manifests, ``mlflow.db``). A ``process`` sandbox was granted the module's whole folder,
 recursively, and its env read all of them. Now it gets the module, its sibling ``.py`` files and
 its data files (regular files directly beside it, no dotfile), one by one, as the bwrap jail
-binds them; a file in a subfolder needs ``--sandbox-read``.
+binds them; a file in a subfolder is refused with the ``--sandbox-read`` flag that grants it.
 """
 
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import pytest
 
+from evalfleet.errors import EnvSpecError
 from evalfleet.sandbox.forkclient import fork_server
 from evalfleet.sandbox.isolation import available_levels
-from evalfleet.sandbox.limits import landlock_abi
+from evalfleet.sandbox.limits import SandboxLimits, landlock_abi
 
 from .test_fresh_tmp import run_evaluation
 
@@ -127,6 +129,20 @@ def test_an_env_in_a_project_root_reads_only_its_own_files(level: str, tmp_path:
     seen = {k.removeprefix("read_"): v for k, v in records[0].metrics.items()
             if k.startswith("read_")}
     assert seen == {**dict.fromkeys(PRIVATE, 0), **dict.fromkeys(OWN, 1), "helper": 1}, seen
+
+
+def test_data_in_a_subfolder_is_refused_with_the_flag_that_grants_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _skip_unless("process")
+    env_id, _, proj = _plant(tmp_path, monkeypatch)
+    extra = proj / "levels" / "extra.json"
+    # Stage 1 describes the env in a sandbox: its error names the path and the flag.
+    with pytest.raises(EnvSpecError,
+                       match=f"PermissionError.*--sandbox-read {re.escape(str(extra))} lets it read"):
+        run_evaluation("process", env_id, {"extra": True})
+    granted = run_evaluation("process", env_id, {"extra": True},
+                             limits=SandboxLimits(readable=(str(extra.parent),)))
+    assert [r.episode_return for r in granted] == [3 * (3.0 + 10.0)] * 4, granted[0].error
 
 
 def test_a_warm_jail_sees_a_data_file_replaced_since(tmp_path: Path,

@@ -18,7 +18,7 @@ import pytest
 from envs import reference_policies as rp
 from evalfleet.errors import RequestError
 from evalfleet.models import EvalRequest
-from evalfleet.sandbox.forkserver import CONFINED_HINT
+from evalfleet.sandbox.forkserver import confined_hint
 from evalfleet.sandbox.isolation import available_levels
 from evalfleet.sandbox.limits import SandboxLimits, landlock_abi
 
@@ -59,7 +59,8 @@ def test_a_process_sandbox_writes_only_its_own_folder(outside_dir: Path) -> None
         probes = [r for r in records if fe.is_faulty(r.seed)]
         assert probes and all(r.end_reason == "env_error" for r in probes)
         assert all("PermissionError" in (r.error or "") for r in probes), probes[0].error
-        assert all((r.error or "").endswith(CONFINED_HINT) for r in probes), probes[0].error
+        assert all((r.error or "").endswith(confined_hint(str(target))) for r in probes), \
+            probes[0].error
         assert not target.exists()
 
 
