@@ -48,7 +48,9 @@ only after that are the tables it replaced deleted, so a reader always finds the
 names (or, if a store deleted it in between, a new manifest, which it follows). An entry written
 before tables were named by their sha256 (``episodes.parquet``, a manifest without ``table``) is
 read the same way. An entry whose table does not match its manifest is corrupt: it is never
-returned. Only a holder of the key's lock removes it and says so (``Lookup.corrupt``); a lookup
+returned. That catches accidental damage, not a forgery: whoever may write the cache folder (an
+``inprocess`` env too) can store a table under its own sha256 and a manifest naming it. Only a
+holder of the key's lock removes a corrupt entry and says so (``Lookup.corrupt``); a lookup
 without the lock treats it as a miss and leaves it to the holder, who recomputes it. An exclusive
 file lock per key makes concurrent identical requests compute once: the second waits and then
 hits.

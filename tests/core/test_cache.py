@@ -6,6 +6,7 @@ import sys
 import threading
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 import torch
@@ -155,6 +156,39 @@ def test_corrupt_entries_are_detected_removed_and_never_returned(tmp_path, damag
         found = cache.lookup(key, range(10))
     assert found.corrupt and found.status == "miss" and found.stored.num_rows == 0
     assert not cache.entry(key).exists()
+
+
+def test_the_check_catches_accidental_damage_not_a_consistent_forgery(tmp_path):
+    """What README's "damaged by accident" promises, and the limit it states.
+
+    A table edited in place no longer matches the sha256 its manifest names: recomputed. A
+    table rewritten under its new sha256 with the manifest naming it is no damage to the check,
+    and is served (returns x10): the cache trusts whoever can write its folder.
+    """
+    cache = EpisodeCache(tmp_path)
+    key = "d" * 64
+    cache.store(key, _table(range(10)), {})
+    table = pq.read_table(_entry_table(cache, key))
+    tenfold = table.set_column(table.schema.get_field_index("return"), "return",
+                               pc.multiply(table.column("return"), 10.0))
+    pq.write_table(tenfold, _entry_table(cache, key))  # in place: the sha256 no longer matches
+    with cache.exclusive(key):
+        found = cache.lookup(key, range(10))
+    assert found.corrupt and found.status == "miss"
+
+    cache.store(key, table, {})
+    manifest_path = cache.entry(key) / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    forged = cache.entry(key) / "forged.parquet"
+    pq.write_table(tenfold, forged)
+    sha = hashlib.sha256(forged.read_bytes()).hexdigest()
+    forged.rename(cache.entry(key) / f"episodes-{sha}.parquet")
+    manifest.update(table=f"episodes-{sha}.parquet", parquet_sha256=sha)
+    manifest_path.write_text(json.dumps(manifest))
+    with cache.exclusive(key):
+        served = cache.lookup(key, range(10))
+    assert (served.status, served.corrupt) == ("hit", False)
+    assert served.stored.column("return").to_pylist() == [10 * (i + 0.5) for i in range(10)]
 
 
 def test_lookup_without_the_lock_during_a_store_keeps_the_entry(tmp_path, monkeypatch):
