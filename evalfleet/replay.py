@@ -350,6 +350,7 @@ def _replay_loop(
     return and length as in the runner.
     """
     space = policy.action_space
+    discrete = isinstance(space, spaces.Discrete)
     rng = None if policy.deterministic else action_rng(ep.seed)
     first = reset()
     if first is None:
@@ -376,6 +377,12 @@ def _replay_loop(
             ep.error = f"action {np.asarray(action[0]).tolist()!r} not in {space}"
             return
         env_action = _to_env_action(space, action[0])
+        # What the row records is read before the env steps: an env may update the observation
+        # array it returned in place (the row held the NEXT observation) or change the action
+        # array it is given (the row and the action plot held the changed one). A sandbox gets
+        # and sends copies; here the env holds the very arrays.
+        taken = int(env_action) if discrete else np.array(env_action, copy=True)
+        acted_on = _flat(obs) if keep_rows else []
         stepped = step(env_action)
         if stepped is None:
             return
@@ -387,14 +394,14 @@ def _replay_loop(
                 ep.reason, ep.error = EndReason.ENV_ERROR.value, error_text(err)
                 return
         ep.length += 1
-        ep.actions.append(env_action)
+        ep.actions.append(taken)
         if keep_rows:
             ep.rows.append({
                 "episode_index": ep.index,
                 "seed": ep.seed,
                 "step": ep.length - 1,
-                "obs": _flat(obs),
-                "action": int(env_action) if isinstance(space, spaces.Discrete) else _flat(env_action),
+                "obs": acted_on,
+                "action": taken if discrete else _flat(taken),
                 "reward": reward,
                 "terminated": terminated,
                 "truncated": truncated,
