@@ -124,9 +124,17 @@ def _accepted_bounds(space: spaces.Box) -> tuple[npt.NDArray[Any], npt.NDArray[A
 
 
 def _in_bounds(space: spaces.Box, actions: npt.NDArray[Any]) -> npt.NDArray[Any]:
-    """``actions`` in ``space``'s dtype; a float64 Box's clipped to its exact bounds."""
-    a = np.asarray(actions, dtype=space.dtype)
-    return np.clip(a, space.low, space.high) if space.dtype == np.float64 else a
+    """``actions`` as a new array of ``space``'s dtype; a float64 Box's clipped to its exact bounds.
+
+    Always a copy the envs may write to. An env may change the action it is given in place
+    (``np.clip(a, lo, hi, out=a)``), and a policy's output may be a view of its own weights with
+    every row the same bytes (a constant policy's ``buffer.expand(B, 1)``, shared with numpy
+    on CPU): handed over as is, one env's write changed the policy and the other rows' actions,
+    so returns depended on the slot count. A sandbox gets a pickled copy; so does this process.
+    """
+    if space.dtype == np.float64:
+        return np.clip(np.asarray(actions, dtype=np.float64), space.low, space.high)  # a new array
+    return np.array(actions, dtype=space.dtype)
 
 
 def _flag(value: float) -> bool | None:
@@ -148,7 +156,7 @@ def _batch_actions(space: spaces.Space[Any], actions: npt.NDArray[Any]) -> npt.N
         return np.asarray(actions).astype(np.int64)
     if isinstance(space, spaces.Box):
         return _in_bounds(space, actions)
-    return np.asarray(actions)
+    return np.array(actions)  # a copy, as ``_in_bounds``'s
 
 
 def _step_via_many(

@@ -109,7 +109,11 @@ class InProcessSlots:
             return SlotOutcome(failure="env_error", error=error_text(err))
         self._elapsed[slot] = 0
         self._steps[slot] = inner.step
-        return SlotOutcome(obs=obs, info=scalar_info(info))
+        # A copy: the runner stores it only once every slot of the batch is reset, and an env may
+        # return one array it rewrites (shared by its instances: a global buffer), so a slot
+        # acted on another slot's reset. Once per episode; a sandbox's reply is a copy too.
+        return SlotOutcome(obs=obs.copy() if isinstance(obs, np.ndarray) else obs,
+                           info=scalar_info(info))
 
     def reset_many(self, items: Sequence[tuple[int, int]]) -> list[SlotOutcome]:
         """Reset each ``(slot, seed)`` in turn."""
@@ -138,7 +142,7 @@ class InProcessSlots:
                 truncated = True
             out.append(
                 SlotOutcome(
-                    obs=obs,
+                    obs=obs.copy() if isinstance(obs, np.ndarray) else obs,  # as ``reset``'s
                     reward=reward,
                     terminated=bool(terminated),
                     truncated=bool(truncated),

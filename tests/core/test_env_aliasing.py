@@ -2,18 +2,23 @@
 
 Found in-process only: a trajectory row read the observation and the action after ``step`` had
 run, so an env that updates one observation array in place recorded the NEXT observation, and
-one that scales its action in place recorded the scaled action (also in the action plot).
-``process`` isolation copies everything across the wire and was right; each case here is
-checked against a plain loop, in-process and in a sandbox.
+one that scales its action in place recorded the scaled action (also in the action plot). A
+constant policy's output (a view of its own buffer, every row the same bytes) was handed to the
+envs as is: an env scaling its action rewrote the policy's weights and every other row's action,
+so returns depended on the slot count. An observation array shared by instances made slots act
+on another slot's reset. ``process`` isolation copies everything across the wire and was right;
+each case here is checked against a plain loop, in-process and in a sandbox.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import gymnasium as gym
 import numpy as np
 import pytest
+import torch
 
 from evalfleet.envspec import env_thunk, resolve_env
 from evalfleet.policy import LoadedPolicy, load_policy, receive_policy
@@ -111,3 +116,31 @@ def test_trajectory_rows_and_action_plot_hold_the_action_given_though_the_env_ch
     given = [a for seed in rows for _, a, _ in plain[seed]]
     assert actions["samples"].ravel().tolist() == [v for a in given for v in a]
     assert [r["return"] for r in table] == [sum(s[2] for s in plain[r["seed"]]) for r in table]
+
+
+@pytest.fixture(scope="module")
+def constant_policy(tmp_path_factory: pytest.TempPathFactory) -> str:
+    path = Path(tmp_path_factory.mktemp("const")) / "constant.pt"
+    torch.jit.save(torch.jit.script(qe.ConstantAction(0.8)), str(path))
+    return str(path)
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_an_env_changing_its_action_changes_no_other_row_and_not_the_policy(level, constant_policy):
+    # Each step the env gets 0.8 and moves by 0.4, whatever the slot count or isolation level.
+    policy = _loaded(qe.MUT_ACT, constant_policy)
+    plain = [sum(s[2] for s in _plain(qe.MUT_ACT, lambda b: np.full((len(b), 1), 0.8, np.float32),
+                                      int(seed)))
+             for seed in SeedLedger(0).seeds(range(8))]
+    for slots in (1, 4):
+        table = _episodes(qe.MUT_ACT, policy, 8, slots, level)
+        assert [r["return"] for r in table] == plain, f"{slots} slots"
+    out = policy.act(np.zeros((3, 2), np.float32))
+    assert out.ravel().tolist() == pytest.approx([0.8] * 3)  # its buffer was never written to
+
+
+def test_instances_sharing_one_observation_array_each_act_on_their_own_reset():
+    policy = _loaded(qe.SHARED_OBS, "tests.core.quirky_envs:first_positive")
+    table = _episodes(qe.SHARED_OBS, policy, 12, slots=4)
+    # The policy picks the right action every step when it sees the env's own observation.
+    assert [r["return"] for r in table] == [6.0] * 12
