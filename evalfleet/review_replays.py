@@ -64,7 +64,8 @@ def replay_sandbox(request: EvalRequest, isolation: str) -> ReplaySandbox | None
     env = resolve_env_for(request.env, request.env_kwargs, request.max_steps, isolation,
                           sandbox_limits(request), request.episode_timeout_s,
                           request.sandbox_env_allow)
-    shape = tuple(env.observation_space.shape) if env.observation_space.shape else None
+    # () too (a Discrete observation): left out, a sandboxed replay gave the policy (1, 1) rows.
+    shape = tuple(env.observation_space.shape) if env.observation_space.shape is not None else None
     return ReplaySandbox(isolation, request.episode_timeout_s, env.fingerprint.as_dict(),
                          sandbox_limits(request), shape, fps=env.render_fps,
                          env_allow=tuple(request.sandbox_env_allow))

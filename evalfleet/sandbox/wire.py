@@ -75,7 +75,9 @@ _meta_cache: dict[tuple[str, tuple[int, ...]], bytes] = {}
 def encode_result(r: Result) -> bytes:
     """Sandbox side: one result's bytes (raises TypeError for a non-numeric observation)."""
     if r.kind == OK:
-        obs = np.ascontiguousarray(r.obs)
+        # asarray, not ascontiguousarray: that makes a 0-d observation (a Discrete space's int)
+        # 1-d, and the policy got (B, 1) rows in a sandbox, (B,) in-process. tobytes is C order.
+        obs = np.asarray(r.obs)
         if obs.dtype.kind not in _NUMERIC_KINDS:
             raise TypeError(f"observation of dtype {obs.dtype} cannot leave the sandbox")
         if r.info is None:  # the common step: same dtype and shape every time
