@@ -9,7 +9,10 @@ wrapped in :class:`FramedEnv`, whose observation is one flat uint8 array::
 
 and :func:`unpack` splits it again on the worker. float64 holds every float32, float64 and
 integer observation value exactly, so the policy sees the same float32 row as in the runner.
-This module imports only numpy and gymnasium: it is what the sandbox has to import.
+Packed flat, an observation would lose its shape, so one of another shape than the observation
+space's is refused here, in the sandbox, as the runner refuses it (an ``env_error``).
+This module imports only numpy, gymnasium and :mod:`evalfleet.sandbox.slots` (which the fork
+server has imported): it is what the sandbox has to import.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 import numpy.typing as npt
+
+from evalfleet.sandbox.slots import obs_shape_error
 
 _HEADER = 3
 
@@ -49,8 +54,15 @@ class FramedEnv(gym.Wrapper[Any, Any, Any, Any]):
     def __init__(self, env: gym.Env[Any, Any], render: bool) -> None:
         super().__init__(env)
         self._render = render
+        shape = env.observation_space.shape
+        self._shape = None if shape is None else tuple(shape)
+        self._t = 0
 
     def _pack(self, obs: Any) -> npt.NDArray[np.uint8]:
+        got = np.shape(obs)
+        if self._shape is not None and got != self._shape:
+            raise ValueError(obs_shape_error(got, self._shape,
+                                             f"at step {self._t}" if self._t else "at reset"))
         flat = np.asarray(obs, dtype=np.float64).reshape(-1)
         frame = None
         if self._render:
@@ -71,11 +83,13 @@ class FramedEnv(gym.Wrapper[Any, Any, Any, Any]):
               ) -> tuple[Any, dict[str, Any]]:
         """Reset, packing the first observation (and frame)."""
         obs, info = self.env.reset(seed=seed, options=options)
+        self._t = 0
         return self._pack(obs), info
 
     def step(self, action: Any) -> tuple[Any, Any, bool, bool, dict[str, Any]]:
         """Step, packing the next observation (and frame)."""
         obs, reward, terminated, truncated, info = self.env.step(action)
+        self._t += 1
         return self._pack(obs), reward, terminated, truncated, info
 
 

@@ -39,6 +39,7 @@ from evalfleet.policy import LoadedPolicy
 from evalfleet.runner import _invalid_actions, _to_env_action
 from evalfleet.sandbox.base import EnvSlots, SlotOutcome, error_text, open_slots, scalar_info
 from evalfleet.sandbox.limits import SandboxLimits
+from evalfleet.sandbox.slots import obs_shape_error
 from evalfleet.seeds import action_rng
 
 # The video writer lived here: its names stay importable from this module (``X as X`` re-exports).
@@ -340,6 +341,7 @@ def _replay_loop(
     reset: Callable[[], tuple[Any, npt.NDArray[np.uint8] | None] | None],
     step: Callable[[Any], _Step | None],
     render: Callable[[], npt.NDArray[np.uint8]] | None = None,
+    shape: tuple[int, ...] | None = None,
 ) -> None:
     """Run one episode the way ``run_shard`` does, recording steps and frames.
 
@@ -347,7 +349,8 @@ def _replay_loop(
     ``ep`` and return None on an env failure. A step's frame comes with it (a sandbox packs it) or,
     with ``render``, is rendered once the step is counted. The policy sees the observation as the runner's
     float32 buffer row holds it, and every failure ends the episode at the same step with the same
-    return and length as in the runner.
+    return and length as in the runner. ``shape``: the observation space's (None: the reset's);
+    an observation of another shape is an ``env_error``, as in the runner.
     """
     space = policy.action_space
     discrete = isinstance(space, spaces.Discrete)
@@ -357,6 +360,10 @@ def _replay_loop(
         return
     obs, frame = first
     try:
+        got = np.shape(obs)
+        if shape is not None and got != shape:
+            ep.reason, ep.error = EndReason.ENV_ERROR.value, obs_shape_error(got, shape, "at reset")
+            return
         row = np.zeros(np.asarray(obs, dtype=np.float32).shape, dtype=np.float32)
         row[...] = obs
     except Exception as err:
@@ -389,6 +396,11 @@ def _replay_loop(
         next_obs, reward, terminated, truncated, info, frame = stepped
         if not (terminated or truncated):
             try:
+                got = np.shape(next_obs)
+                if got != row.shape:  # never broadcast, as in the runner
+                    ep.reason = EndReason.ENV_ERROR.value
+                    ep.error = obs_shape_error(got, row.shape, f"at step {ep.length + 1}")
+                    return
                 row[...] = next_obs  # as the runner's buffer does: a misfit is an env_error
             except Exception as err:
                 ep.reason, ep.error = EndReason.ENV_ERROR.value, error_text(err)
@@ -441,7 +453,7 @@ def _replay_one_sandboxed(
         return (next_obs, float(out.reward), out.terminated, out.truncated,
                 list(out.info.items()), frame)
 
-    _replay_loop(ep, policy, keep_rows, sink, reset, step)
+    _replay_loop(ep, policy, keep_rows, sink, reset, step, shape=shape)
 
 
 def _replay_one(
@@ -467,7 +479,9 @@ def _replay_one(
         items = list(scalar_info(info).items()) if isinstance(info, dict) else []
         return next_obs, reward, bool(raw_terminated), bool(raw_truncated), items, None
 
-    _replay_loop(ep, policy, keep_rows, sink, reset, step, lambda: render_frame(env))
+    space_shape = env.observation_space.shape
+    _replay_loop(ep, policy, keep_rows, sink, reset, step, lambda: render_frame(env),
+                 None if space_shape is None else tuple(space_shape))
 
 
 def _finish_video(ep: _Episode, sink: VideoSink | None) -> tuple[_Episode, Path | None, str | None]:

@@ -28,7 +28,14 @@ from evalfleet.models import EndReason
 from evalfleet.policy import LoadedPolicy
 from evalfleet.records import MAX_COUNTED_ACTIONS, EpisodeRecord
 from evalfleet.redaction import Redactor
-from evalfleet.sandbox.slots import BatchEnvSlots, EnvSlots, SlotOutcome, error_text, is_finite
+from evalfleet.sandbox.slots import (
+    BatchEnvSlots,
+    EnvSlots,
+    SlotOutcome,
+    error_text,
+    is_finite,
+    obs_shape_error,
+)
 from evalfleet.seeds import action_rng
 from evalfleet.stats import MAX_ABS_VALUE
 
@@ -165,17 +172,30 @@ def _step_via_many(
     actions: npt.NDArray[Any],
     space: spaces.Space[Any],
     obs_out: npt.NDArray[np.float32],
+    lengths: npt.NDArray[np.int64],
 ) -> tuple[npt.NDArray[np.float64], dict[int, SlotOutcome]]:
-    """``step_batch``'s result computed through the protocol's ``step_many``."""
+    """``step_batch``'s result computed through the protocol's ``step_many``.
+
+    ``lengths``: each slot's steps so far (the error text of an observation of the wrong shape
+    names its step).
+    """
     slot_list = step_slots.tolist()
     outcomes = slots.step_many(slot_list, [_to_env_action(space, a) for a in actions])
     rewards = np.zeros(len(slot_list), dtype=np.float64)
     ended: dict[int, SlotOutcome] = {}
+    row_shape = obs_out.shape[1:]
     for pos, (slot, out) in enumerate(zip(slot_list, outcomes, strict=True)):
         if out.failure is None:
             rewards[pos] = out.reward
             if not (out.terminated or out.truncated):
                 try:
+                    # Exactly the row's shape: assigned, a (1,) observation was broadcast into
+                    # every element of the row (the sandbox sends the env's own shape).
+                    shape = np.shape(out.obs)
+                    if shape != row_shape:
+                        ended[pos] = SlotOutcome(failure=EndReason.ENV_ERROR.value, error=obs_shape_error(
+                            shape, row_shape, f"at step {int(lengths[slot]) + 1}"))
+                        continue
                     obs_out[slot] = out.obs
                 except Exception as err:
                     ended[pos] = SlotOutcome(failure=EndReason.ENV_ERROR.value,
@@ -241,6 +261,7 @@ def run_shard(
     policy_timeout_s: float | None = DEFAULT_POLICY_TIMEOUT_S,
     retry_budget: int = DEFAULT_RETRY_BUDGET,
     retry_backoff_s: float = 0.0,
+    obs_shape: tuple[int, ...] | None = None,
 ) -> list[EpisodeRecord]:
     """Run ``episodes`` (``(index, seed)`` pairs) on ``slots``; one record per episode.
 
@@ -266,10 +287,15 @@ def run_shard(
     row per slot), returns and lengths in float64/int64 arrays, and only the rows whose episode
     ended are handled one by one. Backends with ``step_batch`` (``BatchEnvSlots``) are stepped
     through it; any other ``EnvSlots`` through ``step_many``.
+
+    ``obs_shape`` is the observation space's shape (None: the first reset's). An observation of
+    any other shape, at a reset or a step, ends its episode as ``env_error`` (the step is not
+    counted): it is never broadcast into the row the policy reads.
     """
     return ShardRun(episodes, slots, policy, ctx, retry_infrastructure=retry_infrastructure,
                     on_episode=on_episode, policy_timeout_s=policy_timeout_s,
-                    retry_budget=retry_budget, retry_backoff_s=retry_backoff_s).run()
+                    retry_budget=retry_budget, retry_backoff_s=retry_backoff_s,
+                    obs_shape=obs_shape).run()
 
 
 class ShardRun:
@@ -293,6 +319,7 @@ class ShardRun:
         policy_timeout_s: float | None,
         retry_budget: int = DEFAULT_RETRY_BUDGET,
         retry_backoff_s: float = 0.0,
+        obs_shape: tuple[int, ...] | None = None,
     ) -> None:
         self.slots = slots
         self.ctx = ctx
@@ -330,7 +357,9 @@ class ShardRun:
         self.rmax = np.full(n, -np.inf)
         self.nmin = np.zeros(n, dtype=np.int64)
         self.nmax = np.zeros(n, dtype=np.int64)
-        self.obs: npt.NDArray[np.float32] | None = None  # (n, *obs_shape), once the shape is known
+        # (n, *obs_shape): from the observation space, else once the first reset tells the shape.
+        self.obs: npt.NDArray[np.float32] | None = (
+            None if obs_shape is None else np.zeros((n, *obs_shape), dtype=np.float32))
         # Per-slot action counts of a small Discrete space (the history's action-shift alarms).
         space = self.space
         self.acounts: npt.NDArray[np.int64] | None = None
@@ -537,10 +566,14 @@ class ShardRun:
             self.on_episode(record)
 
     def _store_obs(self, slot: int, obs: Any) -> str | None:
+        """Write ``slot``'s reset observation into the buffer; the error text if it cannot be acted on."""
         if self.obs is None:
             first = np.asarray(obs, dtype=np.float32)
             self.obs = np.zeros((self.n, *first.shape), dtype=np.float32)
         try:
+            shape = np.shape(obs)
+            if shape != self.obs.shape[1:]:  # never broadcast (see ``_step_via_many``)
+                return obs_shape_error(shape, self.obs.shape[1:], "at reset")
             self.obs[slot] = obs
         except Exception as err:
             return _obs_error(obs, self.obs, err)
@@ -620,7 +653,7 @@ class ShardRun:
         if self._step_batch is not None:
             rewards, ended = self._step_batch(step_idx, _batch_actions(space, actions), buf)
         else:
-            rewards, ended = _step_via_many(self.slots, step_idx, actions, space, buf)
+            rewards, ended = _step_via_many(self.slots, step_idx, actions, space, buf, length)
         finite = np.isfinite(rewards)
         if not ended and finite.all():
             if len(step_idx) == self.n:  # every slot stepped: whole-array updates

@@ -179,6 +179,12 @@ def _start_fork_server(request: EvalRequest, level: str, env_spec: dict[str, Any
         logger.warning("fork server could not import %s", answer["imports"])
 
 
+def _shape(space: Any) -> tuple[int, ...] | None:
+    """The observation space's shape, which every observation must have (None: not declared)."""
+    shape = getattr(space, "shape", None)
+    return None if shape is None else tuple(int(d) for d in shape)
+
+
 def _execute_shard(shard: Shard, handle: PolicyHandle, request: EvalRequest, isolation: str
                    ) -> pa.Table:
     tune_malloc()
@@ -208,7 +214,8 @@ def _execute_shard(shard: Shard, handle: PolicyHandle, request: EvalRequest, iso
                             policy, ctx, on_episode=None if shard.audit else on_episode,
                             policy_timeout_s=request.policy_timeout_s,
                             retry_budget=request.retry_budget,
-                            retry_backoff_s=request.retry_backoff_s)
+                            retry_backoff_s=request.retry_backoff_s,
+                            obs_shape=_shape(resolved.observation_space))
     finally:
         slots.close()
     if not shard.audit:

@@ -18,7 +18,14 @@ from evalfleet.errors import IsolationUnavailable
 from evalfleet.sandbox.limits import SandboxLimits
 from evalfleet.sandbox.native_cartpole import NativeCartPoles
 from evalfleet.sandbox.process import ProcessSlots
-from evalfleet.sandbox.slots import EnvSlots, SlotOutcome, error_text, is_finite, scalar_info
+from evalfleet.sandbox.slots import (
+    EnvSlots,
+    SlotOutcome,
+    error_text,
+    is_finite,
+    obs_shape_error,
+    scalar_info,
+)
 
 __all__ = ["NATIVE_VECTOR_ENV", "EnvSlots", "InProcessSlots", "SlotOutcome", "error_text",
            "is_finite", "open_slots", "scalar_info"]
@@ -160,6 +167,7 @@ class InProcessSlots:
         of the space's dtype (each env gets its row). The observation of every row whose episode
         goes on is written to ``obs_out[slot]``; returned are the float64 rewards (one per row)
         and, keyed by row position, the outcome of every row that terminated, truncated or failed.
+        An observation whose shape is not exactly ``obs_out``'s row shape is an ``env_error``.
         """
         if self._native is not None:
             return self._native.step_batch(slots, actions, obs_out)
@@ -167,6 +175,8 @@ class InProcessSlots:
         rewards = [0.0] * len(env_actions)
         ended: dict[int, SlotOutcome] = {}
         steps, limits, elapsed = self._steps, self._limits, self._elapsed
+        row_shape = obs_out.shape[1:]
+        ndarray = np.ndarray
         for pos, slot in enumerate(slots.tolist()):
             step = steps[slot]
             if step is None:
@@ -188,6 +198,12 @@ class InProcessSlots:
                                          truncated=bool(truncated), info=scalar_info(info))
                 continue
             try:
+                # Exactly the row's shape: assigned, numpy broadcast a (1,) observation into every
+                # element of a (4,) row. The common case costs one attribute and a tuple compare.
+                if (obs.shape if type(obs) is ndarray else np.shape(obs)) != row_shape:
+                    ended[pos] = SlotOutcome(failure="env_error", error=obs_shape_error(
+                        np.shape(obs), row_shape, f"at step {count}"))
+                    continue
                 obs_out[slot] = obs
             except Exception as err:
                 shape = getattr(obs, "shape", type(obs).__name__)

@@ -50,6 +50,17 @@ def scalar_info(info: dict[str, Any]) -> dict[str, float]:
     return out
 
 
+def obs_shape_error(shape: tuple[int, ...], expected: tuple[int, ...], when: str) -> str:
+    """The error text of an observation (``when``: ``"at reset"``, ``"at step k"``) of the wrong shape.
+
+    Written into a float32 row, numpy broadcast a shape-``(1,)`` observation into all 4 elements
+    of a ``(4,)`` row: the policy acted on values the env never produced.
+    """
+    return (f"observation of shape {tuple(shape)} {when}, expected {tuple(expected)}: an "
+            "observation of another shape than the observation space's is never broadcast or "
+            "reshaped to fit it")
+
+
 #: Most characters of an error text in a row.
 ERROR_CHARS = 500
 
@@ -101,8 +112,10 @@ class BatchEnvSlots(EnvSlots, Protocol):
     with its row of ``actions`` — int64 action indices for a ``Discrete`` space (each env gets
     ``int(a)``), rows of the space's dtype for a ``Box`` space (each env gets the row array) —
     exactly as ``step_many`` would. It writes the observation of every row whose episode goes on
-    into ``obs_out[slot]`` and returns the float64 rewards (one per row) and, keyed by row
-    position, a ``SlotOutcome`` for every row that terminated, truncated or failed.
+    into ``obs_out[slot]`` (one whose shape is not exactly the row's fails its row as
+    ``env_error``, ``obs_shape_error``'s text: never broadcast) and returns the float64 rewards
+    (one per row) and, keyed by row position, a ``SlotOutcome`` for every row that terminated,
+    truncated or failed.
     """
 
     def step_batch(
