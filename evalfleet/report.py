@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import platform
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from evalfleet import stats
 from evalfleet.models import EndReason, EvalReport, EvalRequest
 from evalfleet.sandbox.isolation import isolation_manifest
 from evalfleet.sandbox.limits import sandbox_limits
+from evalfleet.sandbox.slots import UNREADABLE_FLAG
 from evalfleet.scoring import Outcomes, outcomes
 
 #: Above this share of planned episodes left unscored (harness failures) the evaluation is a
@@ -22,6 +25,30 @@ FAILURE_ALARM_RATE = 0.05
 #: forward) the ``policy_failures`` alarm asks to look: the headline already counts them, but a
 #: policy that breaks often usually has a wiring bug (action-space drift, a device mismatch).
 POLICY_FAILURE_ALARM_RATE = 0.05
+
+
+_METRIC_ITEMS = pa.list_(pa.struct([("key", pa.string()), ("value", pa.float64())]))
+
+
+def unreadable_success(table: pa.Table) -> str | None:
+    """The ``success_unreadable`` alarm, when episodes put a success flag that is not one number.
+
+    ``scalar_info`` leaves such a flag out of the row (its ``success`` is None) and puts an
+    ``unreadable_flag:<key>:<what>`` metric in its place: without this alarm, an env whose flag
+    is a string or a multi-element array lost its success rate, with no word of why.
+    """
+    if "metrics" not in table.column_names or not table.num_rows:
+        return None
+    # Map keys read through a list of structs: a sliced map array's ``keys`` ignore the slice.
+    names = pc.struct_field(pc.list_flatten(table.column("metrics").cast(_METRIC_ITEMS)), "key")
+    found = pc.filter(names, pc.starts_with(names, UNREADABLE_FLAG)).to_pylist()
+    if not found:
+        return None
+    kinds = Counter(tuple(str(name)[len(UNREADABLE_FLAG):].split(":", 1)) for name in found)
+    listed = ", ".join(f"{kind[0]!r} as {kind[-1]}: {n}" for kind, n in sorted(kinds.items()))
+    return (f"success_unreadable: {len(found)} of {table.num_rows} episodes put a success flag in "
+            f"their final info that is not one number ({listed}); those rows have no success "
+            "(a bool, a number, or a one-element array or tensor of one is read)")
 
 
 def flattering_failures(returns: np.ndarray[Any, Any], kinds: Outcomes) -> str | None:
@@ -213,6 +240,9 @@ def aggregate(
                 f"the {len(known)} that did ({wins / len(known):.3f}; "
                 f"{success['rate_unreported_as_failure']:.3f} if the silent ones failed)"
             )
+    unreadable = unreadable_success(table)
+    if unreadable:
+        alarms.append(unreadable)
     steps = int(lengths.sum())
     wall = max(run_seconds, 1e-9)
     endings = _endings(reasons, lengths, env_spec.get("max_episode_steps"))

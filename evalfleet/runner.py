@@ -29,6 +29,7 @@ from evalfleet.policy import LoadedPolicy
 from evalfleet.records import MAX_COUNTED_ACTIONS, EpisodeRecord
 from evalfleet.redaction import Redactor
 from evalfleet.sandbox.slots import (
+    SUCCESS_KEYS,
     BatchEnvSlots,
     EnvSlots,
     SlotOutcome,
@@ -40,9 +41,6 @@ from evalfleet.seeds import action_rng
 from evalfleet.stats import MAX_ABS_VALUE
 
 logger = logging.getLogger(__name__)
-
-#: ``info`` keys read as the episode's success flag, in order (SB3 uses ``is_success``).
-SUCCESS_KEYS = ("success", "is_success")
 
 #: Default bound, in seconds, of one batched policy forward (``EvalRequest.policy_timeout_s``).
 DEFAULT_POLICY_TIMEOUT_S = 30.0

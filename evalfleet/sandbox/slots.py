@@ -8,6 +8,7 @@ from here, never from each other.
 from __future__ import annotations
 
 import math
+import sys
 import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -36,17 +37,65 @@ class SlotOutcome:
     error: str | None = None
 
 
-def scalar_info(info: dict[str, Any]) -> dict[str, float]:
-    """The scalar (bool/int/float) entries of an ``info`` dict, as floats.
+#: ``info`` keys read as the episode's success flag, in order (SB3 uses ``is_success``).
+SUCCESS_KEYS = ("success", "is_success")
 
-    A 0-d numpy array of a number (``flag.numpy()`` of a 0-d torch tensor, ``np.asarray(x)``) is
-    a scalar too: left out, an env's ``is_success`` of that form read as no answer.
+#: Start of the entry ``scalar_info`` puts for a success flag it cannot read:
+#: ``unreadable_flag:<key>:<what the value was>`` = 1.0 (see ``unreadable_flag``).
+UNREADABLE_FLAG = "unreadable_flag:"
+
+
+def _number(value: Any) -> float | None:
+    """``value`` as a float if it is one number (bool, int or float), else None.
+
+    Python and numpy scalars, and a one-element numpy array or torch tensor of a bool, integer
+    or float dtype (``np.array([done])``, ``torch.tensor(done)``): left out, an env's success flag
+    of that form read as no answer, on every row, and the success rate disappeared.
+    """
+    if isinstance(value, bool | int | float | np.bool_ | np.integer | np.floating):
+        return float(value)
+    if isinstance(value, np.ndarray):
+        return float(value.reshape(-1)[0]) if value.size == 1 and value.dtype.kind in "biuf" else None
+    torch = sys.modules.get("torch")  # no env returned a tensor if torch was never imported
+    if torch is not None and isinstance(value, torch.Tensor):
+        if value.numel() != 1 or value.is_complex():
+            return None
+        try:
+            return float(value.item())  # a GPU tensor is copied to the host
+        except (RuntimeError, TypeError, ValueError):  # a meta tensor has no value
+            return None
+    return None
+
+
+def _described(value: Any) -> str:
+    """What a value is, briefly: ``str``, ``ndarray(2,) bool``, ``Tensor(2,) torch.bool``."""
+    shape = getattr(value, "shape", None)
+    dtype = getattr(value, "dtype", None)
+    if shape is None or dtype is None:
+        return type(value).__name__
+    return f"{type(value).__name__}{tuple(shape)} {dtype}"
+
+
+def unreadable_flag(key: str, value: Any) -> str:
+    """The entry naming a success flag ``key`` whose ``value`` is not one number."""
+    return f"{UNREADABLE_FLAG}{key}:{_described(value)}"
+
+
+def scalar_info(info: dict[str, Any]) -> dict[str, float]:
+    """The one-number entries of an ``info`` dict, as floats (see ``_number``).
+
+    Other entries are left out, but a success flag (``SUCCESS_KEYS``) that is not one number
+    (``"yes"``, a 2-element array) is not dropped in silence: an ``unreadable_flag(key, value)``
+    entry of 1.0 takes its place, which the episode row keeps among its metrics and the report
+    turns into the ``success_unreadable`` alarm. None is no answer, as a missing key.
     """
     out: dict[str, float] = {}
     for key, value in info.items():
-        if isinstance(value, bool | int | float | np.bool_ | np.integer | np.floating) or (
-                isinstance(value, np.ndarray) and value.ndim == 0 and value.dtype.kind in "biuf"):
-            out[key] = float(value)
+        number = _number(value)
+        if number is not None:
+            out[key] = number
+        elif key in SUCCESS_KEYS and value is not None:
+            out[unreadable_flag(key, value)] = 1.0
     return out
 
 
