@@ -36,11 +36,12 @@ from evalfleet.models import EndReason
 from evalfleet.policy import LoadedPolicy
 
 # The runner's own action checks, so a replay fails exactly where the evaluated episode failed.
-from evalfleet.runner import _invalid_actions, _to_env_action
+from evalfleet.runner import _invalid_actions, _to_env_action, nan_text, return_text
 from evalfleet.sandbox.base import EnvSlots, SlotOutcome, error_text, open_slots, scalar_info
 from evalfleet.sandbox.limits import SandboxLimits
 from evalfleet.sandbox.slots import obs_shape_error
 from evalfleet.seeds import action_rng
+from evalfleet.stats import MAX_ABS_VALUE
 
 # The video writer lived here: its names stay importable from this module (``X as X`` re-exports).
 from evalfleet.video import DEFAULT_FPS as DEFAULT_FPS
@@ -369,6 +370,13 @@ def _replay_loop(
     except Exception as err:
         ep.reason, ep.error = EndReason.ENV_ERROR.value, error_text(err)
         return
+    # The runner's checks, at the same steps: replayed on, a NaN observation or a return past
+    # MAX_ABS_VALUE went on where its row ended, and a deterministic env was reported as
+    # irreproducible (replay_nondeterminism), its table dropped.
+    nan = nan_text(row, "at reset")
+    if nan is not None:
+        ep.reason, ep.error = EndReason.ENV_ERROR.value, nan
+        return
     if sink is not None and frame is not None:
         sink.add(frame)
     while True:
@@ -427,8 +435,15 @@ def _replay_loop(
             ep.reason, ep.error = EndReason.INVALID_REWARD.value, f"reward {reward!r} at step {ep.length}"
             return
         ep.ret += reward
+        if abs(ep.ret) > MAX_ABS_VALUE:
+            ep.reason, ep.error = EndReason.INVALID_REWARD.value, return_text(ep.ret, ep.length)
+            return
         if terminated or truncated:
             ep.reason = (EndReason.TERMINATED if terminated else EndReason.TRUNCATED).value
+            return
+        nan = nan_text(row, f"at step {ep.length}")
+        if nan is not None:
+            ep.reason, ep.error = EndReason.ENV_ERROR.value, nan
             return
         obs = next_obs
 

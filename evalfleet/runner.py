@@ -203,7 +203,17 @@ def _step_via_many(
     return rewards, ended
 
 
-def _return_text(value: float, steps: int) -> str:
+def nan_text(row: npt.NDArray[np.float32], at: str) -> str | None:
+    """Why an observation row with a NaN cannot be acted on (``at``: 'at reset', 'at step 3'), or None."""
+    nan = np.isnan(row.ravel())
+    if not nan.any():
+        return None
+    return (f"observation has NaN {at} (element(s) {np.flatnonzero(nan)[:8].tolist()} of "
+            f"{nan.size}): the env produced no state to act on")
+
+
+def return_text(value: float, steps: int) -> str:
+    """Why a return of finite rewards is the env's ``invalid_reward`` (past ``MAX_ABS_VALUE``)."""
     return (f"return {float(value)!r} after step {int(steps)} exceeds {MAX_ABS_VALUE:g} in magnitude "
             "(each reward was finite; their sum cannot be aggregated): rescale the rewards")
 
@@ -575,11 +585,7 @@ class ShardRun:
             self.obs[slot] = obs
         except Exception as err:
             return _obs_error(obs, self.obs, err)
-        nan = np.isnan(self.obs[slot].ravel())
-        if nan.any():
-            return (f"observation has NaN at reset (element(s) {np.flatnonzero(nan)[:8].tolist()} of "
-                    f"{nan.size}): the env produced no state to act on")
-        return None
+        return nan_text(self.obs[slot], "at reset")
 
     # -- one step of every live slot -------------------------------------------------------------
 
@@ -691,7 +697,7 @@ class ShardRun:
             ret[s] += reward
             if out is not None:
                 if abs(ret[s]) > MAX_ABS_VALUE:
-                    self.finish(s, EndReason.INVALID_REWARD.value, _return_text(ret[s], length[s]), {})
+                    self.finish(s, EndReason.INVALID_REWARD.value, return_text(ret[s], length[s]), {})
                 else:
                     reason = EndReason.TERMINATED if out.terminated else EndReason.TRUNCATED
                     self.finish(s, reason.value, None, out.info)
@@ -710,7 +716,7 @@ class ShardRun:
         if not len(rows) or (ret.max() <= MAX_ABS_VALUE and ret.min() >= -MAX_ABS_VALUE):
             return
         for s in rows[np.abs(ret[rows]) > MAX_ABS_VALUE].tolist():
-            self.finish(s, EndReason.INVALID_REWARD.value, _return_text(ret[s], self.length[s]), {})
+            self.finish(s, EndReason.INVALID_REWARD.value, return_text(ret[s], self.length[s]), {})
             freed.append(s)
 
     def _nan_observations(self, rows: npt.NDArray[np.intp], buf: npt.NDArray[np.float32],
@@ -726,11 +732,8 @@ class ShardRun:
         flat = buf[rows].reshape(len(rows), -1)
         for pos in np.flatnonzero(np.isnan(flat).any(axis=1)).tolist():
             s = int(rows[pos])
-            where = np.flatnonzero(np.isnan(flat[pos]))
             self.finish(s, EndReason.ENV_ERROR.value,
-                        f"observation has NaN at step {int(self.length[s])} (element(s) "
-                        f"{where[:8].tolist()} of {flat.shape[1]}): the env produced no state to act on",
-                        {})
+                        nan_text(flat[pos], f"at step {int(self.length[s])}"), {})
             freed.append(s)
 
     def _track(self, idx: npt.NDArray[np.intp] | None, rewards: npt.NDArray[np.float64]) -> None:

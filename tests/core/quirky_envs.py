@@ -145,6 +145,30 @@ class InfoSuccess(gym.Env[np.ndarray, int]):
         return self._x.copy(), 1.0, done, False, info
 
 
+class Breaks(gym.Env[np.ndarray, int]):
+    """A deterministic env whose odd seeds break: a NaN observation at step 3 (``mode="nan"``) or
+    a return past 1e100 at step 17 (``mode="huge"``: 6e98 per step); even seeds run 20 steps."""
+
+    observation_space = spaces.Box(-10.0, 10.0, (2,), np.float32)
+    action_space = spaces.Discrete(2)
+
+    def __init__(self, mode: str = "nan") -> None:
+        self.mode = mode
+
+    def reset(self, *, seed: int | None = None, options: Any = None) -> tuple[np.ndarray, dict[str, Any]]:
+        super().reset(seed=seed)
+        self._odd, self._t = bool((seed or 0) % 2), 0
+        return np.zeros(2, np.float32), {}
+
+    def step(self, action: int) -> tuple[np.ndarray, float, bool, bool, dict[str, Any]]:
+        self._t += 1
+        obs = np.full(2, 0.1 * self._t, np.float32)
+        if self._odd and self.mode == "nan" and self._t == 3:
+            obs[1] = np.nan
+        reward = 6e98 if self._odd and self.mode == "huge" else 1.0
+        return obs, reward, self._t >= 20, False, {}
+
+
 def win_of(obs: np.ndarray) -> bool:
     """``InfoSuccess``'s flag for its last observation (what a plain loop reads)."""
     return bool(obs[1] > obs[0])
@@ -152,7 +176,7 @@ def win_of(obs: np.ndarray) -> bool:
 
 for _name, _entry, _cap in [("AliasObs-v0", AliasObs, 50), ("SharedObs-v0", SharedObs, 50),
                             ("MutAct-v0", MutAct, 30), ("ShapeShift-v0", ShapeShift, 40),
-                            ("InfoSuccess-v0", InfoSuccess, 50)]:
+                            ("InfoSuccess-v0", InfoSuccess, 50), ("Breaks-v0", Breaks, 50)]:
     if _name not in gym.registry:
         gym.register(id=_name, entry_point=_entry, max_episode_steps=_cap)
 
