@@ -20,8 +20,10 @@ Deadlines and what a failure becomes:
   env at that slot's next reset;
 - a malformed reply or a closed channel → ``crashed``.
 
-When one sandbox hosts several envs, its death fails all of their episodes; the ones that were not
-in the request that saw it fail at their next step.
+When one sandbox hosts several envs, it serves them one after another: a request may take the sum
+of their bounds, and an env that overran its own (by the sandbox's timing of it) ends as
+``timeout`` alone. The sandbox's death fails all of their episodes; the ones that were not in the
+request that saw it fail at their next step (the runner retries each alone in a sandbox).
 """
 
 from __future__ import annotations
@@ -256,6 +258,11 @@ class ProcessSlots:
         return self._exchange("step", list(zip(slots, actions, strict=True)),
                               self.limits.step_timeout_s)
 
+    @property
+    def envs_per_sandbox(self) -> int:
+        """How many consecutive slots one sandbox hosts (slot ``s`` is in sandbox ``s // k``)."""
+        return self._k
+
     def sandbox_name(self, slot: int) -> str:
         """``proc12-pid3456``: the sandbox hosting ``slot`` (or that hosted it, if it died)."""
         return self._names[slot // self._k]
@@ -378,9 +385,13 @@ class ProcessSlots:
             payload = [(items[p][0] % self._k, items[p][1]) for p in positions]
             box.reply = None
             box.wbuf = wire.frame(pickle.dumps((op, payload), protocol=pickle.HIGHEST_PROTOCOL))
-            left = min(self._budget[items[p][0]] for p in positions)
-            box.allowed = min(op_timeout, max(0.0, left))
-            box.episode_bound = left < op_timeout
+            # The sandbox serves its envs one after another: the request may take each env's own
+            # bound (the op's timeout, or what is left of its episode), added up. One deadline of
+            # ``op_timeout`` for the lot timed out k healthy envs whose steps each took k-th of
+            # it; an env that overruns its own bound is found from its timing (``_late``).
+            lefts = [self._budget[items[p][0]] for p in positions]
+            box.allowed = sum(min(op_timeout, max(0.0, left)) for left in lefts)
+            box.episode_bound = min(lefts) < op_timeout
             deadlines[b] = now + box.allowed
             self._flush(b, box)
         self._collect(deadlines, expected, op, op_timeout)
@@ -393,8 +404,12 @@ class ProcessSlots:
                 # stop the sandbox's clock, not this one.
                 share = (box.replied - now) / len(positions)
                 for p, result in zip(positions, box.reply, strict=True):
-                    self._budget[items[p][0]] -= max(result.seconds, share)
-                    out[p] = _outcome(result)
+                    slot, seconds = items[p][0], max(result.seconds, share)
+                    self._budget[slot] -= seconds
+                    late = (self._late(box, op, op_timeout, slot, seconds) if len(positions) > 1
+                            else None)
+                    out[p] = _outcome(result) if late is None else SlotOutcome(
+                        failure=EndReason.TIMEOUT.value, error=late)
                 box.reply = None
                 continue
             reason, error = self._lost.get(items[positions[0]][0]) or (
@@ -514,6 +529,22 @@ class ProcessSlots:
                            "included); killed with its process group")
         if over:
             self._reap(list(over), over)
+
+    def _late(self, box: _Box, op: str, op_timeout: float, slot: int, seconds: float) -> str | None:
+        """Why ``slot``'s answer in a shared sandbox's reply came too late, or None.
+
+        Alone in its sandbox, an env past its bound is killed at the deadline; sharing one, the
+        deadline is its neighbours' bounds too, so its own is checked on its timing. Its episode
+        ends as ``timeout``; the sandbox and its neighbours' episodes go on, and the slot's env
+        is reset by its next episode.
+        """
+        if seconds > op_timeout:
+            return (f"sandbox {box.name} timed out: {op} of this env took {seconds:.2f} s, past "
+                    f"{op_timeout} s (step/reset timeout)")
+        if self._budget[slot] < 0:
+            return (f"sandbox {box.name} timed out: the episode's {self._episode_timeout_s} s of env "
+                    f"wall-clock time ran out during this {op}")
+        return None
 
     def _timeout_text(self, b: int, op: str, op_timeout: float) -> str:
         box = self._boxes[b]

@@ -26,6 +26,8 @@ from gymnasium.envs.classic_control.cartpole import CartPoleEnv
 FAULT_RESIDUE = 3
 FAULT_STEP = 5
 FORK_BOMB_MAX = 200  # a bound of its own, so an uncapped sandbox does not take the machine down
+SLEEPY_S = 0.8  # ``Sleepy``'s slow step
+SLUGGISH_S, SLUGGISH_STEPS = 0.3, 3
 W = np.array([0.0, -0.1, 1.0, 0.1], dtype=np.float32)
 
 
@@ -315,6 +317,29 @@ class SlowStep(CartPoleEnv):
         return super().step(action)
 
 
+class Sleepy(_Faulty):
+    """Takes ``SLEEPY_S`` for its step ``FAULT_STEP``, then goes on as CartPole."""
+
+    def fault(self, reward: float) -> float:
+        time.sleep(SLEEPY_S)
+        return reward
+
+
+class Sluggish(CartPoleEnv):
+    """Healthy CartPole whose first ``SLUGGISH_STEPS`` steps take ``SLUGGISH_S`` each."""
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None
+              ) -> tuple[np.ndarray, dict[str, Any]]:
+        self._t = 0
+        return super().reset(seed=seed, options=options)
+
+    def step(self, action: Any) -> tuple[Any, Any, bool, bool, dict[str, Any]]:
+        self._t += 1
+        if self._t <= SLUGGISH_STEPS:
+            time.sleep(SLUGGISH_S)
+        return super().step(action)
+
+
 def _burn() -> None:
     import hashlib
 
@@ -351,6 +376,7 @@ class LiftCpu(CartPoleEnv):
 FAULTY = ("RaiseOnStep", "Hang", "Segfault", "NaNReward", "MemoryHog", "Connect", "WriteOutside",
           "ReadFiles", "ForkBomb", "CpuBurner", "Daemon")
 
-for _name in (*FAULTY, "Introspect", "SlowStep", "CrashOnce", "FrozenClock", "LiftCpu"):
+for _name in (*FAULTY, "Introspect", "SlowStep", "CrashOnce", "FrozenClock", "LiftCpu", "Sleepy",
+              "Sluggish"):
     gym.register(id=f"evalfleet-test/{_name}-v0", entry_point=f"{__name__}:{_name}",
                  max_episode_steps=500)
