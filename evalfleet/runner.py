@@ -346,6 +346,11 @@ class ShardRun:
         # Retries waiting out their backoff: (due on the monotonic clock, index, seed).
         self.delayed: list[tuple[float, int, int]] = []
         n = self.n = slots.n
+        # Slots per sandbox (slot s in sandbox s // group). Above 1, a sandbox's death ends its
+        # neighbours' episodes too: retries then run alone in a sandbox (``_solo_first``), and
+        # ``held`` maps a sandbox to its retry's slot, or to None while it drains for one.
+        self.group = max(1, int(getattr(slots, "envs_per_sandbox", 1)))
+        self.held: dict[int, int | None] = {}
         self._step_batch = slots.step_batch if isinstance(slots, BatchEnvSlots) else None
         self.pending: deque[tuple[int, int, bool]] = deque((i, s, False) for i, s in episodes)
         self.records: list[EpisodeRecord] = []
@@ -476,31 +481,82 @@ class ShardRun:
         """Reset free slots with the next indices until each holds a live episode or work runs out."""
         pending = self.pending
         self.release_retries()
+        waiting: list[tuple[int, int, bool]] = []
+        if self.group > 1:
+            free, waiting = self._solo_first()
         while free and pending:
             batch = []
             while free and pending:
                 index, seed, retried = pending.popleft()
                 slot = free.pop()
-                self.ep_index[slot], self.ep_seed[slot], self.ep_retried[slot] = index, seed, retried
-                self.ep_rng[slot] = None if self.deterministic else action_rng(seed)
-                self.ep_started[slot] = time.perf_counter()
-                self.ret[slot] = 0.0
-                self.length[slot] = 0
-                self.rmin[slot], self.rmax[slot], self.nmin[slot], self.nmax[slot] = (
-                    np.inf, -np.inf, 0, 0)
-                if self.acounts is not None:
-                    self.acounts[slot] = 0
-                self.live[slot] = True
+                self._begin(slot, index, seed, retried)
                 batch.append((slot, seed))
-            for (slot, _), out in zip(batch, self.slots.reset_many(batch), strict=True):
-                error = out.error if out.failure is not None else self._store_obs(slot, out.obs)
-                if error is not None or out.failure is not None:
-                    self.finish(slot, out.failure or EndReason.ENV_ERROR.value, error, {})
-                    free.append(slot)
+            free.extend(self._reset_batch(batch))
+        if waiting:
+            pending.extendleft(reversed(waiting))
+
+    def _begin(self, slot: int, index: int, seed: int, retried: bool) -> None:
+        """Make ``slot`` hold episode ``index`` from its start (its env is reset next)."""
+        self.ep_index[slot], self.ep_seed[slot], self.ep_retried[slot] = index, seed, retried
+        self.ep_rng[slot] = None if self.deterministic else action_rng(seed)
+        self.ep_started[slot] = time.perf_counter()
+        self.ret[slot] = 0.0
+        self.length[slot] = 0
+        self.rmin[slot], self.rmax[slot], self.nmin[slot], self.nmax[slot] = (np.inf, -np.inf, 0, 0)
+        if self.acounts is not None:
+            self.acounts[slot] = 0
+        self.live[slot] = True
+
+    def _reset_batch(self, batch: list[tuple[int, int]]) -> list[int]:
+        """Reset the ``(slot, seed)`` of ``batch``; the slots whose reset ended their episode."""
+        failed = []
+        for (slot, _), out in zip(batch, self.slots.reset_many(batch), strict=True):
+            error = out.error if out.failure is not None else self._store_obs(slot, out.obs)
+            if error is not None or out.failure is not None:
+                self.finish(slot, out.failure or EndReason.ENV_ERROR.value, error, {})
+                failed.append(slot)
+        return failed
+
+    def _solo_first(self) -> tuple[list[int], list[tuple[int, int, bool]]]:
+        """Start the queued retries each alone in a sandbox; the free slots left, the retries left.
+
+        A retry shares no sandbox: the crash that ended it may have been a neighbour's, and a
+        crasher's retry among others ended them too (each retry of an env that crashes its
+        sandbox took its co-hosted retries down with it, so healthy episodes ran out of
+        retries). A retry that finds no empty sandbox waits, and the sandbox with the fewest
+        episodes under way takes no new one until it is empty.
+        """
+        g, live, held, pending = self.group, self.live, self.held, self.pending
+        for b in [b for b, s in held.items() if s is None]:
+            del held[b]  # drains are chosen again below, for the retries still waiting
+        n_boxes = -(-self.n // g)
+        empty = [b for b in range(n_boxes - 1, -1, -1)
+                 if b not in held and not live[b * g:(b + 1) * g].any()]
+        batch: list[tuple[int, int]] = []
+        waiting: list[tuple[int, int, bool]] = []
+        while pending and pending[0][2]:
+            index, seed, retried = pending.popleft()
+            if not empty:
+                waiting.append((index, seed, retried))
+                continue
+            slot = empty.pop() * g
+            held[slot // g] = slot
+            self._begin(slot, index, seed, retried)
+            batch.append((slot, seed))
+        self._reset_batch(batch)
+        for _ in waiting:
+            open_boxes = [b for b in range(n_boxes) if b not in held]
+            if not open_boxes:
+                break
+            held[min(open_boxes, key=lambda b: int(live[b * g:(b + 1) * g].sum()))] = None
+        free = [s for s in range(self.n - 1, -1, -1) if not live[s] and s // g not in held]
+        return free, waiting
 
     def finish(self, slot: int, reason: str, error: str | None, info: dict[str, float]) -> None:
         """End ``slot``'s episode: requeue it (an infrastructure failure, once) or emit its row."""
         self.live[slot] = False
+        if self.held and self.held.get(slot // self.group) == slot:
+            del self.held[slot // self.group]  # a retry's sandbox takes other episodes again
         if self.schedule_retry(slot, reason):
             return
         retried, retry_reason = self.attempts.get(self.ep_index[slot], (0, None))
@@ -539,16 +595,19 @@ class ShardRun:
         """Queue ``slot``'s episode again after a harness failure, within the budget; True if queued.
 
         The slot's sandbox was replaced when it failed, so the retry runs on a fresh one, with
-        the same seed, after a backoff that doubles per attempt.
+        the same seed, after a backoff that doubles per attempt. With several envs per sandbox,
+        an episode's first attempt shared its sandbox, whose death may be a neighbour's doing:
+        that failure is not charged to the budget (its retries run alone, and are).
         """
-        if not EndReason(reason).is_infrastructural:
+        if not EndReason(reason).is_infrastructural or not self.retry_budget:
             return False
         index = self.ep_index[slot]
         count = self.attempts.get(index, (0, ""))[0]
-        if count >= self.retry_budget:
+        free = 1 if self.group > 1 else 0
+        if count >= self.retry_budget + free:
             return False
         self.attempts[index] = (count + 1, reason)
-        due = time.monotonic() + self.retry_backoff_s * 2 ** count
+        due = time.monotonic() + self.retry_backoff_s * 2 ** max(0, count - free)
         heapq.heappush(self.delayed, (due, index, self.ep_seed[slot]))
         return True
 

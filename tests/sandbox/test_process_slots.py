@@ -178,7 +178,7 @@ def test_one_crash_costs_its_sandbox_only() -> None:
 
 
 def test_shared_sandbox_crash_fails_its_neighbours() -> None:
-    """envs_per_sandbox=3: the other episodes in a crashed sandbox fail too (and are retried)."""
+    """envs_per_sandbox=3: the other episodes in a crashed sandbox fail too, and are retried (alone)."""
     records, _ = run_direct("process", fe.env_id("Segfault"), 30, 6, k=3)
     reference, _ = run_direct("inprocess", "CartPole-v1", 30, 6)
     faulty = {r.episode_index for r in records if fe.is_faulty(r.seed)}

@@ -41,3 +41,20 @@ def test_an_env_past_its_step_timeout_ends_alone_in_a_shared_sandbox() -> None:
     assert outcomes([records[i] for i in healthy]) == outcomes([reference[i] for i in healthy])
     assert all(records[i].retried <= 1 for i in healthy)
 
+
+def test_a_crashing_env_costs_its_neighbours_no_episode() -> None:
+    # 40 episodes, 8 slots, 4 per sandbox: the segfaulting seeds' sandboxes die with 3 healthy
+    # episodes each. Their retries ran together in the freed slots of one fresh sandbox with the
+    # crasher's retry, died with it, and 9 healthy episodes ended ``crashed`` (70% coverage).
+    records, _ = run_direct("process", fe.env_id("Segfault"), 40, 8, k=4)
+    reference, _ = run_direct("inprocess", "CartPole-v1", 40, 8)
+    crashed = {r.episode_index for r in records if r.end_reason == "crashed"}
+    faulty = {r.episode_index for r in records if fe.is_faulty(r.seed)}
+    assert faulty and crashed == faulty
+    for r in records:
+        if r.episode_index in faulty:
+            # The first attempt shared its sandbox (not charged), then the budget of 2, alone.
+            assert (r.retried, r.length) == (3, fe.FAULT_STEP - 1)
+    healthy = [i for i, r in enumerate(records) if i not in faulty]
+    assert outcomes([records[i] for i in healthy]) == outcomes([reference[i] for i in healthy])
+    assert all(records[i].retried <= 1 for i in healthy)
