@@ -34,6 +34,17 @@ __all__ = ["NATIVE_VECTOR_ENV", "EnvSlots", "InProcessSlots", "SlotOutcome", "er
 NATIVE_VECTOR_ENV = "EVALFLEET_NATIVE_VECTOR"
 
 
+def _env_failure(err: Exception) -> SlotOutcome:
+    """The outcome of an env call that raised ``err``: ``oom`` for a MemoryError, else ``env_error``.
+
+    A MemoryError is no fact of the env's seed: in a sandbox it is ``oom`` (retried, never
+    cached), and in-process it was an ``env_error``, cached and served as a hit ever after.
+    """
+    if isinstance(err, MemoryError):
+        return SlotOutcome(failure="oom", error=f"{error_text(err)} (in the worker process)")
+    return SlotOutcome(failure="env_error", error=error_text(err))
+
+
 def _peel(env: gym.Env[Any, Any]) -> tuple[gym.Env[Any, Any], int | None]:
     """The env under ``gym.make``'s outer ``TimeLimit`` and ``OrderEnforcing``, and the step cap.
 
@@ -113,7 +124,7 @@ class InProcessSlots:
             obs, info = inner.reset(seed=seed)
         except Exception as err:
             self._discard(slot)
-            return SlotOutcome(failure="env_error", error=error_text(err))
+            return _env_failure(err)
         self._elapsed[slot] = 0
         self._steps[slot] = inner.step
         # A copy: the runner stores it only once every slot of the batch is reset, and an env may
@@ -141,7 +152,7 @@ class InProcessSlots:
                 reward = float(reward)
             except Exception as err:
                 self._discard(slot)
-                out.append(SlotOutcome(failure="env_error", error=error_text(err)))
+                out.append(_env_failure(err))
                 continue
             elapsed = self._elapsed[slot] = self._elapsed[slot] + 1
             limit = self._limits[slot]
@@ -187,7 +198,7 @@ class InProcessSlots:
                 reward = rewards[pos] = float(reward)
             except Exception as err:
                 self._discard(slot)
-                ended[pos] = SlotOutcome(failure="env_error", error=error_text(err))
+                ended[pos] = _env_failure(err)
                 continue
             count = elapsed[slot] = elapsed[slot] + 1
             limit = limits[slot]

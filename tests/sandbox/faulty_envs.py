@@ -111,6 +111,13 @@ class MemoryHog(_Faulty):
             self._hoard.append(bytearray(32 * 1024 * 1024))
 
 
+class RaiseMemoryError(_Faulty):
+    """Raises MemoryError in ``step`` (an allocation that failed), without allocating anything."""
+
+    def fault(self, reward: float) -> float:
+        raise MemoryError("planted: no memory left for this step")
+
+
 class Connect(_Faulty):
     """Opens a TCP connection to 127.0.0.1:``port`` and sends a line."""
 
@@ -377,6 +384,6 @@ FAULTY = ("RaiseOnStep", "Hang", "Segfault", "NaNReward", "MemoryHog", "Connect"
           "ReadFiles", "ForkBomb", "CpuBurner", "Daemon")
 
 for _name in (*FAULTY, "Introspect", "SlowStep", "CrashOnce", "FrozenClock", "LiftCpu", "Sleepy",
-              "Sluggish"):
+              "Sluggish", "RaiseMemoryError"):
     gym.register(id=f"evalfleet-test/{_name}-v0", entry_point=f"{__name__}:{_name}",
                  max_episode_steps=500)
