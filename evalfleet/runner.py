@@ -669,6 +669,16 @@ class ShardRun:
             raise ValueError(f"policy returned {len(actions)} actions for {len(rows)} rows")
         return actions
 
+    def _shaped_forward(self, rows: npt.NDArray[np.intp], obs: npt.NDArray[np.float32]
+                        ) -> npt.NDArray[Any]:
+        """``forward``, raising when the actions' rows are not of the action space's shape."""
+        actions = self.forward(rows, obs)
+        want = self.space.shape
+        if want is not None and np.shape(actions)[1:] != want:
+            raise ValueError(f"policy returned actions of shape {np.shape(actions)} for {len(rows)} "
+                             f"row(s); {self.space} takes one action of shape {want} per row")
+        return actions
+
     def act(self, order: npt.NDArray[np.intp], batch_obs: npt.NDArray[np.float32],
             freed: list[int]) -> tuple[npt.NDArray[np.intp], npt.NDArray[Any]] | None:
         """Actions of the rows ``order``: one forward, or on its failure the bisection.
@@ -681,8 +691,10 @@ class ShardRun:
         except _Abandoned:
             raise
         except Exception:
-            # Find the rows that make it raise; the others keep their sub-batch's actions.
-            ok, split_actions, errors = _split_forward(self.forward, order, batch_obs)
+            # Find the rows that make it raise; the others keep their sub-batch's actions, which
+            # must have one shape to be joined: a row whose action is of another shape is a row
+            # the policy failed (joined unchecked, it failed the whole evaluation).
+            ok, split_actions, errors = _split_forward(self._shaped_forward, order, batch_obs)
             for pos, text in sorted(errors.items()):
                 self.finish(int(order[pos]), EndReason.POLICY_ERROR.value, text, {})
                 freed.append(int(order[pos]))

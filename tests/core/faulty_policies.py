@@ -48,6 +48,14 @@ def mlp_raises_far(obs: np.ndarray) -> np.ndarray:
     return mlp(obs)
 
 
+def angle_misshapes_far(obs: np.ndarray) -> np.ndarray:
+    """``angle``, one action short for a batch with a row past ``ANGLE_FAR`` (alone: shape (1, 2))."""
+    actions = angle(obs)
+    if (obs[:, 0] > ANGLE_FAR).any():
+        return actions[:-1] if len(actions) > 1 else np.ones((1, 2), dtype=np.int64)
+    return actions
+
+
 def angle_hangs_far(obs: np.ndarray) -> np.ndarray:
     """``angle``, hanging (until ``RELEASE``) when one row's cart is past ``ANGLE_FAR``."""
     if (obs[:, 0] > ANGLE_FAR).any():

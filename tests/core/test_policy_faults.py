@@ -128,6 +128,29 @@ def test_a_raising_row_ends_only_its_own_episode(backend: str, clean: str, fault
 
 
 @pytest.mark.parametrize("backend", ("native", "process"))
+def test_a_misshapen_action_ends_only_its_own_episode(backend: str) -> None:
+    # A batch holding a far row got one action too few, and that row alone an action of shape
+    # (1, 2): joining the sub-batches' actions raised out of the shard (exit 1, no report, the
+    # other episodes lost).
+    episodes, slots = 24, 6
+    reference = _rows(_run(backend, _policy("angle"), range(episodes), slots))
+    rows = _rows(_run(backend, _policy("angle_misshapes_far"), range(episodes), slots))
+    assert sorted(rows) == list(range(episodes))
+    triggered = {i: _first_far("angle", i, fp.ANGLE_FAR) for i in range(episodes)}
+    far = {i for i, t in triggered.items() if t is not None}
+    assert 0 < len(far) < episodes // 2
+    for i in range(episodes):
+        if i not in far:
+            assert rows[i] == reference[i], f"episode {i} never triggers the fault but changed"
+            continue
+        assert rows[i]["end_reason"] == "policy_error", f"episode {i}"
+        assert rows[i]["error"].startswith(
+            "ValueError: policy returned actions of shape (1, 2) for 1 row(s); Discrete(2) takes "
+            "one action of shape () per row"), rows[i]["error"]
+        assert rows[i]["length"] == triggered[i]
+
+
+@pytest.mark.parametrize("backend", ("native", "process"))
 def test_a_hung_forward_ends_the_shard_as_policy_timeout_in_bounded_time(
         backend: str, release_hung: None) -> None:
     # Episodes 6..9 run first and end before any cart gets far; episode 11 hangs the policy.
