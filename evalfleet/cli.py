@@ -17,7 +17,7 @@ from typing import Any, NoReturn
 
 from evalfleet.console import QUIET_ENV, configure_console, quiet_environment
 from evalfleet.environ import restored_environment
-from evalfleet.errors import EvalfleetError, RequestError, Stopped
+from evalfleet.errors import EvalfleetError, IsolationUnavailable, RequestError, Stopped
 from evalfleet.models import (
     INPUTS_CHANGED,
     OUTPUT_MISSING,
@@ -43,6 +43,19 @@ EXIT_GATE_UNDECIDED = 6
 GATE_PASSES = ("first", "new_best", "not_distinguishable")
 #: Exit code of an evaluation that failed for a reason other than its request (a crash, a bug).
 EXIT_FAILED = 1
+#: An evaluation that evalfleet stopped on purpose once it had begun, for a reason outside the
+#: request (the cluster lost, a worker killed by a shard's policy or env, the cache's lock or an
+#: entry, the Prefect server, stale worker code): the message says what. Not ``EXIT_BAD_REQUEST``,
+#: which tells a caller to fix the request; episodes that finished stay in the cache.
+EXIT_STOPPED_MIDWAY = 7
+
+
+def error_exit(err: EvalfleetError) -> int:
+    """The exit code of an ``EvalfleetError``: 2 for a refused request, 7 for the others."""
+    print(f"evalfleet: error: {err}", file=sys.stderr)
+    if isinstance(err, RequestError | IsolationUnavailable):
+        return EXIT_BAD_REQUEST
+    return EXIT_STOPPED_MIDWAY
 #: The numbers are written (Parquet, cache), but an output asked for is not: the review's files,
 #: the MLflow run (neither logged nor queued) or the trainer's callback.
 EXIT_OUTPUT_MISSING = 5
@@ -444,8 +457,7 @@ def run_suite(evaluate_suite: SuiteEvaluator | None, args: argparse.Namespace) -
                                    "evalfleet eval.")
             report = evaluate_suite(suite, base)
     except EvalfleetError as err:
-        print(f"evalfleet: error: {err}", file=sys.stderr)
-        return EXIT_BAD_REQUEST
+        return error_exit(err)
     except (Stopped, KeyboardInterrupt) as err:
         signum = err.signum if isinstance(err, Stopped) else signal.SIGINT
         print(f"evalfleet: stopped by {signal.Signals(signum).name}; finished tasks stay in the cache",
@@ -514,8 +526,7 @@ def _run_eval(evaluate: Callable[[EvalRequest], EvalReport], args: argparse.Name
             check_report_path(args.report, report_inputs(args))
             report = evaluate(request)
     except EvalfleetError as err:
-        print(f"evalfleet: error: {err}", file=sys.stderr)
-        return EXIT_BAD_REQUEST
+        return error_exit(err)
     except (Stopped, KeyboardInterrupt) as err:
         signum = err.signum if isinstance(err, Stopped) else signal.SIGINT
         where = "; ".join(_notes(err))

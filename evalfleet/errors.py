@@ -67,6 +67,10 @@ class ClusterLost(EvalfleetError):
     """The Dask scheduler was lost mid-run; the shards that finished are persisted in the cache."""
 
 
+class WorkerKilled(EvalfleetError):
+    """A shard's code (its policy, or an in-process env) killed each Dask worker that ran it."""
+
+
 class OutputsMissing(EvalfleetError):
     """Results came back, but outputs asked for with them were not all produced.
 

@@ -62,7 +62,8 @@ def stages(request: EvalRequest, address: str | None) -> EvalReport:
             while planned is not None:                                           # rounds (adaptive)
                 shards = run_episodes.map(planned.shards, unmapped(handle), unmapped(request),
                                           unmapped(received.isolation))          # 4 run episodes
-                tables = shard_tables(shards, shard_persister(request, received, planned), address)
+                tables = shard_tables(shards, shard_persister(request, received, planned), address,
+                                      planned.shards)
                 collected = collect_rewards(tables, handle, planned, collected)  # 5 collect
                 more = schedule.next_episodes(collected.table)
                 planned = spawn_sandboxes(request, received, address, more, collected) if more else None
