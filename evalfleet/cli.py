@@ -49,6 +49,10 @@ EXIT_FAILED = 1
 #: which tells a caller to fix the request; episodes that finished stay in the cache.
 EXIT_STOPPED_MIDWAY = 7
 
+#: The numbers are written (Parquet, cache), but an output asked for is not: the review's files,
+#: the MLflow run (neither logged nor queued) or the trainer's callback.
+EXIT_OUTPUT_MISSING = 5
+
 
 def error_exit(err: EvalfleetError) -> int:
     """The exit code of an ``EvalfleetError``: 2 for a refused request, 7 for the others."""
@@ -56,9 +60,6 @@ def error_exit(err: EvalfleetError) -> int:
     if isinstance(err, RequestError | IsolationUnavailable):
         return EXIT_BAD_REQUEST
     return EXIT_STOPPED_MIDWAY
-#: The numbers are written (Parquet, cache), but an output asked for is not: the review's files,
-#: the MLflow run (neither logged nor queued) or the trainer's callback.
-EXIT_OUTPUT_MISSING = 5
 
 
 #: Options each task of a suite sets for itself (``--suite``): given with one, they were ignored.
