@@ -441,31 +441,18 @@ def _receive_environment(sock: socket.socket) -> dict[str, str] | None:
 
 def _check_sandbox_namespaces(new_user: bool) -> str | None:
     """Can a sandbox get a pid namespace of its own here? None, or why not (tried in a child)."""
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        msg = "probe child failed"
-        try:
-            os.close(r)
-            msg = lim.enter_sandbox_namespaces(new_user=new_user) or ""
-            if not msg:
-                child = os.fork()
-                if child == 0:
-                    os._exit(_count_capped_forks() if os.getpid() == 1 else 99)
-                _, status = os.waitpid(child, 0)
-                code = os.WEXITSTATUS(status) if os.WIFEXITED(status) else 99
-                msg = ("the first child was not the namespace's init" if code == 99 else
-                       "" if code == 0 else "nocap")
-        except BaseException as err:  # noqa: B036 -- reported to the server
-            msg = f"{type(err).__name__}: {err}"
-        finally:
-            os.write(w, msg.encode()[:400])
-            os._exit(0)
-    os.close(w)
-    with os.fdopen(r, "rb") as fh:
-        text = fh.read().decode()
-    os.waitpid(pid, 0)
-    return text or None
+    def probe() -> str:
+        msg = lim.enter_sandbox_namespaces(new_user=new_user) or ""
+        if msg:
+            return msg
+        child = os.fork()
+        if child == 0:
+            os._exit(_count_capped_forks() if os.getpid() == 1 else 99)
+        _, status = os.waitpid(child, 0)
+        code = os.WEXITSTATUS(status) if os.WIFEXITED(status) else 99
+        return "the first child was not the namespace's init" if code == 99 else "" if code == 0 else "nocap"
+
+    return _in_child(probe)
 
 
 def _check_private_tmp() -> str | None:
@@ -475,19 +462,34 @@ def _check_private_tmp() -> str | None:
     sight, its own ``/tmp`` writable and ``/dev`` not.
     """
     marker = tempfile.mkstemp(prefix="evalfleet-jail-tmp-")[1]
+
+    def probe() -> str:
+        lim.private_tmp(tempfile.mkdtemp(), new_user=True)
+        with open("/tmp/evalfleet-own-tmp", "w"):
+            pass
+        problems = [f"{marker} is still in sight" if os.path.exists(marker) else "",
+                    "/dev is writable" if os.access("/dev", os.W_OK) else ""]
+        return "; ".join(p for p in problems if p)
+
+    try:
+        return _in_child(probe)
+    finally:
+        os.unlink(marker)
+
+
+def _in_child(probe: Callable[[], str]) -> str | None:
+    """``probe()`` in a forked child (it may change what the child is): its text, or None if empty.
+
+    An exception in the probe is its text; the child exits at once, whatever it entered.
+    """
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:
         msg = "probe child failed"
         try:
             os.close(r)
-            lim.private_tmp(tempfile.mkdtemp(), new_user=True)
-            with open("/tmp/evalfleet-own-tmp", "w"):
-                pass
-            problems = [f"{marker} is still in sight" if os.path.exists(marker) else "",
-                        "/dev is writable" if os.access("/dev", os.W_OK) else ""]
-            msg = "; ".join(p for p in problems if p)
-        except BaseException as err:  # noqa: B036 -- reported to the prober
+            msg = probe()
+        except BaseException as err:  # noqa: B036 -- reported to the server
             msg = f"{type(err).__name__}: {err}"
         finally:
             os.write(w, msg.encode()[:400])
@@ -496,7 +498,6 @@ def _check_private_tmp() -> str | None:
     with os.fdopen(r, "rb") as fh:
         text = fh.read().decode()
     os.waitpid(pid, 0)
-    os.unlink(marker)
     return text or None
 
 
