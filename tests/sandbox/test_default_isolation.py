@@ -126,8 +126,9 @@ def test_worker_joining_later_receives_the_policy(example_policy: str) -> None:
 
 def test_failed_run_stage_leaves_no_shard_behind(prefect_server: str, tmp_path: Path,
                                                  example_policy: str) -> None:
-    """Explicit ``inprocess`` with a segfaulting env: the evaluation fails (KilledWorker), and
-    no shard of it is left queued to start, after the policy is released, on a new worker."""
+    """Explicit ``inprocess`` with a segfaulting env: the evaluation fails (``WorkerKilled``, Dask's
+    KilledWorker named), and no shard of it is left queued to start, after the policy is
+    released, on a new worker."""
     from flows.eval import evaluate
 
     def leftovers(dask_scheduler: Any) -> list[str]:
@@ -140,7 +141,8 @@ def test_failed_run_stage_leaves_no_shard_behind(prefect_server: str, tmp_path: 
         request = EvalRequest.build(env=fe.env_id("Segfault"), policy=example_policy,
                                     episodes=160, concurrency=32, isolation="inprocess",
                                     dask_address=address, seed=1, output=tmp_path / "out")
-        with pytest.raises(Exception, match="KilledWorker|died while running"):
+        with pytest.raises(Exception, match=r"shard \d of \d \(episodes \d+-\d+, \d+ of them\) killed "
+                                            "every Dask worker that ran it|died while running"):
             evaluate(request)
         deadline = time.monotonic() + 15
         left = client.run_on_scheduler(leftovers)
