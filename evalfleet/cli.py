@@ -15,6 +15,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, NoReturn
 
+from evalfleet import mlflow_logger
 from evalfleet.console import QUIET_ENV, configure_console, quiet_environment
 from evalfleet.environ import restored_environment
 from evalfleet.errors import EvalfleetError, IsolationUnavailable, RequestError, Stopped
@@ -503,7 +504,8 @@ def run_eval(evaluate: Callable[[EvalRequest], EvalReport], args: argparse.Names
     The console and server settings it exports for the evaluation's processes are undone after,
     so a caller that runs it in-process (a test, a script) keeps its own environment.
     """
-    with restored_environment([*quiet_environment(), SERVER_MODE_ENV, QUIET_ENV]):
+    with restored_environment([*quiet_environment(), SERVER_MODE_ENV, QUIET_ENV]), \
+            mlflow_logger.opted_in():
         return _run_eval(evaluate, args, evaluate_suite)
 
 

@@ -44,6 +44,7 @@ from evalfleet.cache import (
 from evalfleet.claims import claim_path, claimed, describe, release, wait_for_earlier
 from evalfleet.envspec import named_files, named_paths, resolve_env_for, resolved_here
 from evalfleet.errors import RequestError, StaleWorkerCode
+from evalfleet.mlflow_logger import log_or_queue
 from evalfleet.models import (
     INPUTS_CHANGED,
     RECORDING_INCOMPLETE,
@@ -87,7 +88,7 @@ from evalfleet.sandbox.isolation import resolve_isolation
 from evalfleet.sandbox.limits import sandbox_limits
 from evalfleet.seeds import SeedLedger
 from evalfleet.storage import run_dir, write_episodes, write_json, write_table
-from evalfleet.tracking import default_tracking_uri, flush_pending, log_or_queue, pending_dir
+from evalfleet.tracking import default_tracking_uri, flush_pending, pending_dir
 from evalfleet.worker import stale_message, warm_sandboxes
 
 logger = logging.getLogger(__name__)

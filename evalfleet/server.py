@@ -123,7 +123,7 @@ def is_prefect_server(pid: int) -> bool:
 
 
 @contextmanager
-def _locked() -> Iterator[None]:
+def locked() -> Iterator[None]:
     """Hold the home's lock: one process at a time reads, starts or stops the server."""
     home = evalfleet_home()
     home.mkdir(parents=True, exist_ok=True)
@@ -209,7 +209,7 @@ def build_database_template(folder: Path) -> Path:
     with tempfile.TemporaryDirectory(prefix="evalfleet-template-") as scratch:
         os.environ[EVALFLEET_HOME_ENV] = scratch
         try:
-            with _locked():
+            with locked():
                 state = _spawn(seed=False)  # Prefect makes this database itself
             wait_healthy(state)
             stop_server()
@@ -280,7 +280,7 @@ def claim_server() -> tuple[ServerState, bool]:
     the server boots, then call ``wait_healthy``. A record whose process is gone, or one still not
     answering ``START_TIMEOUT_S`` after it was started, is replaced.
     """
-    with _locked():
+    with locked():
         state = read_state()
         if state is not None and alive(state.pid):
             if healthy(state.url):
@@ -316,8 +316,14 @@ def ensure_server(timeout: float = START_TIMEOUT_S) -> ServerState:
 
 
 def stop_server() -> ServerState | None:
-    """Stop the recorded server and remove its record; returns what was stopped (None: nothing)."""
-    with _locked():
+    """Stop the recorded server (and the shared MLflow logger) and remove their records.
+
+    Returns the server stopped (None: nothing recorded).
+    """
+    from evalfleet import mlflow_logger
+
+    with locked():
+        mlflow_logger.stop()
         state = read_state()
         if state is None:
             return None
@@ -330,14 +336,21 @@ def stop_server() -> ServerState | None:
 def server_command(action: str) -> int:
     """``evalfleet server status|start|stop``: print what it did; returns the exit code."""
     if action == "start":
+        from evalfleet import mlflow_logger
+
         state = ensure_server()
         print(f"local Prefect server at {state.url} (pid {state.pid})")
+        with mlflow_logger.opted_in():  # the shared MLflow logger of the CLI's runs, with it
+            mlflow_logger.ensure_started()
     elif action == "stop":
         stopped = stop_server()
         print(f"stopped the local Prefect server at {stopped.url} (pid {stopped.pid})" if stopped
               else f"no local Prefect server recorded in {state_path()}")
     else:
+        from evalfleet import mlflow_logger
+
         print(describe())
+        print(mlflow_logger.describe())
         recorded = read_state()
         return 0 if recorded is not None and alive(recorded.pid) else 1
     return 0

@@ -260,11 +260,18 @@ def log_evaluation(
     params: dict[str, Any],
     artifacts: list[Path],
     run_name: str,
+    adopt: bool = False,
 ) -> str:
-    """Log one evaluation as an MLflow run; returns the run id."""
+    """Log one evaluation as an MLflow run; returns the run id.
+
+    ``adopt``: a run of this evaluation (its request id) that another process finished logging is
+    its run (returned, nothing logged); one it left unfinished is deleted and logged anew.
+    """
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     client = mlflow_client(tracking_uri)
     exp_id = _experiment_id(client, tracking_uri, experiment)
+    if adopt and (done := _adopted(client, exp_id, str(report["request_id"]))) is not None:
+        return done
     tags = {
         "evalfleet.policy_sha256": report["policy_sha256"],
         "evalfleet.env_id": report["env_id"],
@@ -309,6 +316,17 @@ def log_evaluation(
         logger.warning("could not log eval metrics into training run %s: %s",
                        report.get("training_run_id"), err)
     return run_id
+
+
+def _adopted(client: Any, exp_id: str, request_id: str) -> str | None:
+    """The id of this request's finished run in the experiment; unfinished ones are deleted."""
+    runs = client.search_runs([exp_id], filter_string=f"tags.`evalfleet.request_id` = '{request_id}'")
+    for run in runs:
+        if run.info.status in ("FINISHED", "FAILED") and run.info.end_time:
+            return str(run.info.run_id)
+    for run in runs:
+        client.delete_run(run.info.run_id)
+    return None
 
 
 def _log_files(client: Any, run: Any, paths: list[Path]) -> None:
@@ -485,9 +503,12 @@ def pending_dir(output: Path) -> Path:
 def log_or_queue(
     output: Path, tracking_uri: str, experiment: str, report: dict[str, Any],
     params: dict[str, Any], artifacts: list[Path], run_name: str, *,
-    attempts: int = LOG_ATTEMPTS, wait_s: tuple[float, float] = LOG_WAIT_S,
+    attempts: int = LOG_ATTEMPTS, wait_s: tuple[float, float] = LOG_WAIT_S, adopt: bool = False,
 ) -> dict[str, str]:
     """Log the evaluation to MLflow, retried; if the store stays unreachable, queue it.
+
+    ``adopt``: a run of this evaluation another process may have logged is taken as it is
+    (``log_evaluation``; the shared logger that died before answering, ``evalfleet.mlflow_logger``).
 
     Returns the report's outputs to add: ``mlflow_uri`` and ``mlflow_run_id`` once logged, else
     ``mlflow_error`` and ``mlflow_queued`` (the pending file that ``flush_pending`` logs later:
@@ -498,7 +519,8 @@ def log_or_queue(
     try:
         for attempt in _attempts(attempts, wait_s):
             with attempt:
-                run_id = log_evaluation(tracking_uri, experiment, report, params, artifacts, run_name)
+                run_id = log_evaluation(tracking_uri, experiment, report, params, artifacts, run_name,
+                                        adopt=adopt)
         return {"mlflow_uri": tracking_uri, "mlflow_run_id": run_id}
     except Exception as err:  # noqa: BLE001 - any store failure queues the run
         error, failure = f"{type(err).__name__}: {err}"[:1000], err

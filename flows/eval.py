@@ -115,7 +115,7 @@ def evaluate(request: EvalRequest) -> EvalReport:
     with history_claim(request), idle_fork_server_stopped():
         # A miss starts the workers' fork server and checks the policy in a child of it, and
         # stages 6-7's imports start meanwhile; a TorchScript hit loads no policy.
-        ahead = Ahead()
+        ahead = Ahead(request)
         received, hit = received_before_flow(request, on_miss=ahead)
         check_hash_baseline(request, received)  # a 'sha256:' baseline's episodes, or an error
         checked = [(request, received)]

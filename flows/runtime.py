@@ -12,12 +12,15 @@ from typing import TYPE_CHECKING, Any
 
 from prefect.settings import PREFECT_API_URL, PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
 
+from evalfleet import mlflow_logger
 from evalfleet.environ import exported
 from evalfleet.errors import EvalfleetError
 from evalfleet.server import SERVER_MODE_ENV
+from evalfleet.tracking import default_tracking_uri
 from flows import client_tls, heartbeats
 
 if TYPE_CHECKING:
+    from evalfleet.models import EvalRequest
     from evalfleet.pipeline import Received
 
 logger = logging.getLogger(__name__)
@@ -140,6 +143,8 @@ def shared_local_api(wait: bool = True) -> Iterator[PrefectApi]:
             if wait:
                 api.wait()
             yield api
+        # Later CLI runs hand their MLflow run to a logger that keeps MLflow imported.
+        mlflow_logger.ensure_started()
     finally:
         _flushed(api)  # bounded, rather than at interpreter exit
 
@@ -221,19 +226,28 @@ class Ahead:
     fork server (``worker_preload``).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, request: EvalRequest) -> None:
+        self.request = request
         self.imports: threading.Thread | None = None
 
     def __call__(self, received: Received) -> tuple[str, ...]:
         """Start the imports and the shared server; the workers' preload for ``received``'s policy."""
         start_shared_server()
-        self.imports = import_in_background()
+        self.imports = import_in_background(later_modules(self.request))
         return worker_preload(received)
 
     def join(self) -> None:
         """Wait for the imports started, if any."""
         if self.imports is not None:
             self.imports.join()
+
+
+def later_modules(request: EvalRequest) -> tuple[str, ...]:
+    """``LATER_MODULES``, less MLflow's when the shared logger will log the run and no history is read."""
+    uri = request.mlflow_uri or default_tracking_uri(request.output)
+    if request.training_run_id is None and mlflow_logger.usable() and uri.startswith("sqlite:///"):
+        return tuple(m for m in LATER_MODULES if not m.startswith("mlflow."))
+    return LATER_MODULES
 
 
 def import_in_background(modules: tuple[str, ...] = LATER_MODULES) -> threading.Thread:

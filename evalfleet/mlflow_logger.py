@@ -1,0 +1,428 @@
+"""The MLflow logger CLI runs share: one process that keeps MLflow imported, beside the local server.
+
+MLflow's SQL store costs every CLI run ~1 s of imports and opening (sqlalchemy, alembic, MLflow's
+store) for the one run it logs: a third of a cache hit. Once a CLI run has used the shared local
+Prefect server (``evalfleet.server``), it starts this logger (``python -m evalfleet.mlflow_logger``)
+in a session of its own, if none of its code runs yet. Later CLI runs hand it the evaluation to log
+and wait for its answer: the logger runs the very ``tracking.log_or_queue`` the run would have run
+(same retries, same queue under the results folder), with the run's environment and working
+directory, and sends back its outputs and log lines. The run is logged (or queued) before the CLI
+prints its summary, as before; only the imports moved.
+
+It is used only where nothing can differ: by the CLI (``opted_in``), for a SQLite store under
+a path, by a logger of the same code (``code_key``: evalfleet's source, MLflow's version, the
+interpreter), recorded in ``$EVALFLEET_HOME/mlflow-logger.json`` (mode 0600) and answering on its
+Unix socket (abstract, so no path length limit; a peer must be this user and show the record's
+token, which only a reader of the home has). Anything else logs in-process as before. A reply lost
+after the request went out (the logger died) first adopts the run it may have logged, by request
+id (``tracking.log_or_queue(adopt=True)``): one evaluation never becomes two MLflow runs.
+
+Each request gets MLflow's stores anew (``_fresh_stores``): a cached engine would keep writing into
+a results folder's ``mlflow.db`` after it was deleted and made again. ``evalfleet server stop``
+stops the logger with the server; a logger whose record names another process exits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import secrets
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from evalfleet.server import alive, evalfleet_home
+
+logger = logging.getLogger(__name__)
+
+#: Set to ``off`` to log every evaluation in its own process (and start no logger).
+SWITCH_ENV = "EVALFLEET_MLFLOW_LOGGER"
+RECORD_NAME = "mlflow-logger.json"
+#: How long a CLI run waits for a live logger's answer (its retries and waits included) before it
+#: reports the MLflow run as neither logged nor queued. The logger's death ends the wait at once.
+ANSWER_TIMEOUT_S = 300.0
+#: Seconds between a logger's checks that it is still the recorded one and its home still exists.
+CHECK_EVERY_S = 30.0
+_HEADER = struct.Struct("!Q")
+_opted_in = False
+
+
+class LoggerError(Exception):
+    """What the shared logger raised while logging (``tracking.log_or_queue`` could not even queue)."""
+
+
+class _NotSent(Exception):
+    """No request reached the logger: the run may log in-process as if there were none."""
+
+
+class _Lost(Exception):
+    """The request reached the logger, which died before answering: it may have logged the run."""
+
+
+@dataclass(frozen=True)
+class LoggerRecord:
+    """What ``mlflow-logger.json`` records about the running logger."""
+
+    pid: int
+    key: str
+    """``code_key`` of the code it runs."""
+    started: float
+    address: str | None = None
+    """Its abstract socket's name, once it listens (None while it starts)."""
+    token: str | None = None
+
+
+@contextlib.contextmanager
+def opted_in() -> Iterator[None]:
+    """Let this block's evaluations use (and start) the shared logger: the CLI's run."""
+    global _opted_in
+    before, _opted_in = _opted_in, os.environ.get(SWITCH_ENV, "on") != "off"
+    try:
+        yield
+    finally:
+        _opted_in = before
+
+
+def record_path() -> Path:
+    """Where the running logger is recorded."""
+    return evalfleet_home() / RECORD_NAME
+
+
+def code_key() -> str:
+    """What must match for a logger to log as this process would: code, MLflow, interpreter."""
+    from evalfleet.provenance import code_version
+
+    return "|".join([code_version("evalfleet")[1], code_version("mlflow")[1], sys.executable])
+
+
+def read_record() -> LoggerRecord | None:
+    """The recorded logger, or None (no record, or an unreadable one)."""
+    try:
+        data = json.loads(record_path().read_text())
+        return LoggerRecord(pid=int(data["pid"]), key=str(data["key"]), started=float(data["started"]),
+                            address=data.get("address"), token=data.get("token"))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _write_record(record: LoggerRecord) -> None:
+    path = record_path()
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as out:
+        out.write(json.dumps(asdict(record)) + "\n")
+    os.replace(tmp, path)
+
+
+def is_logger(pid: int) -> bool:
+    """Whether ``pid`` runs this logger (a recycled pid must never be signalled)."""
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return b"evalfleet.mlflow_logger" in argv
+
+
+def usable() -> LoggerRecord | None:
+    """The logger this process hands its runs to: opted in, same code, listening. None otherwise."""
+    if not _opted_in:
+        return None
+    record = read_record()
+    if record is None or record.address is None or not alive(record.pid):
+        return None
+    return record if record.key == code_key() else None
+
+
+def ensure_started() -> None:
+    """Start a logger of this code unless one runs or starts (opted-in runs only); never raises.
+
+    Called once a CLI run has used the shared local server. A logger of other code is stopped:
+    the home's runs are this code's now.
+    """
+    if not _opted_in:
+        return
+    from evalfleet.server import locked
+
+    try:
+        key = code_key()
+        with locked():
+            record = read_record()
+            if record is not None and alive(record.pid) and is_logger(record.pid):
+                if record.key == key:
+                    return
+                _terminate(record.pid)
+            home = evalfleet_home()
+            with open(home / "mlflow-logger.log", "ab") as log:
+                proc = subprocess.Popen(
+                    [sys.executable, "-m", "evalfleet.mlflow_logger"], stdin=subprocess.DEVNULL,
+                    stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=home,
+                    env={**os.environ, "PYTHONPATH": _import_path()})
+            _write_record(LoggerRecord(pid=proc.pid, key=key, started=time.time()))
+    except Exception as err:  # noqa: BLE001 - runs log in-process without it
+        logger.debug("could not start the shared MLflow logger: %s", err)
+
+
+def _import_path() -> str:
+    """``PYTHONPATH`` that imports this evalfleet first, whatever the logger's working directory."""
+    here = str(Path(__file__).resolve().parents[1])
+    return os.pathsep.join([here, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))])
+
+
+def stop() -> LoggerRecord | None:
+    """Stop the recorded logger and remove its record (the caller holds the server's lock)."""
+    record = read_record()
+    if record is None:
+        return None
+    if alive(record.pid) and is_logger(record.pid):
+        _terminate(record.pid)
+    record_path().unlink(missing_ok=True)
+    return record
+
+
+def describe() -> str:
+    """One line for ``evalfleet server status``."""
+    record = read_record()
+    if record is None or not alive(record.pid):
+        return "mlflow   no shared logger (CLI runs log MLflow in their own process)"
+    state = "listening" if record.address else "starting"
+    mine = "" if record.key == code_key() else " (other code: this code's runs log in-process)"
+    return f"mlflow   shared logger pid {record.pid}, {state}{mine}"
+
+
+def _terminate(pid: int) -> None:
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
+        deadline = time.monotonic() + 5.0
+        while time.monotonic() < deadline:
+            if not alive(pid):
+                return
+            time.sleep(0.05)
+
+
+# -- the client ------------------------------------------------------------------------------------
+
+def log_or_queue(
+    output: Path, tracking_uri: str, experiment: str, report: dict[str, Any],
+    params: dict[str, Any], artifacts: list[Path], run_name: str,
+) -> dict[str, str]:
+    """``tracking.log_or_queue``, run by the shared logger when this process may use one."""
+    from evalfleet import tracking
+
+    record = usable() if tracking_uri.startswith("sqlite:///") else None
+    adopt = False
+    if record is not None:
+        request = {"output": str(Path(output).resolve()), "tracking_uri": tracking_uri,
+                   "experiment": experiment, "report": report,
+                   "params": {k: str(v) for k, v in params.items()},
+                   "artifacts": [str(Path(a).resolve()) for a in artifacts], "run_name": run_name}
+        try:
+            return _ask(record, request)
+        except _NotSent as why:
+            logger.debug("shared MLflow logger not reached (%s): logging here", why)
+        except _Lost as why:
+            logger.warning("the shared MLflow logger (pid %d) died while logging (%s): logging here, "
+                           "adopting the run it may have logged", record.pid, why)
+            adopt = True
+    return tracking.log_or_queue(output, tracking_uri, experiment, report, params, artifacts,
+                                 run_name, adopt=adopt)
+
+
+def _ask(record: LoggerRecord, request: dict[str, Any]) -> dict[str, str]:
+    message = {"token": record.token, "cwd": os.getcwd(), "environ": dict(os.environ),
+               "request": request}
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        try:
+            sock.settimeout(2.0)
+            sock.connect("\0" + str(record.address))
+            _send(sock, message)
+        except OSError as err:
+            raise _NotSent(f"{type(err).__name__}: {err}") from err
+        answer = _answer(sock, record.pid)
+    finally:
+        sock.close()
+    for name, level, text in answer.get("logs", []):
+        logging.getLogger(name).log(int(level), "%s", text)
+    if "refused" in answer:
+        raise _NotSent(answer["refused"])
+    if "raised" in answer:
+        raise LoggerError(answer["raised"])
+    return {str(k): str(v) for k, v in answer["outputs"].items()}
+
+
+def _answer(sock: socket.socket, pid: int) -> dict[str, Any]:
+    """The logger's answer, waited for while it lives (``ANSWER_TIMEOUT_S`` at most)."""
+    deadline = time.monotonic() + ANSWER_TIMEOUT_S
+    sock.settimeout(1.0)
+    data = b""
+    while True:
+        try:
+            chunk = sock.recv(1 << 16)
+        except TimeoutError:
+            if not alive(pid):
+                raise _Lost("it exited without answering") from None
+            if time.monotonic() > deadline:
+                raise LoggerError(f"the shared MLflow logger (pid {pid}) did not answer within "
+                                  f"{ANSWER_TIMEOUT_S:.0f} s; stop it with 'evalfleet server stop'"
+                                  ) from None
+            continue
+        except OSError as err:
+            raise _Lost(f"{type(err).__name__}: {err}") from err
+        if not chunk:
+            break
+        data += chunk
+    if len(data) < _HEADER.size or len(data) != _HEADER.size + _HEADER.unpack_from(data)[0]:
+        raise _Lost(f"its answer was cut short ({len(data)} bytes)")
+    answer: dict[str, Any] = json.loads(data[_HEADER.size:])
+    return answer
+
+
+def _send(sock: socket.socket, payload: dict[str, Any]) -> None:
+    body = json.dumps(payload, default=str).encode()
+    sock.sendall(_HEADER.pack(len(body)) + body)
+
+
+def _receive(sock: socket.socket) -> dict[str, Any]:
+    head = _exactly(sock, _HEADER.size)
+    payload: dict[str, Any] = json.loads(_exactly(sock, _HEADER.unpack(head)[0]))
+    return payload
+
+
+def _exactly(sock: socket.socket, n: int) -> bytes:
+    parts, left = [], n
+    while left:
+        chunk = sock.recv(min(left, 1 << 20))
+        if not chunk:
+            raise ConnectionError(f"the peer closed after {n - left} of {n} bytes")
+        parts.append(chunk)
+        left -= len(chunk)
+    return b"".join(parts)
+
+
+# -- the logger ------------------------------------------------------------------------------------
+
+class _Captured(logging.Handler):
+    """The log lines a request's logging emits, sent back to the CLI run that asked."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.lines: list[tuple[str, int, str]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append((record.name, record.levelno, record.getMessage()))
+
+
+@contextlib.contextmanager
+def _as_the_caller(cwd: str, environ: dict[str, str]) -> Iterator[None]:
+    """The asking run's environment and working directory, for one request."""
+    saved, here = dict(os.environ), os.getcwd()
+    os.environ.clear()
+    os.environ.update(environ)
+    try:
+        with contextlib.suppress(OSError):
+            os.chdir(cwd)
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+        os.chdir(here)
+
+
+def _fresh_stores() -> None:
+    """Forget MLflow's cached stores and engines: the next request opens its store anew."""
+    from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
+    from mlflow.tracking._tracking_service.utils import _tracking_store_registry
+
+    for engine in list(SqlAlchemyStore._engine_map.values()):
+        engine.dispose()
+    SqlAlchemyStore._engine_map.clear()
+    _tracking_store_registry._get_store_with_resolved_uri.cache_clear()
+
+
+def handle(message: dict[str, Any], token: str) -> dict[str, Any]:
+    """One request: ``tracking.log_or_queue`` as the asking run would have run it."""
+    from evalfleet import tracking
+
+    if not isinstance(message.get("token"), str) or not secrets.compare_digest(message["token"], token):
+        return {"refused": "wrong token"}
+    req = message["request"]
+    captured = _Captured()
+    root = logging.getLogger()
+    root.addHandler(captured)
+    before = root.level
+    root.setLevel(logging.INFO)
+    try:
+        with _as_the_caller(str(message.get("cwd") or "/"), dict(message.get("environ") or {})):
+            try:
+                outputs = tracking.log_or_queue(
+                    Path(req["output"]), req["tracking_uri"], req["experiment"], req["report"],
+                    req["params"], [Path(a) for a in req["artifacts"]], req["run_name"])
+                answer: dict[str, Any] = {"outputs": outputs}
+            except Exception as err:  # noqa: BLE001 - the asking run reports it as its own
+                answer = {"raised": f"{type(err).__name__}: {err}"}
+            finally:
+                _fresh_stores()
+    finally:
+        root.removeHandler(captured)
+        root.setLevel(before)
+    answer["logs"] = [line for line in captured.lines if line[1] >= logging.INFO]
+    return answer
+
+
+def _peer_uid(conn: socket.socket) -> int:
+    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    return int(struct.unpack("3i", creds)[1])
+
+
+def serve() -> None:
+    """The logger's loop: one request at a time, until its record names another process."""
+    import mlflow.store.tracking.sqlalchemy_store  # noqa: F401 - what the runs no longer import
+    import mlflow.tracking  # noqa: F401
+
+    from evalfleet.server import locked
+
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
+    home = evalfleet_home()
+    token, address = secrets.token_hex(32), f"evalfleet-mlflow-{secrets.token_hex(12)}"
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.bind("\0" + address)
+    sock.listen(16)
+    with locked():
+        record = read_record()
+        if record is None or record.pid != os.getpid():
+            return  # replaced (or stopped) while it started
+        _write_record(LoggerRecord(pid=os.getpid(), key=code_key(), started=record.started,
+                                   address=address, token=token))
+    sock.settimeout(CHECK_EVERY_S)
+    while True:
+        try:
+            conn, _ = sock.accept()
+        except TimeoutError:
+            current = read_record()
+            if not home.exists() or current is None or current.pid != os.getpid():
+                return
+            continue
+        with conn:
+            try:
+                if _peer_uid(conn) != os.getuid():
+                    continue
+                conn.settimeout(30.0)
+                message = _receive(conn)
+                conn.settimeout(None)
+                _send(conn, handle(message, token))
+            except (OSError, ValueError, KeyError, TypeError) as err:
+                logger.warning("dropped a request: %s: %s", type(err).__name__, err)
+
+
+if __name__ == "__main__":
+    serve()

@@ -1,0 +1,172 @@
+"""The shared MLflow logger: a CLI run's MLflow run, logged by a process that keeps MLflow imported."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from evalfleet import mlflow_logger, tracking
+from evalfleet.server import locked
+from tests.core.test_mlflow_queue import REPORT
+
+
+def _report(request_id: str) -> dict:
+    return {**REPORT, "request_id": request_id}
+
+
+def _runs(db: Path) -> list:
+    client = MlflowClient(tracking_uri=f"sqlite:///{db}")
+    return client.search_runs([e.experiment_id for e in client.search_experiments()])
+
+
+@pytest.fixture
+def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("EVALFLEET_HOME", str(tmp_path / "home"))
+    (tmp_path / "home").mkdir()
+    return tmp_path / "home"
+
+
+@pytest.fixture
+def shared(home: Path) -> Iterator[mlflow_logger.LoggerRecord]:
+    """A real logger process of this code, listening; stopped at teardown."""
+    try:
+        with mlflow_logger.opted_in():
+            mlflow_logger.ensure_started()
+            deadline = time.monotonic() + 120
+            while (record := mlflow_logger.usable()) is None:
+                assert time.monotonic() < deadline, (home / "mlflow-logger.log").read_text()
+                time.sleep(0.1)
+        assert record.pid != os.getpid()
+        yield record
+    finally:
+        with locked():
+            mlflow_logger.stop()
+
+
+def _not_here(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(*args, **kwargs):  # type: ignore[no-untyped-def]
+        raise AssertionError("logged in the CLI's own process")
+
+    monkeypatch.setattr(tracking, "log_or_queue", refuse)
+
+
+def test_the_logger_logs_the_run_this_process_would_have(shared, tmp_path, monkeypatch):
+    here = tracking.log_or_queue(tmp_path / "a", tracking.default_tracking_uri(tmp_path / "a"), "exp",
+                                 _report("r-here"), {"episodes": 4}, [], "run")
+    _not_here(monkeypatch)
+    with mlflow_logger.opted_in():
+        there = mlflow_logger.log_or_queue(tmp_path / "b", tracking.default_tracking_uri(tmp_path / "b"),
+                                           "exp", _report("r-there"), {"episodes": 4}, [], "run")
+    assert set(here) == set(there) == {"mlflow_uri", "mlflow_run_id"}
+    [a], [b] = _runs(tmp_path / "a" / "mlflow.db"), _runs(tmp_path / "b" / "mlflow.db")
+    assert b.info.run_id == there["mlflow_run_id"] and b.info.status == "FINISHED"
+    assert a.data.metrics == b.data.metrics and a.data.params == b.data.params
+    volatile = {"evalfleet.request_id", "mlflow.user", "mlflow.source.name"}
+    assert ({k: v for k, v in a.data.tags.items() if k not in volatile}
+            == {k: v for k, v in b.data.tags.items() if k not in volatile})
+
+
+def test_a_results_folder_made_again_gets_its_run_in_the_new_store(shared, tmp_path, monkeypatch):
+    """A store deleted and made again between two runs: a cached engine wrote into the deleted file."""
+    _not_here(monkeypatch)
+    out = tmp_path / "out"
+    uri = tracking.default_tracking_uri(out)
+    with mlflow_logger.opted_in():
+        first = mlflow_logger.log_or_queue(out, uri, "exp", _report("r-1"), {}, [], "run")
+        shutil.rmtree(out)
+        second = mlflow_logger.log_or_queue(out, uri, "exp", _report("r-2"), {}, [], "run")
+    assert first["mlflow_run_id"] != second["mlflow_run_id"]
+    assert [r.info.run_id for r in _runs(out / "mlflow.db")] == [second["mlflow_run_id"]]
+
+
+def test_a_store_that_fails_is_queued_and_its_log_lines_reach_the_run(shared, tmp_path, monkeypatch, caplog):
+    _not_here(monkeypatch)
+    blocker = tmp_path / "blocker"
+    blocker.write_text("a file where the store's folder should be")
+    with mlflow_logger.opted_in(), caplog.at_level("ERROR"):
+        out = mlflow_logger.log_or_queue(tmp_path, f"sqlite:///{blocker / 'mlflow.db'}", "exp",
+                                         _report("r-down"), {}, [], "run")
+    assert Path(out["mlflow_queued"]) == (tracking.pending_dir(tmp_path) / "r-down.json").resolve()
+    assert Path(out["mlflow_queued"]).exists()
+    assert any("queued as" in r.getMessage() and r.name == "evalfleet.tracking" for r in caplog.records)
+
+
+def test_the_caller_environment_and_folder_are_the_logger_own_for_one_request(tmp_path):
+    saved, cwd = dict(os.environ), os.getcwd()
+    with mlflow_logger._as_the_caller(str(tmp_path), {"MLFLOW_PLANTED": "1"}):
+        assert dict(os.environ) == {"MLFLOW_PLANTED": "1"} and os.getcwd() == str(tmp_path)
+    assert dict(os.environ) == saved and os.getcwd() == cwd
+
+
+def test_a_wrong_token_logs_nothing(shared, tmp_path):
+    request = {"output": str(tmp_path), "tracking_uri": tracking.default_tracking_uri(tmp_path),
+               "experiment": "exp", "report": _report("r-forged"), "params": {}, "artifacts": [],
+               "run_name": "run"}
+    forged = mlflow_logger.LoggerRecord(pid=shared.pid, key=shared.key, started=0.0,
+                                        address=shared.address, token="0" * 64)
+    with pytest.raises(mlflow_logger._NotSent, match="wrong token"):
+        mlflow_logger._ask(forged, request)
+    assert not (tmp_path / "mlflow.db").exists()
+
+
+def test_a_logger_of_other_code_or_not_opted_in_is_not_used(shared, tmp_path):
+    assert mlflow_logger.usable() is None  # outside the CLI's run
+    with mlflow_logger.opted_in():
+        assert mlflow_logger.usable() == shared
+        with locked():
+            mlflow_logger._write_record(mlflow_logger.LoggerRecord(
+                pid=shared.pid, key="other code", started=shared.started, address=shared.address,
+                token=shared.token))
+        assert mlflow_logger.usable() is None
+        out = mlflow_logger.log_or_queue(tmp_path, tracking.default_tracking_uri(tmp_path), "exp",
+                                         _report("r-other"), {}, [], "run")  # logged here
+    assert [r.info.run_id for r in _runs(tmp_path / "mlflow.db")] == [out["mlflow_run_id"]]
+
+
+def test_a_logger_dying_before_its_answer_leaves_one_run(home, tmp_path, monkeypatch):
+    """The logger logged the run, then died: the run is adopted, not logged twice."""
+    out = tmp_path / "out"
+    uri = tracking.default_tracking_uri(out)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind("\0evalfleet-test-dying-logger")
+    listener.listen(1)
+
+    def die_after_logging() -> None:
+        conn, _ = listener.accept()
+        message = mlflow_logger._receive(conn)
+        req = message["request"]
+        tracking.log_or_queue(Path(req["output"]), req["tracking_uri"], req["experiment"],
+                              req["report"], req["params"], [], req["run_name"])
+        conn.close()  # no answer
+
+    thread = threading.Thread(target=die_after_logging)
+    thread.start()
+    with locked():
+        mlflow_logger._write_record(mlflow_logger.LoggerRecord(
+            pid=os.getpid(), key=mlflow_logger.code_key(), started=time.time(),
+            address="evalfleet-test-dying-logger", token="t"))
+    with mlflow_logger.opted_in():
+        got = mlflow_logger.log_or_queue(out, uri, "exp", _report("r-lost"), {}, [], "run")
+    thread.join()
+    listener.close()
+    runs = _runs(out / "mlflow.db")
+    assert [r.info.run_id for r in runs] == [got["mlflow_run_id"]]
+
+
+def test_adopting_deletes_a_run_left_unfinished(tmp_path):
+    uri = tracking.default_tracking_uri(tmp_path)
+    client = tracking.mlflow_client(uri)
+    exp = tracking._experiment_id(client, uri, "exp")
+    half = client.create_run(exp, tags={"evalfleet.request_id": "r-half"}).info.run_id
+    run_id = tracking.log_evaluation(uri, "exp", _report("r-half"), {}, [], "run", adopt=True)
+    assert run_id != half
+    assert [r.info.run_id for r in _runs(tmp_path / "mlflow.db")] == [run_id]
+    assert tracking.log_evaluation(uri, "exp", _report("r-half"), {}, [], "run", adopt=True) == run_id
