@@ -98,3 +98,41 @@ def test_the_evalfleet_command_has_server_status(home, capsys):
     assert f"no local Prefect server recorded in {home / 'server.json'}" in capsys.readouterr().out
     assert main(["server", "stop"]) == 0
     assert "no local Prefect server recorded" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_later_cli_runs_log_mlflow_through_the_shared_logger(home, tmp_path, example_policy):
+    """Issue 15: a CLI run with the shared server up imports no MLflow; its run is logged all the same."""
+    import re
+
+    from mlflow.tracking import MlflowClient
+
+    from evalfleet import mlflow_logger
+
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+    env.update(PYTHONPATH=str(ROOT), EVALFLEET_HOME=str(home), PREFECT_SERVER_ANALYTICS_ENABLED="false")
+    args = [sys.executable, "-X", "importtime", "flows/eval.py", "--policy", example_policy,
+            "--episodes", "6", "--concurrency", "3", "--workers", "1", "--output",
+            str(tmp_path / "out"), "--cache-dir", str(tmp_path / "cache")]
+    first = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stderr[-3000:]
+    deadline = time.monotonic() + 120
+    while (record := mlflow_logger.read_record()) is None or record.address is None:
+        assert time.monotonic() < deadline, (home / "mlflow-logger.log").read_text()
+        time.sleep(0.2)
+    assert alive(record.pid) and "shared logger pid" in mlflow_logger.describe()
+
+    hit = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert hit.returncode == 0, hit.stderr[-3000:]
+    assert re.search(r"cache\s+hit \(reused 6\)", hit.stdout), hit.stdout
+    imported = {m.group(1) for m in re.finditer(r"^import time:.*\|\s*(\S+)\s*$", hit.stderr, re.M)}
+    assert not {m for m in imported if m.split(".")[0] == "mlflow"}
+    ids = re.findall(r"mlflow_run_id\s+(\w+)", first.stdout + hit.stdout)
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'out' / 'mlflow.db'}")
+    miss_run, hit_run = (client.get_run(i) for i in ids)
+    assert hit_run.info.status == "FINISHED" and hit_run.info.run_id != miss_run.info.run_id
+    assert hit_run.data.metrics["eval/reward"] == miss_run.data.metrics["eval/reward"] > 0
+    assert hit_run.data.tags["evalfleet.request_id"] != miss_run.data.tags["evalfleet.request_id"]
+
+    stop_server()
+    assert not alive(record.pid) and mlflow_logger.read_record() is None
