@@ -198,8 +198,9 @@ def worker_preload(received: Received) -> tuple[str, ...]:
     return worker_modules(received.artifact.format != "callable")
 
 
-#: What stages 6 and 7 import on first use (~2 s in all): statistics, MLflow's SQL store, plots.
-LATER_MODULES = ("scipy.special", "mlflow.tracking", "mlflow.store.tracking.sqlalchemy_store",
+#: What stages 4 to 7 import on first use (~2.5 s in all): pandas (pyarrow imports it the first
+#: time it converts a column, in stage 4's round schedule), statistics, MLflow's SQL store, plots.
+LATER_MODULES = ("pandas", "scipy.special", "mlflow.tracking", "mlflow.store.tracking.sqlalchemy_store",
                  "evalfleet.plots")
 
 
