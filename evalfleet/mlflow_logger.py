@@ -98,10 +98,21 @@ def record_path() -> Path:
 
 
 def code_key() -> str:
-    """What must match for a logger to log as this process would: code, MLflow, interpreter."""
+    """What must match for a logger to log as this process would: code, MLflow, interpreter.
+
+    MLflow's folder's parent (site-packages) changes on any install or upgrade there: a new
+    sqlalchemy or alembic under the same MLflow version is other code too.
+    """
+    import importlib.util
+
     from evalfleet.provenance import code_version
 
-    return "|".join([code_version("evalfleet")[1], code_version("mlflow")[1], sys.executable])
+    spec = importlib.util.find_spec("mlflow")
+    installed = ""
+    if spec is not None and spec.origin:
+        with contextlib.suppress(OSError):
+            installed = str(Path(spec.origin).parents[1].stat().st_mtime_ns)
+    return "|".join([code_version("evalfleet")[1], code_version("mlflow")[1], installed, sys.executable])
 
 
 def read_record() -> LoggerRecord | None:
