@@ -153,7 +153,7 @@ def _median_of(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 def cold_cli(tmp: Path) -> dict[str, Any]:
     """Whole-process CLI runs: the first (server starts), later ones, cache hits; peak memory."""
-    from evalfleet import server
+    from evalfleet import mlflow_logger, server
 
     home = tmp / "efhome"
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
@@ -170,16 +170,18 @@ def cold_cli(tmp: Path) -> dict[str, Any]:
                           for i in range(3)])
         print(f"  CLI, cache hit: {hit['wall_s']:.1f} s (of {hit['walls_s']})", flush=True)
         default = _cli(["--output", str(tmp / "cli3"), "--no-cache"], env, sample=True)
-        state = server.read_state()
+        state, logger = server.read_state(), mlflow_logger.read_record()
         server_rss = psutil.Process(state.pid).memory_info().rss / 2**20 if state else None
+        # The shared MLflow logger, one per user like the server: outside the run's tree too.
+        logger_rss = psutil.Process(logger.pid).memory_info().rss / 2**20 if logger else None
         print(f"  CLI, default 500 episodes: {default['wall_s']:.1f} s, tree peak RSS "
               f"{default['peak_tree_rss_mib']:.0f} MiB, PSS {default['peak_tree_pss_mib']:.0f} MiB "
-              f"(+ shared server {server_rss:.0f} MiB)",
+              f"(+ shared server {server_rss:.0f} MiB, MLflow logger {logger_rss or 0:.0f} MiB)",
               flush=True)
     finally:
         server.stop_server()
     return {"first_run": first, "server_up": later, "cache_hit": hit, "default_500": default,
-            "shared_server_rss_mib": server_rss}
+            "shared_server_rss_mib": server_rss, "mlflow_logger_rss_mib": logger_rss}
 
 
 #: Envs without a native vector path and the policies they run with (issue 15, item 3).
