@@ -433,7 +433,7 @@ SuiteEvaluator = Callable[[Any, EvalRequest], Any]
 
 def run_suite(evaluate_suite: SuiteEvaluator | None, args: argparse.Namespace) -> int:
     """Evaluate ``--suite``: every task, then the aggregates across tasks; returns the exit code."""
-    from evalfleet.suite import load_suite
+    from evalfleet.suite import load_suite, refuse_task_settings
 
     try:
         with stop_on_sigterm():
@@ -442,14 +442,9 @@ def run_suite(evaluate_suite: SuiteEvaluator | None, args: argparse.Namespace) -
                     "--gate compares one evaluation with the best earlier checkpoint of its "
                     "training run; a suite has no such verdict across its tasks. Drop --gate, or "
                     "gate each task as its own evaluation (--env ... --gate).")
-            given = [option for option in SUITE_SETS if option in getattr(args, GIVEN, ())]
-            if given:  # each was ignored, exit 0: the tasks ran with the suite file's values
-                raise RequestError(
-                    f"{', '.join(given)} cannot be used with --suite: the suite file "
-                    f"{args.suite!r} sets each task's env, env kwargs, episodes and step cap, so "
-                    "they would be ignored. Drop them, or set them in the suite file ('env', "
-                    "'kwargs', 'episodes', 'max_steps' of a [[task]]; 'episodes' and 'max_steps' "
-                    "of [suite] for every task).")
+            # Each was ignored, exit 0: the tasks ran with the suite file's values.
+            refuse_task_settings([option for option in SUITE_SETS if option in getattr(args, GIVEN, ())],
+                                 "--suite", f"the suite file {args.suite!r}")
             suite = load_suite(args.suite)
             base = request_from_args(args)
             check_training_pair(base)

@@ -204,17 +204,14 @@ class Evaluator:
                 "'step' of each call."
             )
         if suite is not None:
+            from evalfleet.suite import refuse_task_settings
+
             # The suite's tasks set these: Evaluator(suite=..., env="Acrobot-v1", num_episodes=50)
             # ran the suite file's envs and budgets, without a word.
             given = [name for name, value in (("env", env), ("num_episodes", num_episodes))
                      if value is not None] + [name for name in ("env_kwargs", "max_steps")
                                               if name in request_fields]
-            if given:
-                raise SuiteError(
-                    f"{', '.join(map(repr, given))} cannot be used with 'suite': the suite file "
-                    f"{str(suite)!r} sets each task's env, env kwargs, episodes and step cap, so "
-                    "they would be ignored. Drop them, or set them in the suite file ('env', "
-                    "'kwargs', 'episodes', 'max_steps' of a [[task]]).")
+            refuse_task_settings(list(map(repr, given)), "'suite'", f"the suite file {str(suite)!r}")
             if metrics_fn is not None:  # it was never called: the result lacked its keys, silently
                 raise SuiteError(
                     f"'metrics_fn' cannot be used with 'suite' (got {metrics_fn!r}): it computes "

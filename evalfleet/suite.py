@@ -37,6 +37,7 @@ import json
 import math
 import tomllib
 from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Final
 
@@ -65,6 +66,7 @@ __all__ = [
     "alarm_names",
     "load_suite",
     "parse_suite",
+    "refuse_task_settings",
     "suite_aggregates",
     "task_requests",
     "task_scores",
@@ -372,6 +374,23 @@ def load_suite(path: str | Path) -> Suite:
     except tomllib.TOMLDecodeError as err:
         raise SuiteError(f"suite file {str(p)!r} is not valid TOML: {err}.") from err
     return parse_suite(data, str(p))
+
+
+def refuse_task_settings(given: Sequence[str], with_: str, suite_name: str) -> None:
+    """Refuse what each task of a suite sets for itself, given beside the suite (``SuiteError``).
+
+    ``task_requests`` takes every task's env, env kwargs, episodes and step cap from the suite:
+    given with one, each was ignored without a word (asked for 7 episodes capped at 20 through
+    the webhook, a suite ran 3 at cap 500). The CLI (``--suite``), the ``Evaluator``
+    (``suite=``) and the webhook receiver (a body's ``suite``) refuse them here, each naming
+    ``given`` in its own spelling; ``with_`` names the suite's option, ``suite_name`` the suite.
+    """
+    if given:
+        raise SuiteError(
+            f"{', '.join(given)} cannot be used with {with_}: {suite_name} sets each task's env, "
+            "env kwargs, episodes and step cap, so they would be ignored. Drop them, or set them in "
+            "the suite ('env', 'kwargs', 'episodes', 'max_steps' of a [[task]]; 'episodes' and "
+            "'max_steps' of [suite] for every task).")
 
 
 def task_requests(suite: Suite, base: EvalRequest) -> list[EvalRequest]:

@@ -21,7 +21,13 @@ import httpx
 from deployments import DEPLOYMENT, WEBHOOK_SECRET_ENV
 from deployments.webhook.flow_runs import FINAL_STATES, RETRYABLE_STATES, PrefectAPI
 from deployments.webhook.policy_copy import fetch_policy
-from deployments.webhook.schema import EvaluationCreate, Rejected, idempotency_key, parse_body
+from deployments.webhook.schema import (
+    EvaluationCreate,
+    Rejected,
+    idempotency_key,
+    parse_body,
+    suite_sets,
+)
 from deployments.webhook.store import Evaluation, EvaluationStore
 from evalfleet.callback import (
     DEFAULT_TOLERANCE_S,
@@ -184,6 +190,11 @@ class Receiver:
         body = parse_body(raw)
         if body.suite is not None:
             suite_parameter(body.suite)  # a bad suite is a 400 before the policy is fetched
+            check_suite_body(body)
+        elif body.env is None:
+            raise Rejected(400, "invalid_request", "'env' is required (e.g. {\"id\": "
+                           "\"CartPole-v1\"}): only a body with a 'suite' leaves it out, its tasks "
+                           "naming their envs.", field_name="env")
         if body.callback_url is not None:
             try:
                 self.config.egress.check(str(body.callback_url))
@@ -324,11 +335,13 @@ class Receiver:
     def _request(self, body: EvaluationCreate, policy_path: Path, evaluation_id: str
                  ) -> dict[str, Any]:
         cfg = self.config
+        # A suite's base request: its tasks set env, env kwargs, episodes and step cap.
+        task: dict[str, Any] = {} if body.env is None else dict(
+            env=body.env.id, env_kwargs=body.env.kwargs, episodes=body.protocol.episodes,
+            max_steps=body.protocol.max_steps)
         fields: dict[str, Any] = dict(
-            env=body.env.id, env_kwargs=body.env.kwargs, policy=str(policy_path),
-            policy_factory=body.policy.factory, episodes=body.protocol.episodes,
-            seed=body.protocol.seed, max_steps=body.protocol.max_steps,
-            deterministic=body.protocol.deterministic, isolation=cfg.isolation,
+            **task, policy=str(policy_path), policy_factory=body.policy.factory,
+            seed=body.protocol.seed, deterministic=body.protocol.deterministic, isolation=cfg.isolation,
             output=cfg.output.resolve(), mlflow_uri=cfg.mlflow_uri,
             experiment=body.experiment or cfg.experiment, training_run_id=body.training_run_id,
             step=body.step, callback_url=str(body.callback_url) if body.callback_url else None,
@@ -354,6 +367,22 @@ class Receiver:
             "step": evaluation.request.get("step"),
             "duplicate": duplicate,
         }
+
+
+def check_suite_body(body: EvaluationCreate) -> None:
+    """A 400 for fields of a suite body that its tasks set for themselves (as the CLI's ``--suite``).
+
+    Accepted, each was ignored: a suite asked for 7 episodes capped at 20 ran the suite's 3 at
+    the env's cap of 500, answered 202, and the ignored fields still made another idempotency key.
+    """
+    from evalfleet.suite import refuse_task_settings
+
+    given = suite_sets(body)
+    try:
+        refuse_task_settings([repr(name) for name in given], "'suite'", "the body's suite")
+    except RequestError as err:
+        raise Rejected(400, "invalid_request", str(err), field_name=given[0],
+                       extra={"problems": [{"field": f, "reason": str(err)} for f in given]}) from None
 
 
 def suite_parameter(data: dict[str, Any]) -> dict[str, Any]:

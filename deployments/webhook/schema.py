@@ -47,13 +47,16 @@ class EvalProtocol(_Strict):
     max_steps: int | None = Field(None, gt=0, description="Step cap; None = the env's own.")
     deterministic: bool = Field(True, description="argmax actions (True) or sampled (False).")
 
-
 class EvaluationCreate(_Strict):
     """Body of ``POST /v1/evaluations``."""
 
     policy: PolicyRef
-    env: EnvRef
-    protocol: EvalProtocol = Field(default_factory=lambda: EvalProtocol.model_validate({}))
+    env: EnvRef | None = Field(None, description="Required, except with a suite (its tasks name "
+                               "their envs, and an env given with one is refused).")
+    protocol: EvalProtocol = Field(
+        default_factory=lambda: EvalProtocol.model_validate({}),
+        description="With a suite only 'seed' and 'deterministic': its tasks set their episodes "
+        "and step caps.")
     training_run_id: str | None = Field(None, max_length=256, description="Trainer's run id.")
     step: int | None = Field(None, ge=0, description="Training step of these weights.")
     callback_url: AnyHttpUrl | None = Field(None, description="Where the signed report is POSTed.")
@@ -63,7 +66,17 @@ class EvaluationCreate(_Strict):
         "reward-hacking alarm watches across checkpoints (default: the success rate).")
     suite: dict[str, Any] | None = Field(
         None, description="A suite: suite.toml's structure as JSON ({'suite': {...}, 'task': "
-        "[...]}, see evalfleet.suite); every task is evaluated and aggregated ('env' is unused).")
+        "[...]}, see evalfleet.suite); every task is evaluated and aggregated. Its tasks set "
+        "env, env kwargs, episodes and step cap: 'env', 'protocol.episodes' and "
+        "'protocol.max_steps' given with it are refused.")
+
+def suite_sets(body: EvaluationCreate) -> list[str]:
+    """The fields of ``body`` that its suite's tasks set for themselves (would be ignored)."""
+    if body.suite is None:
+        return []
+    return ["env"] * (body.env is not None) + [
+        f"protocol.{name}" for name in ("episodes", "max_steps")
+        if name in body.protocol.model_fields_set]
 
 
 def idempotency_key(body: EvaluationCreate) -> str:
@@ -78,8 +91,8 @@ def idempotency_key(body: EvaluationCreate) -> str:
     doc = {
         "policy_sha256": body.policy.sha256,
         "policy_factory": body.policy.factory,
-        "env": body.env.id,
-        "env_kwargs": body.env.kwargs,
+        "env": body.env.id if body.env is not None else None,  # None: a suite's (its tasks name theirs)
+        "env_kwargs": body.env.kwargs if body.env is not None else {},
         "seed": body.protocol.seed,
         "episodes": body.protocol.episodes,
         "max_steps": body.protocol.max_steps,

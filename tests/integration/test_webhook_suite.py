@@ -19,7 +19,13 @@ def test_suite_through_the_webhook(service: Service) -> None:
     assert bad.status_code == 400, bad.text
     assert bad.json()["field"] == "suite" and "'episodes' is missing" in bad.json()["reason"]
 
-    r = service.post(doc(302, suite=SUITE))
+    refused = service.post(doc(302, suite=SUITE))  # its env, episodes and step cap: ignored
+    assert refused.status_code == 400, refused.text
+    assert refused.json()["reason"].startswith("'env', 'protocol.episodes', 'protocol.max_steps' "
+                                               "cannot be used with 'suite'")
+    body = doc(302, suite=SUITE, protocol={"seed": 302})  # the suite names envs and budgets
+    del body["env"]
+    r = service.post(body)
     assert r.status_code == 202, r.text
     single = service.post(doc(302))  # the same body without the suite is another evaluation
     assert single.json()["id"] != r.json()["id"] and single.json()["duplicate"] is None
