@@ -11,7 +11,7 @@ import hashlib
 import json
 from typing import Any
 
-from pydantic import AnyHttpUrl, BaseModel, ConfigDict, Field, ValidationError
+from pydantic import AnyHttpUrl, BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from evalfleet.callback import canonical_json
 from evalfleet.seeds import MAX_BASE_SEED
@@ -19,6 +19,14 @@ from evalfleet.seeds import MAX_BASE_SEED
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+def _no_bool(value: Any) -> Any:
+    # pydantic's int takes true as 1: 'episodes: true' ran one episode and 'step: true' was step 1,
+    # past EvalRequest's own bool check (it saw the 1).
+    if isinstance(value, bool):
+        raise ValueError(f"must be an integer, not a bool (got {json.dumps(value)})")
+    return value
 
 
 class PolicyRef(_Strict):
@@ -47,6 +55,9 @@ class EvalProtocol(_Strict):
     max_steps: int | None = Field(None, gt=0, description="Step cap; None = the env's own.")
     deterministic: bool = Field(True, description="argmax actions (True) or sampled (False).")
 
+    _ints = field_validator("episodes", "seed", "max_steps", mode="before")(_no_bool)
+
+
 class EvaluationCreate(_Strict):
     """Body of ``POST /v1/evaluations``."""
 
@@ -69,6 +80,9 @@ class EvaluationCreate(_Strict):
         "[...]}, see evalfleet.suite); every task is evaluated and aggregated. Its tasks set "
         "env, env kwargs, episodes and step cap: 'env', 'protocol.episodes' and "
         "'protocol.max_steps' given with it are refused.")
+
+    _step = field_validator("step", mode="before")(_no_bool)
+
 
 def suite_sets(body: EvaluationCreate) -> list[str]:
     """The fields of ``body`` that its suite's tasks set for themselves (would be ignored)."""
@@ -142,7 +156,8 @@ def parse_body(raw: bytes) -> EvaluationCreate:
         return EvaluationCreate.model_validate(data)
     except ValidationError as err:
         problems = [
-            {"field": ".".join(str(p) for p in e["loc"]) or "body", "reason": e["msg"]}
+            {"field": ".".join(str(p) for p in e["loc"]) or "body",
+             "reason": str(e["msg"]).removeprefix("Value error, ")}
             for e in err.errors()
         ]
         first = problems[0]

@@ -78,3 +78,16 @@ def test_a_body_without_suite_needs_its_env(receiver: Receiver, memory: MemoryPr
     assert status == 400 and answer["field"] == "env", answer
     assert answer["reason"].startswith("'env' is required"), answer
     assert not memory.runs
+
+
+@pytest.mark.parametrize("where", ["protocol.episodes", "protocol.seed", "protocol.max_steps", "step"])
+def test_a_bool_for_an_integer_is_refused(receiver: Receiver, memory: MemoryPrefect,
+                                          where: str) -> None:
+    # 'episodes: true' ran 1 episode and 'step: true' was step 1: pydantic's int took true as 1.
+    body = doc(7)
+    *parents, name = where.split(".")
+    (body[parents[0]] if parents else body)[name] = True
+    status, answer = deliver(receiver, body, f"bool-{where}")
+    assert status == 400 and answer["field"] == where, answer
+    assert answer["reason"] == "must be an integer, not a bool (got true)", answer
+    assert not memory.runs
