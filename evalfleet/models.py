@@ -53,6 +53,9 @@ MAX_SANDBOX_MEMORY_MB = 128 * 1024 * 1024
 #: driver plans every episode's index and seed at once: 10^8 is a few GiB of plan, 1e12 died of a
 #: bare MemoryError. The webhook's own cap is lower (100,000 per delivery).
 MAX_EPISODES = 100_000_000
+#: Largest training step: MLflow's steps and the Parquet 'step' column are int64. A larger one
+#: was accepted, its episodes ran, and stage 7 failed with OverflowError (exit 1, no report).
+MAX_STEP = 2**63 - 1
 #: A request id names the evaluation's folder (``OUTPUT/runs/<id>``) and files beside it, so it
 #: is a plain file name: no '/', no '..', not hidden. Generated ids are 16 hex digits; a suite's
 #: tasks add '-tNN' and a baseline '-baseline' to theirs.
@@ -366,6 +369,10 @@ class EvalRequest(_Frozen):
                 "ledger derives each episode's seed from it.")
         if self.step is not None and self.step < 0:
             raise RequestError(f"'step' must be a training step >= 0 (got {self.step!r}).")
+        if self.step is not None and self.step > MAX_STEP:
+            raise RequestError(
+                f"'step' must be a training step from 0 to {MAX_STEP} (2^63 - 1: MLflow's steps and "
+                f"the episodes' 'step' column are int64; got {self.step!r}).")
         if not self.experiment.strip():
             raise RequestError("'experiment' is empty: name the MLflow experiment, e.g. 'evalfleet'.")
         if self.mlflow_uri is not None:

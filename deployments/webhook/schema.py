@@ -14,6 +14,7 @@ from typing import Any
 from pydantic import AnyHttpUrl, BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from evalfleet.callback import canonical_json
+from evalfleet.models import MAX_STEP
 from evalfleet.seeds import MAX_BASE_SEED
 
 
@@ -69,7 +70,8 @@ class EvaluationCreate(_Strict):
         description="With a suite only 'seed' and 'deterministic': its tasks set their episodes "
         "and step caps.")
     training_run_id: str | None = Field(None, max_length=256, description="Trainer's run id.")
-    step: int | None = Field(None, ge=0, description="Training step of these weights.")
+    step: int | None = Field(None, ge=0, le=MAX_STEP, description="Training step of these weights "
+                             "(MLflow steps and the Parquet 'step' column are int64).")
     callback_url: AnyHttpUrl | None = Field(None, description="Where the signed report is POSTed.")
     experiment: str | None = Field(None, max_length=256, description="MLflow experiment override.")
     outcome_metric: str | None = Field(

@@ -14,6 +14,7 @@ from evalfleet.suite import Suite, task_requests
 
 from .test_webhook_deliveries import SECRET, MemoryPrefect, doc, make_receiver, post
 
+MAX_STEP = 2**63 - 1  # int64: MLflow's steps and the episodes' 'step' column
 SUITE = {"suite": {"name": "s"}, "task": [{"env": "CartPole-v1", "episodes": 3}]}
 
 
@@ -78,6 +79,16 @@ def test_a_body_without_suite_needs_its_env(receiver: Receiver, memory: MemoryPr
     assert status == 400 and answer["field"] == "env", answer
     assert answer["reason"].startswith("'env' is required"), answer
     assert not memory.runs
+
+
+def test_a_step_past_int64_is_refused(receiver: Receiver, memory: MemoryPrefect) -> None:
+    # Accepted (202), its episodes ran, and stage 7 failed with OverflowError: no report.
+    status, answer = deliver(receiver, doc(MAX_STEP + 1), "big-step")
+    assert status == 400 and answer["field"] == "step", answer
+    assert answer["reason"] == f"Input should be less than or equal to {MAX_STEP}", answer
+    assert not memory.runs
+    status, answer = deliver(receiver, doc(MAX_STEP), "last-step")
+    assert status == 202 and answer["step"] == MAX_STEP, answer
 
 
 @pytest.mark.parametrize("where", ["protocol.episodes", "protocol.seed", "protocol.max_steps", "step"])

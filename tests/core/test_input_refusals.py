@@ -1,0 +1,42 @@
+"""Inputs that were accepted and then meant something else, or failed late: refused when given."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from evalfleet.cli import run_cli
+from evalfleet.client import Evaluator
+from evalfleet.errors import RequestError
+from evalfleet.models import EvalRequest
+
+MAX_STEP = 2**63 - 1  # int64: MLflow's steps and the episodes' 'step' column
+
+
+def refuse(*args: Any, **kwargs: Any) -> Any:
+    raise AssertionError("the request was evaluated; it should have been refused")
+
+
+# ------------------------------------------------------- a step past int64
+
+
+def test_a_step_past_int64_is_refused_by_the_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # Its episodes ran, then stage 7's pa.array([step], pa.int64()) raised OverflowError: exit 1.
+    argv = ["--training-run-id", "probe-big", "--step", "100000000000000000000",
+            "--output", str(tmp_path)]
+    assert run_cli(refuse, argv) == 2
+    assert ("evalfleet: error: 'step' must be a training step from 0 to 9223372036854775807 (2^63 - 1: "
+            "MLflow's steps and the episodes' 'step' column are int64; got 100000000000000000000)."
+            in capsys.readouterr().err)
+    assert EvalRequest.build(policy="x", training_run_id="r", step=MAX_STEP).step == MAX_STEP
+
+
+def test_a_step_past_int64_is_refused_by_the_evaluator(tmp_path: Path) -> None:
+    with Evaluator(output=tmp_path, runner=refuse, training_run_id="r") as ev:
+        with pytest.raises(RequestError, match=r"^'step' must be a training step from 0 to "
+                           rf"{MAX_STEP} .*got {MAX_STEP + 1}\)"):
+            ev.evaluate(torch.nn.Sequential(torch.nn.Linear(4, 2)), step=MAX_STEP + 1, timeout=60)
+        assert ev.pending == 0
