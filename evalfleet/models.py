@@ -382,6 +382,13 @@ class EvalRequest(_Frozen):
                 f"'max_steps' must be a positive integer or None (got {self.max_steps!r})."
             )
         kwarg_cap = self.env_kwargs.get("max_episode_steps")
+        if isinstance(kwarg_cap, bool) or not isinstance(kwarg_cap, int | None) or (
+                kwarg_cap is not None and kwarg_cap <= 0):
+            # gym.make took true as a cap of 1 (a bool is an int), and --max-steps 1 "agreed" with it.
+            raise RequestError(
+                f"env_kwargs' 'max_episode_steps' must be a positive integer (got {kwarg_cap!r}): "
+                "it caps every episode at that many steps. Pass e.g. {\"max_episode_steps\": 200}, "
+                "or --max-steps 200.")
         if self.max_steps is not None and "max_episode_steps" in self.env_kwargs and (
                 kwarg_cap != self.max_steps):
             # Both cap the episode: max_steps won, and the report's kwargs showed the other cap.

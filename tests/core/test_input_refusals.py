@@ -40,3 +40,25 @@ def test_a_step_past_int64_is_refused_by_the_evaluator(tmp_path: Path) -> None:
                            rf"{MAX_STEP} .*got {MAX_STEP + 1}\)"):
             ev.evaluate(torch.nn.Sequential(torch.nn.Linear(4, 2)), step=MAX_STEP + 1, timeout=60)
         assert ev.pending == 0
+
+
+# ------------------------------------------------------- max_episode_steps: true
+
+
+@pytest.mark.parametrize("cap", [True, False, 0, -3, 2.5, "200"])
+def test_a_max_episode_steps_kwarg_that_is_no_positive_integer_is_refused(cap: Any) -> None:
+    # true was taken as a cap of 1 (a fresh key and protocol), and --max-steps 1 "agreed" with it.
+    with pytest.raises(RequestError, match=r"^env_kwargs' 'max_episode_steps' must be a positive "
+                       rf"integer \(got {cap!r}\): it caps every episode"):
+        EvalRequest.build(policy="x", env_kwargs={"max_episode_steps": cap})
+    assert EvalRequest.build(policy="x", env_kwargs={"max_episode_steps": 7}).env_kwargs == {
+        "max_episode_steps": 7}
+    assert EvalRequest.build(policy="x", env_kwargs={"max_episode_steps": None}).env_kwargs == {
+        "max_episode_steps": None}
+
+
+def test_max_episode_steps_true_with_max_steps_1_is_refused_by_the_cli(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--env-kwargs", '{"max_episode_steps": true}', "--max-steps", "1", "--output", str(tmp_path)]
+    assert run_cli(refuse, argv) == 2
+    assert "env_kwargs' 'max_episode_steps' must be a positive integer (got True)" in capsys.readouterr().err
