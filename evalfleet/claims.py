@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import socket
 import time
@@ -24,6 +25,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from evalfleet.errors import RequestError
 from evalfleet.storage import write_json
 
 logger = logging.getLogger(__name__)
@@ -111,11 +113,32 @@ def _stale(claim: dict[str, Any]) -> bool:
     return False
 
 
+def wait_s() -> float:
+    """``$EVALFLEET_HISTORY_WAIT_S`` in seconds (``DEFAULT_WAIT_S`` unset); a bad one is a ``RequestError``.
+
+    Stage 1 reads it (``pipeline.history_claim``): read first in stage 7, '10m' failed the run
+    after its episodes, with a bare ValueError naming no variable, exit 1 and no report.
+    """
+    raw = os.environ.get(WAIT_ENV)
+    if raw is None:
+        return DEFAULT_WAIT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value >= 0):
+        raise RequestError(
+            f"{WAIT_ENV}={raw!r}: expected a finite number of seconds >= 0 (how long a training "
+            "run's checkpoint waits for earlier steps being evaluated before its verdict), e.g. "
+            f"600 or 0.5; unset it for {DEFAULT_WAIT_S:g}.")
+    return value
+
+
 def wait_for_earlier(output: Path, tracking_uri: str, training_run_id: str, step: int,
                      timeout_s: float | None = None) -> list[dict[str, Any]]:
     """Wait until no earlier step of the run is in flight; the claims still there at the timeout."""
     if timeout_s is None:
-        timeout_s = float(os.environ.get(WAIT_ENV, DEFAULT_WAIT_S))
+        timeout_s = wait_s()
     deadline = time.monotonic() + timeout_s
     busy = earlier_in_flight(output, tracking_uri, training_run_id, step)
     if busy:

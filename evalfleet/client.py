@@ -42,6 +42,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
+from evalfleet.claims import wait_s
 from evalfleet.errors import EvalfleetError, OutputsMissing, PolicyError, SuiteError
 from evalfleet.models import EvalReport, EvalRequest, check_training_pair
 from evalfleet.runners import EvaluationFailed, Runner, find_runner, load_runner
@@ -238,6 +239,8 @@ class Evaluator:
             policy="(set per evaluation)", policy_factory=self.factory,
             **({"step": 0} if training_run_id is not None else {}), **fields,
         ).model_copy(update={"step": None})
+        if training_run_id is not None:  # every call's stage 7 waits this long for earlier steps
+            wait_s()
         from evalfleet.suite import load_suite
 
         self.suite = load_suite(suite) if suite is not None else None  # a bad suite fails here

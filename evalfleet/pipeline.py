@@ -41,7 +41,7 @@ from evalfleet.cache import (
     env_environment,
     key_ingredients,
 )
-from evalfleet.claims import claim_path, claimed, describe, release, wait_for_earlier
+from evalfleet.claims import claim_path, claimed, describe, release, wait_for_earlier, wait_s
 from evalfleet.envspec import named_files, named_paths, resolve_env_for, resolved_here
 from evalfleet.errors import RequestError, StaleWorkerCode
 from evalfleet.mlflow_logger import log_or_queue
@@ -1083,8 +1083,11 @@ def with_history(request: EvalRequest, report: EvalReport, table: pa.Table) -> E
 def history_claim(request: EvalRequest) -> AbstractContextManager[Path | None]:
     """The claim of the request on its step of the training run (``evalfleet.claims``).
 
-    Held by the caller from stage 1 until the MLflow run is logged or queued.
+    Held by the caller from stage 1 until the MLflow run is logged or queued. The wait stage 7
+    gives earlier steps is read here too: a bad ``EVALFLEET_HISTORY_WAIT_S`` is refused now.
     """
+    if request.training_run_id is not None and request.step is not None:
+        wait_s()
     return claimed(request.output, request.mlflow_uri or default_tracking_uri(request.output),
                    request.training_run_id, request.step, request.request_id)
 

@@ -24,6 +24,7 @@ from prefect.utilities.annotations import quote
 from prefect_dask import DaskTaskRunner
 
 from evalfleet.callback import check_callback
+from evalfleet.claims import wait_s
 from evalfleet.cluster import client_for, fleet_cluster, installed, worker_slots
 from evalfleet.errors import SuiteError
 from evalfleet.models import EvalReport, EvalRequest
@@ -208,6 +209,8 @@ def evaluate_suite(suite: Suite, base: EvalRequest) -> SuiteReport:
     """
     if base.callback_url:  # the suite's report goes there: it must be signable and reachable
         check_callback(base.callback_url)
+    if base.training_run_id is not None and base.step is not None:
+        wait_s()  # each task's stage 7 waits for earlier steps this long: a bad value fails now
     mine = task_requests(suite, base)
     groups = [mine] + ([baseline_requests(mine, base.baseline, base.baseline_factory)]
                        if base.baseline else [])

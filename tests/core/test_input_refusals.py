@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 import torch
 
+from evalfleet.claims import DEFAULT_WAIT_S, WAIT_ENV
 from evalfleet.cli import run_cli
 from evalfleet.client import Evaluator
 from evalfleet.errors import RequestError
@@ -62,3 +63,34 @@ def test_max_episode_steps_true_with_max_steps_1_is_refused_by_the_cli(
     argv = ["--env-kwargs", '{"max_episode_steps": true}', "--max-steps", "1", "--output", str(tmp_path)]
     assert run_cli(refuse, argv) == 2
     assert "env_kwargs' 'max_episode_steps' must be a positive integer (got True)" in capsys.readouterr().err
+
+
+# ------------------------------------------------------- EVALFLEET_HISTORY_WAIT_S
+
+
+@pytest.mark.parametrize("raw", ["10m", "", "-1", "nan", "inf"])
+def test_a_bad_history_wait_names_the_variable(monkeypatch: pytest.MonkeyPatch, raw: str) -> None:
+    from evalfleet.claims import wait_s
+
+    monkeypatch.setenv(WAIT_ENV, raw)
+    with pytest.raises(RequestError, match=rf"^EVALFLEET_HISTORY_WAIT_S={raw!r}: expected a finite "
+                       r"number of seconds >= 0 \(how long"):
+        wait_s()
+
+
+def test_the_history_wait_reads_good_values(monkeypatch: pytest.MonkeyPatch) -> None:
+    from evalfleet.claims import wait_s
+
+    monkeypatch.delenv(WAIT_ENV, raising=False)
+    assert wait_s() == DEFAULT_WAIT_S
+    for raw, value in (("0", 0.0), ("2.5", 2.5), (" 30 ", 30.0)):
+        monkeypatch.setenv(WAIT_ENV, raw)
+        assert wait_s() == value
+
+
+def test_an_evaluator_of_a_training_run_refuses_a_bad_history_wait(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(WAIT_ENV, "10m")
+    with pytest.raises(RequestError, match=r"^EVALFLEET_HISTORY_WAIT_S='10m'"):
+        Evaluator(output=tmp_path, runner=refuse, training_run_id="r")
+    Evaluator(output=tmp_path, runner=refuse).shutdown()  # no training run: no history, no wait
