@@ -285,11 +285,26 @@ def run_cache(args: argparse.Namespace) -> int:
     if not args.keys and not args.all:
         print("evalfleet cache rm: name keys (or prefixes) to remove, or pass --all", file=sys.stderr)
         return EXIT_BAD_REQUEST
-    removed = 0
-    for e in entries:
-        key = str(e["key"])
-        if args.all or any(key.startswith(k) for k in args.keys):
-            removed += cache.remove(key)
+    keys = [str(e["key"]) for e in entries]
+    chosen = set(keys) if args.all else set()
+    for prefix in [] if args.all else args.keys:
+        # '' is a prefix of every key: 'cache rm "$KEY"' with KEY unset removed the whole cache.
+        if not prefix.strip():
+            print(f"evalfleet cache rm: an empty key ({prefix!r}) names no entry; nothing was "
+                  "removed. Name a key (or a unique prefix) from 'evalfleet cache ls', or pass --all.",
+                  file=sys.stderr)
+            return EXIT_BAD_REQUEST
+        matches = [key for key in keys if key.startswith(prefix)]
+        if len(matches) > 1:
+            print(f"evalfleet cache rm: {prefix!r} is the prefix of {len(matches)} entries "
+                  f"({', '.join(m[:16] for m in matches[:10])}{', ...' if len(matches) > 10 else ''}); "
+                  "nothing was removed. Give more of the key, name each key, or pass --all.",
+                  file=sys.stderr)
+            return EXIT_BAD_REQUEST
+        if not matches:
+            print(f"evalfleet cache rm: no entry's key starts with {prefix!r}", file=sys.stderr)
+        chosen.update(matches)
+    removed = sum(cache.remove(key) for key in keys if key in chosen)
     print(f"removed {removed} entries from {cache.root}")
     return EXIT_OK
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -9,7 +10,7 @@ import pytest
 import torch
 
 from evalfleet.claims import DEFAULT_WAIT_S, WAIT_ENV
-from evalfleet.cli import run_cli
+from evalfleet.cli import cache_command, run_cli
 from evalfleet.client import Evaluator
 from evalfleet.errors import RequestError
 from evalfleet.models import EvalRequest
@@ -94,3 +95,42 @@ def test_an_evaluator_of_a_training_run_refuses_a_bad_history_wait(
     with pytest.raises(RequestError, match=r"^EVALFLEET_HISTORY_WAIT_S='10m'"):
         Evaluator(output=tmp_path, runner=refuse, training_run_id="r")
     Evaluator(output=tmp_path, runner=refuse).shutdown()  # no training run: no history, no wait
+
+
+# ------------------------------------------------------- cache rm
+
+
+def plant(root: Path, *keys: str) -> None:
+    for key in keys:
+        folder = root / key[:2] / key
+        folder.mkdir(parents=True)
+        (folder / "manifest.json").write_text(json.dumps({"key": key, "rows": 3, "ingredients": {}}))
+
+
+def left(root: Path) -> list[str]:
+    return sorted(p.parent.name for p in root.glob("*/*/manifest.json"))
+
+
+def test_cache_rm_refuses_an_empty_or_ambiguous_prefix(tmp_path: Path,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    # 'cache rm "$KEY"' with KEY unset removed every entry, exit 0.
+    a1, a2, c = "ab1" + "0" * 61, "ab2" + "0" * 61, "cd3" + "0" * 61
+    plant(tmp_path, a1, a2, c)
+    where = ["--cache-dir", str(tmp_path)]
+    for empty in ("", "  "):
+        assert cache_command(["rm", empty, *where]) == 2
+        assert (f"evalfleet cache rm: an empty key ({empty!r}) names no entry; nothing was removed."
+                in capsys.readouterr().err)
+    assert cache_command(["rm", "ab", *where]) == 2
+    assert (f"evalfleet cache rm: 'ab' is the prefix of 2 entries ({a1[:16]}, {a2[:16]}); nothing "
+            "was removed. Give more of the key" in capsys.readouterr().err)
+    assert cache_command(["rm", "cd", "ab", *where]) == 2  # nothing removed, not even the unique one
+    assert left(tmp_path) == [a1, a2, c]
+    capsys.readouterr()
+
+    assert cache_command(["rm", "ab1", c, *where]) == 0
+    assert f"removed 2 entries from {tmp_path}" in capsys.readouterr().out
+    assert left(tmp_path) == [a2]
+    assert cache_command(["rm", "ff", *where]) == 0  # removing what is gone is no error
+    assert "no entry's key starts with 'ff'" in capsys.readouterr().err
+    assert cache_command(["rm", "--all", *where]) == 0 and left(tmp_path) == []
