@@ -10,6 +10,7 @@ Nothing here imports Prefect at import time, so the receiver starts fast.
 
 from __future__ import annotations
 
+import argparse
 import os
 
 #: The served flow and its deployment (``FLOW_NAME/DEPLOYMENT_NAME`` in Prefect's API and UI).
@@ -37,3 +38,34 @@ def resolve_secret(env_var: str, block: str | None = None) -> str:
 
     secret: str = Secret.load(block).get()  # type: ignore[union-attr]
     return secret
+
+
+def at_least_one(text: str) -> int:
+    """An ``argparse`` type: an integer >= 1 (``--workers``, ``--limit``).
+
+    ``evalfleet serve --workers 0`` came up "ready" with no workers: every webhook was answered
+    202, then its run failed 50 s later; ``--limit 0`` served a deployment that runs nothing.
+    """
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1 (got {value})")
+    return value
+
+
+def poll_seconds(text: str) -> int:
+    """An ``argparse`` type: ``--poll``, whole seconds >= 1 (Prefect's runner polls in whole seconds).
+
+    A fraction was rounded without a word, and anything below 1 s became 1 s.
+    """
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not (value >= 1 and value.is_integer()):
+        raise argparse.ArgumentTypeError(
+            f"expected whole seconds >= 1, got {text!r}: Prefect's runner polls for scheduled runs "
+            "every whole number of seconds, at least 1 (pass e.g. 1)")
+    return int(value)

@@ -40,6 +40,8 @@ from deployments import (
     DEPLOYMENT,
     WEBHOOK_PREVIOUS_SECRET_ENV,
     WEBHOOK_SECRET_ENV,
+    at_least_one,
+    poll_seconds,
     resolve_secret,
 )
 from deployments.webhook import add_egress_options
@@ -380,9 +382,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--prefect-port", type=int, default=4200,
                    help="port of the Prefect server started here (0: any free)")
     s.add_argument("--dask-address", default=None, help="use this Dask scheduler instead")
-    s.add_argument("--workers", type=int, default=2, help="local Dask worker processes")
-    s.add_argument("--limit", type=int, default=2, help="evaluations running at once")
-    s.add_argument("--poll", type=float, default=1.0, help="deployment poll interval, seconds")
+    s.add_argument("--workers", type=at_least_one, default=2, help="local Dask worker processes")
+    s.add_argument("--limit", type=at_least_one, default=2, help="evaluations running at once")
+    s.add_argument("--poll", type=poll_seconds, default=1,
+                   help="deployment poll interval, whole seconds >= 1")
     s.add_argument("--state-dir", default=".evalfleet",
                    help="PREFECT_HOME (if unset), receiver store, policy copies, logs")
     s.add_argument("--output", default="results", help="results folder (Parquet, reports, MLflow)")

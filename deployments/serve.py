@@ -20,7 +20,14 @@ from typing import Any
 
 from prefect import flow
 
-from deployments import DASK_ADDRESS_ENV, DEPLOYMENT_NAME, FLOW_NAME, resolve_secret
+from deployments import (
+    DASK_ADDRESS_ENV,
+    DEPLOYMENT_NAME,
+    FLOW_NAME,
+    at_least_one,
+    poll_seconds,
+    resolve_secret,
+)
 from deployments.webhook.receiver import report_path
 from evalfleet.callback import CALLBACK_SECRET_ENV, FAILURE_EVENT, REPORT_EVENT, send_report_callback
 from evalfleet.errors import RequestError
@@ -122,9 +129,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dask-address", default=os.environ.get(DASK_ADDRESS_ENV),
                    help=f"scheduler of the evaluation cluster (default: ${DASK_ADDRESS_ENV})")
     p.add_argument("--name", default=DEPLOYMENT_NAME, help="deployment name")
-    p.add_argument("--limit", type=int, default=2, help="flow runs executing at once")
-    p.add_argument("--poll", type=float, default=1.0,
-                   help="seconds between polls for scheduled runs (Prefect's default is 10)")
+    p.add_argument("--limit", type=at_least_one, default=2, help="flow runs executing at once")
+    p.add_argument("--poll", type=poll_seconds, default=1,
+                   help="whole seconds between polls for scheduled runs, >= 1 (Prefect's default is 10)")
     p.add_argument("--callback-secret-block", default=None,
                    help=f"Prefect Secret block signing report callbacks when ${CALLBACK_SECRET_ENV} "
                    "is unset")
@@ -150,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         logger.warning("%s is not set: reports will not be POSTed to callback URLs",
                        CALLBACK_SECRET_ENV)
-    with temporary_settings(updates={PREFECT_RUNNER_POLL_FREQUENCY: max(1, round(args.poll))}):
+    with temporary_settings(updates={PREFECT_RUNNER_POLL_FREQUENCY: args.poll}):
         service_flow.serve(
             name=args.name,
             limit=args.limit,
