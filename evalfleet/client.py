@@ -244,6 +244,13 @@ class Evaluator:
         from evalfleet.suite import load_suite
 
         self.suite = load_suite(suite) if suite is not None else None  # a bad suite fails here
+        if suite is not None and runner is not None and not callable(getattr(runner, "suite", None)):
+            # Accepted here, it failed on every trigger: the training loop learnt of it at its first
+            # checkpoint. (A runner found by entry point is loaded at the first call, checked there.)
+            raise SuiteError(
+                f"the runner {runner!r} cannot run suites: it has no suite(suite, request) method. "
+                "Use the default runner (leave 'runner' out), give the runner a suite method, or "
+                "drop 'suite'.")
         self.busy_policy = busy_policy
         self.on_result = on_result
         self.metrics_fn = metrics_fn

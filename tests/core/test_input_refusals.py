@@ -12,7 +12,7 @@ import torch
 from evalfleet.claims import DEFAULT_WAIT_S, WAIT_ENV
 from evalfleet.cli import cache_command, run_cli
 from evalfleet.client import Evaluator
-from evalfleet.errors import RequestError
+from evalfleet.errors import RequestError, SuiteError
 from evalfleet.models import EvalRequest
 
 MAX_STEP = 2**63 - 1  # int64: MLflow's steps and the episodes' 'step' column
@@ -64,6 +64,25 @@ def test_max_episode_steps_true_with_max_steps_1_is_refused_by_the_cli(
     argv = ["--env-kwargs", '{"max_episode_steps": true}', "--max-steps", "1", "--output", str(tmp_path)]
     assert run_cli(refuse, argv) == 2
     assert "env_kwargs' 'max_episode_steps' must be a positive integer (got True)" in capsys.readouterr().err
+
+
+# ------------------------------------------------------- a suite with a runner that cannot run one
+
+
+def test_a_suite_with_a_runner_without_suite_is_refused_at_construction(tmp_path: Path) -> None:
+    # Accepted, it failed on every trigger_eval, in the background: the training loop learnt of
+    # it at its first checkpoint, from wait().
+    path = tmp_path / "suite.toml"
+    path.write_text('[suite]\nepisodes = 3\n[[task]]\nenv = "CartPole-v1"\n')
+
+    def single(request: Any) -> Any:
+        raise AssertionError("never called")
+
+    with pytest.raises(SuiteError, match=r"^the runner <function .*single.*> cannot run suites: it has "
+                       r"no suite\(suite, request\) method. Use the default runner"):
+        Evaluator(output=tmp_path, runner=single, suite=path)
+    single.suite = lambda suite, request: None  # type: ignore[attr-defined]
+    Evaluator(output=tmp_path, runner=single, suite=path).shutdown()
 
 
 # ------------------------------------------------------- EVALFLEET_HISTORY_WAIT_S
