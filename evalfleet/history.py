@@ -89,6 +89,7 @@ __all__ = [
     "evaluations",
     "feed_back_history",
     "logged_episodes",
+    "never_best",
     "protocol_id",
     "report_protocol",
     "unsettled_best",
@@ -742,6 +743,35 @@ def assess(
     return out
 
 
+def never_best(history: dict[str, Any], reasons: list[str]) -> dict[str, Any]:
+    """``history`` with its checkpoint kept from being the best for ``reasons``: the best stays.
+
+    A checkpoint whose verdict (``first``, ``new_best``) would make it the best while the history
+    never trusts it as one (a harness fault, failures of the policy that flatter it: ``_usable``)
+    keeps the earlier best (the one it was compared with; none for a first), and
+    ``best_withheld`` names why. Else, later steps were judged against the earlier best while its
+    report, MLflow tags and ``Evaluator.best_step`` called this one the best.
+    """
+    if not reasons or history.get("verdict") not in BEST_VERDICTS:
+        return history
+    best = history.get("compared_with") or {}
+    out = dict(history, best_withheld=sorted({*(history.get("best_withheld") or []), *reasons}))
+    if history.get("best_step") == history.get("step"):
+        out.update(best_step=best.get("step"), best_policy_sha256=best.get("policy_sha256"))
+    return out
+
+
+def withheld_for(report: dict[str, Any], history: dict[str, Any]) -> list[str]:
+    """Why the history must never take ``report``'s checkpoint as a best (``never_best``).
+
+    ``harness_fault`` (too many episodes unscored, a recording shortfall, inputs that changed
+    while it ran) and the alarms of failures that flatter it (``FLATTERED``), the report's and
+    the history's own: ``_usable`` drops such a checkpoint when later steps are judged.
+    """
+    names = {str(a).split(":", 1)[0] for a in [*(report.get("alarms") or []), *alarm_lines(history)]}
+    return (["harness_fault"] if report.get("harness_fault") else []) + sorted(names & FLATTERED)
+
+
 def _planned_by(table: pa.Table, cp: Checkpoint) -> pa.Table:
     """The rows of ``table`` on indices ``cp``'s evaluation also planned: the pairable ones.
 
@@ -839,7 +869,9 @@ def report_curve_row(report: dict[str, Any]) -> dict[str, Any]:
         "success_ci_high": (success.get("ci") or {}).get("high"),
         "failure_rate": report.get("failure_rate"), "episode_length": report["lengths"].get("mean"),
         "episodes": report.get("episodes"), "verdict": history.get("verdict"),
-        "best": history.get("verdict") in ("first", "new_best"),
+        # What its tags will say (``tracking.history_tags``): not a best withheld, late or faulted.
+        "best": history.get("verdict") in BEST_VERDICTS and history.get("best_step") == report.get("step")
+        and not history.get("best_withheld") and not report.get("harness_fault"),
         "alarms": [a["alarm"] for a in history.get("alarms") or []],
         "policy_sha256": report.get("policy_sha256"), "mlflow_run_id": None,
     }
@@ -870,4 +902,4 @@ def feed_back_history(report: dict[str, Any], table: pa.Table, tracking_uri: str
     out["training_run_id"] = run_id
     out["protocol"] = proto
     out["curve"] = [curve_row(c) for c in earlier if c.step < int(step)]
-    return out
+    return never_best(out, withheld_for(report, out))

@@ -886,6 +886,10 @@ def review(
     if alarms:
         report = report.model_copy(update={"alarms": [*report.alarms, *alarms],
                                            "harness_fault": report.harness_fault or bool(shortfall)})
+    if shortfall and report.history:  # a harness fault now: never the training run's best
+        from evalfleet.history import never_best
+
+        report = report.model_copy(update={"history": never_best(report.history, ["harness_fault"])})
     adaptive = report.adaptive or {}
     # matplotlib: imported by the review step only
     from evalfleet.plots import HISTORY_FILE, render_history, render_plots

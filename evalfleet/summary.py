@@ -56,8 +56,12 @@ def _history(h: dict[str, object]) -> str:
     elif h.get("note"):
         text += f" ({h['note']})"
     best = h.get("best_step")
-    return text + (f"; best checkpoint: step {best}" if best is not None else
-                   "; no best checkpoint under this protocol")
+    text += (f"; best checkpoint: step {best}" if best is not None else
+             "; no best checkpoint under this protocol")
+    withheld = h.get("best_withheld")
+    if isinstance(withheld, list) and withheld:
+        text += f" (this one is never the best: {', '.join(str(w) for w in withheld)})"
+    return text
 
 
 def percent(share: float, digits: int = 2) -> str:

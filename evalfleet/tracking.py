@@ -187,7 +187,9 @@ def history_tags(report: dict[str, Any]) -> dict[str, str]:
         flattered = {str(a).split(":", 1)[0] for a in report.get("alarms") or []} & FLATTERED
         if history.get("best_withheld"):
             tags[TAG_WITHHELD] = ",".join(history["best_withheld"])
+        # A harness fault is never the best (``history.never_best``), as the history reads it back.
         tags["evalfleet.best"] = str(history.get("best_step") == report.get("step") and not flattered
+                                     and not report.get("harness_fault")
                                      and history["verdict"] in ("first", "new_best")).lower()
         tags["evalfleet.best_step"] = str(history.get("best_step"))
     if history.get("outcome_metric"):

@@ -1,0 +1,129 @@
+"""Every surface of one evaluation tells the story its report.json and its history tell.
+
+Planted cases on the real stores (``tests.core.test_history``'s ``evaluate_checkpoint``: stage 7's
+history step and the real MLflow logging into a SQLite store), on the ``Courier`` env.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+from mlflow.tracking import MlflowClient
+
+from evalfleet.cli import EXIT_OK, run_history
+from evalfleet.history import checkpoints, report_curve_row
+from evalfleet.summary import summary_text
+from tests.core.test_history import _table, evaluate_checkpoint
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One MLflow store and cache for the module; every test keeps to its own training run ids."""
+    return tmp_path_factory.mktemp("surfaces")
+
+
+def _set(table: pa.Table, name: str, values: dict[int, object]) -> pa.Table:
+    """``table`` with column ``name`` set to ``values`` at those rows."""
+    i = table.schema.get_field_index(name)
+    column = table.column(name).to_pylist()
+    for row, value in values.items():
+        column[row] = value
+    return table.set_column(i, table.schema.field(i), pa.array(column, table.schema.field(i).type))
+
+
+def _faulted(policy: str, lost: int = 3) -> pa.Table:
+    """``policy``'s episodes with the first ``lost`` of 40 lost to the harness (a harness fault)."""
+    return _set(_table(policy), "end_reason", dict.fromkeys(range(lost), "env_error"))
+
+
+def test_a_harness_fault_is_never_the_best_checkpoint_on_any_surface(store, tmp_path, capsys):
+    """Step 2 (careful, 3 of 40 episodes lost to the harness: coverage 92.5%) beats step 1 on
+    its 37 scored pairs. Before, it was new_best with ``best_step`` 2 in report.json, tagged
+    ``evalfleet.best=true`` and ``eval/best_step`` 2 in MLflow, starred in ``evalfleet history``,
+    while the history that judged step 3 skipped it (a harness fault) for step 1."""
+    import torch
+
+    from evalfleet.client import Evaluator
+    from evalfleet.review import report_page
+
+    uri = f"sqlite:///{store / 'mlflow.db'}"
+    first = evaluate_checkpoint(store, "careless", 1, run="faulted-best")
+    faulted = evaluate_checkpoint(store, "careful", 2, run="faulted-best", table=_faulted("careful"))
+    assert faulted.harness_fault and faulted.coverage == 37 / 40
+    h = faulted.history
+    assert h["verdict"] == "new_best" and h["compared_with"]["step"] == 1
+    assert (h["best_step"], h["best_policy_sha256"]) == (1, first.policy_sha256)
+    assert h["best_withheld"] == ["harness_fault"]
+    assert "; best checkpoint: step 1 (this one is never the best: harness_fault)" in summary_text(faulted)
+    page = report_page(faulted, [], {}, tmp_path / "report.html").read_text()
+    assert "Best checkpoint: step 1" in page and "never the best: harness_fault" in page
+    assert report_curve_row(faulted.model_dump(mode="json"))["best"] is False
+    client = MlflowClient(uri)
+    [run] = client.search_runs([client.get_experiment_by_name("evalfleet").experiment_id],
+                               "tags.`evalfleet.request_id` = 'faulted-best-careful-2-0'")
+    assert run.data.tags["evalfleet.best"] == "false"
+    assert run.data.tags["evalfleet.best_step"] == "1"
+    assert run.data.tags["evalfleet.best_withheld"] == "harness_fault"
+    assert run.data.metrics["eval/best_step"] == 1
+    assert [(c.step, c.best) for c in checkpoints(uri, "faulted-best")] == [(1, True), (2, False)]
+    args = argparse.Namespace(training_run_id="faulted-best", output=str(store), mlflow_uri=None,
+                              plot=None, json=False)
+    capsys.readouterr()
+    assert run_history(args) == EXIT_OK
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()[1:3]]
+    assert [(r[0], r[7], "*" in r) for r in rows] == [("1", "first", True), ("2", "new_best", False)]
+    # The history judges step 3 against step 1, as every surface now says.
+    later = evaluate_checkpoint(store, "careful", 3, run="faulted-best")
+    assert (later.history["compared_with"]["step"], later.history["best_step"]) == (1, 3)
+    reports = iter([first, faulted])
+    with Evaluator(env="CartPole-v1", num_episodes=4, output=tmp_path / "ev",
+                   runner=lambda request: next(reports)) as ev:
+        results = [ev.evaluate(torch.nn.Linear(4, 2), step=s) for s in (1, 2)]
+    assert [r["eval/best_step"] for r in results] == [1, 1]
+    assert (ev.best_step, ev.best_policy_sha256) == (1, first.policy_sha256)
+
+
+def test_a_first_checkpoint_that_is_a_harness_fault_is_no_best(store, tmp_path):
+    """Before, a faulted first checkpoint was ``best_step`` 1 everywhere (``Evaluator.best_step``
+    too) while the next step's history said no earlier checkpoint was trusted."""
+    import torch
+
+    from evalfleet.client import Evaluator
+
+    uri = f"sqlite:///{store / 'mlflow.db'}"
+    faulted = evaluate_checkpoint(store, "careful", 1, run="faulted-first", table=_faulted("careful"))
+    h = faulted.history
+    assert (h["verdict"], h["best_step"], h["best_policy_sha256"]) == ("first", None, None)
+    assert h["best_withheld"] == ["harness_fault"]
+    assert ("no best checkpoint under this protocol (this one is never the best: harness_fault)"
+            in summary_text(faulted))
+    [cp] = checkpoints(uri, "faulted-first")
+    assert cp.best is False and cp.withheld
+    later = evaluate_checkpoint(store, "careless", 2, run="faulted-first")
+    assert (later.history["verdict"], later.history["best_step"]) == ("no_paired_episodes", None)
+    reports = iter([faulted, later])
+    with Evaluator(env="CartPole-v1", num_episodes=4, output=tmp_path / "ev",
+                   runner=lambda request: next(reports)) as ev:
+        results = [ev.evaluate(torch.nn.Linear(4, 2), step=s) for s in (1, 2)]
+    assert [r["eval/best_step"] for r in results] == [None, None]
+    assert ev.best_step is None
+
+
+def test_failures_that_flatter_a_checkpoint_keep_the_earlier_best_in_its_report(store):
+    """One episode the policy ended with a return above the completed ones' (the README:
+    ``history.best_step`` stays the earlier best, ``best_withheld`` names the alarm). Before,
+    only the MLflow tag said so: report.json, ``eval/best_step`` and the result said step 2."""
+    uri = f"sqlite:///{store / 'mlflow.db'}"
+    first = evaluate_checkpoint(store, "careless", 1, run="flattered")
+    table = _set(_set(_table("careful"), "end_reason", {0: "policy_error"}), "return", {0: 50.0})
+    flattered = evaluate_checkpoint(store, "careful", 2, run="flattered", table=table)
+    assert any(a.startswith("policy_failures_flatter:") for a in flattered.alarms)
+    h = flattered.history
+    assert h["verdict"] == "new_best"
+    assert (h["best_step"], h["best_policy_sha256"]) == (1, first.policy_sha256)
+    assert h["best_withheld"] == ["history_pairs_policy_flatter", "policy_failures_flatter"]
+    [run] = [c for c in checkpoints(uri, "flattered") if c.step == 2]
+    assert run.metrics["eval/best_step"] == 1 and run.best is False
