@@ -836,8 +836,11 @@ class ReplayFailed(Exception):
 def review(
     request: EvalRequest, received: Received, report: EvalReport, table: pa.Table, folder: Path,
     collected_replays: ReviewReplays | None = None,
-) -> tuple[EvalReport, list[Path]]:
+) -> tuple[EvalReport, list[Path], Callable[[EvalReport], Path]]:
     """Failure clusters, replays (trajectories, videos, actions), plots and the report page.
+
+    Also returns what renders the page again for a later report (its plots and videos as they
+    are): alarms raised after the review (``feed_back``) must reach the page too.
 
     Replays step the env at the evaluation's isolation level (a sandbox of the same level for
     ``process`` and ``bwrap``) with the policy on the episodes' device. ``collected_replays``:
@@ -902,8 +905,11 @@ def review(
     if curve:  # the training run's curve so far, on the page (and in MLflow with the plots)
         plots = dict(plots, history=render_history(curve, folder / "plots" / HISTORY_FILE,
                                                    title=f"training run {report.training_run_id}"))
-    page = report_page(report, clusters, plots, folder / "report.html", videos=videos, notes=notes)
-    return report, [*files, *plots.values(), page]
+
+    def page(shown: EvalReport) -> Path:
+        return report_page(shown, clusters, plots, folder / "report.html", videos=videos, notes=notes)
+
+    return report, [*files, *plots.values(), page(report)], page
 
 
 #: What the review writes in a run folder (``review``): plots, videos, trajectories, the page.
@@ -959,12 +965,13 @@ def feed_back(
     # the miss's; only the files (plots, replays, page) are skipped.
     report = report.model_copy(update={"failure_clusters": cluster_failures(collected.table)})
     clear_review_outputs(folder)  # an earlier run under this request id (a retry) left its own
+    page: Callable[[EvalReport], Path] | None = None  # renders report.html again (review)
     try:
         skipped = review_skipped(request, collected)
         if skipped is not None:
             raise _SkipReview(skipped)
-        report, review_files = review(request, received, report, collected.table, folder,
-                                      collected.replays)
+        report, review_files, page = review(request, received, report, collected.table, folder,
+                                            collected.replays)
         artifacts += review_files
         outputs.update({k: str(v.resolve()) for k, v in review_files_by_name(review_files).items()})
     except _SkipReview as why:
@@ -1009,6 +1016,8 @@ def feed_back(
     final = scrubbed(report.model_copy(update={"outputs": outputs, "timings": timings,
                                                "alarms": with_missing(report.alarms,
                                                                       missing[logged_missing:])}))
+    if page is not None and missing[logged_missing:]:  # MLflow's alarms come after the page
+        page(final)
     write_json(final.model_dump(mode="json"), report_path)
     if request.callback_url:  # last, so the trainer gets the MLflow run id; never raises
         from evalfleet.callback import send_report_callback
@@ -1019,24 +1028,29 @@ def feed_back(
             final.alarms, [f"the callback to the trainer: {outcome}"])
         final = scrubbed(final.model_copy(update={"outputs": {**final.outputs, "callback": outcome},
                                                   "alarms": alarms}))
-        if len(final.alarms) > logged and "mlflow_run_id" in final.outputs:
-            final = late_alarms_logged(final, final.alarms[logged:])
         write_json(final.model_dump(mode="json"), report_path)
+        if len(final.alarms) > logged:  # the page, and MLflow's copies, show them too
+            shown = [page(final)] if page is not None else []
+            if "mlflow_run_id" in final.outputs:
+                final = late_alarms_logged(final, final.alarms[logged:], [report_path, *shown])
+                write_json(final.model_dump(mode="json"), report_path)
     return final
 
 
-def late_alarms_logged(report: EvalReport, late: list[str]) -> EvalReport:
+def late_alarms_logged(report: EvalReport, late: list[str],
+                       artifacts: Sequence[Path] = ()) -> EvalReport:
     """The report once the alarms raised after its MLflow run was logged are logged there too.
 
     The run's alarm tags and ``eval/alarm_count`` (there and in the trainer's run) then agree
-    with report.json. Like every other sink it never costs the results: a failure is stated in
+    with report.json, and ``artifacts`` (report.json and the page, written with them) replace
+    the run's copies. Like every other sink it never costs the results: a failure is stated in
     ``outputs['mlflow_alarms_error']``.
     """
     from evalfleet.tracking import log_late_alarms
 
     try:
         log_late_alarms(report.outputs["mlflow_uri"], report.outputs["mlflow_run_id"],
-                        report.model_dump(mode="json"), late)
+                        report.model_dump(mode="json"), late, list(artifacts))
     except Exception as err:  # the store went away since: logged and stated, never fatal
         logger.error("could not log the late alarms into MLflow run %s: %s",
                      report.outputs["mlflow_run_id"], err)

@@ -228,22 +228,26 @@ def alarm_tag(alarm: str) -> str:
 
 
 def log_late_alarms(tracking_uri: str, mlflow_run_id: str, report: dict[str, Any],
-                    late: list[str]) -> None:
+                    late: list[str], artifacts: list[Path] | None = None) -> None:
     """Tag alarms raised after the evaluation's MLflow run was logged (a failed callback).
 
     ``eval/alarm_count`` is logged again, at the step, into that run and the trainer's run, with
     a later timestamp: MLflow's latest value then agrees with report.json. ``late``: the alarm
-    lines (``name: message``) added since. Raises what MLflow raises; the caller says so.
+    lines (``name: message``) added since. ``artifacts`` (report.json and report.html as written
+    with them) replace the run's copies, which the run was logged with before. Raises what MLflow
+    raises; the caller says so.
     """
     from mlflow.entities import Metric, RunTag
 
     _bound_http()
     client = mlflow_client(tracking_uri)
-    timestamp = max(int(time.time() * 1000), int(client.get_run(mlflow_run_id).info.start_time) + 1)
+    run = client.get_run(mlflow_run_id)
+    timestamp = max(int(time.time() * 1000), int(run.info.start_time) + 1)
     count = float(len(report.get("alarms") or []))
     client.log_batch(mlflow_run_id,
                      metrics=[Metric("eval/alarm_count", count, timestamp, int(report.get("step") or 0))],
                      tags=[RunTag(alarm_tag(a), "true") for a in late])
+    _log_files(client, run, artifacts or [])
     log_into_trainer_run(client, report, {"eval/alarm_count": count}, timestamp)
 
 

@@ -127,3 +127,77 @@ def test_failures_that_flatter_a_checkpoint_keep_the_earlier_best_in_its_report(
     assert h["best_withheld"] == ["history_pairs_policy_flatter", "policy_failures_flatter"]
     [run] = [c for c in checkpoints(uri, "flattered") if c.step == 2]
     assert run.metrics["eval/best_step"] == 1 and run.best is False
+
+
+def _stage_7(output: Path, request_id: str, *, callback_url: str | None = None):
+    """Stage 7 of an evaluation of ``careless`` (no training run) with its review: plots and page
+    (its replays planted as failed, which is a note, not an alarm)."""
+    from types import SimpleNamespace
+
+    import tests.core.courier as courier
+    from evalfleet.models import EvalRequest
+    from evalfleet.pipeline import feed_back
+    from evalfleet.report import aggregate
+    from evalfleet.review_replays import ReviewReplays
+
+    table = _table("careless")
+    request = EvalRequest(env=courier.ENV_ID, policy="tests.core.courier:careless",
+                          episodes=table.num_rows, output=output, cache_dir=output / "cache",
+                          request_id=request_id, callback_url=callback_url)
+    report = aggregate(request, table, env_spec={"env_id": courier.ENV_ID}, env_spec_hash="spec",
+                       policy={"sha256": "ab" * 32}, isolation="inprocess", timings={"run": 1.0},
+                       cache={"status": "miss", "key": "ab" * 32}, run_seconds=1.0)
+    collected = SimpleNamespace(table=table, fresh=table,
+                                replays=ReviewReplays("cpu", error="RuntimeError: planted"))
+    return feed_back(request, None, report, collected)  # type: ignore[arg-type]
+
+
+def _shown(page: str) -> list[str]:
+    """The alarm boxes of a report page, by name."""
+    import html
+    import re
+
+    return [html.unescape(a).split(":", 1)[0]
+            for a in re.findall(r'<div class="alarm"><strong>ALARM</strong> ([^<]*)</div>', page)]
+
+
+def test_an_alarm_raised_after_mlflow_logged_the_run_reaches_the_page_and_its_artifacts(
+        tmp_path, monkeypatch):
+    """The trainer's callback is refused (nothing listens on its port): ``output_missing`` comes
+    after the page was rendered and the MLflow run logged. Before, report.json, the Prefect state
+    and the run's tags had it, while report.html (the file and MLflow's copy) and MLflow's
+    report.json did not: the page showed only the alarms of the review."""
+    import json
+    import socket
+
+    with socket.socket() as s:  # a loopback port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("EVALFLEET_CALLBACK_SECRET", "surfaces-callback-secret")
+    monkeypatch.setenv("EVALFLEET_ALLOWED_HOSTS", f"127.0.0.1:{port}")
+    monkeypatch.setenv("EVALFLEET_CALLBACK_ATTEMPTS", "1")
+    final = _stage_7(tmp_path, "late-callback", callback_url=f"http://127.0.0.1:{port}/cb")
+    names = [a.split(":", 1)[0] for a in final.alarms]
+    assert names[-1] == "output_missing" and "mlflow_alarms_error" not in final.outputs
+    assert json.loads(Path(final.outputs["report"]).read_text())["alarms"] == final.alarms
+    assert _shown(Path(final.outputs["report_html"]).read_text()) == names
+    client = MlflowClient(final.outputs["mlflow_uri"])
+    run = client.get_run(final.outputs["mlflow_run_id"])
+    assert run.data.tags["evalfleet.alarm.output_missing"] == "true"
+    copies = Path(client.download_artifacts(run.info.run_id, "", str(tmp_path / "copies")))
+    assert json.loads((copies / "report.json").read_text())["alarms"] == final.alarms
+    assert _shown((copies / "report.html").read_text()) == names
+
+
+def test_an_mlflow_run_that_cannot_be_logged_is_an_alarm_on_the_page(tmp_path, monkeypatch):
+    """The experiment is deleted in the store (planted: the answer ``log_or_queue`` gives then).
+    Before, report.json had ``output_missing: the MLflow run ...`` and the page did not."""
+    import evalfleet.pipeline as pipeline
+
+    queued = {"mlflow_error": "MlflowException: planted", "mlflow_queued": str(tmp_path / "q.json"),
+              "mlflow_permanent": "its experiment is deleted in the store (planted)"}
+    monkeypatch.setattr(pipeline, "log_or_queue", lambda *args, **kwargs: dict(queued))
+    final = _stage_7(tmp_path, "late-mlflow")
+    assert final.alarms[-1].startswith("output_missing: the MLflow run: its experiment is deleted")
+    assert _shown(Path(final.outputs["report_html"]).read_text()) == [
+        a.split(":", 1)[0] for a in final.alarms]
