@@ -29,9 +29,9 @@ import numpy as np
 import pyarrow as pa
 
 from evalfleet import stats
-from evalfleet.models import EndReason, EvalRequest, Shard
-from evalfleet.report import FAILURE_ALARM_RATE
+from evalfleet.models import FAILURE_ALARM_RATE, EndReason, EvalRequest, Shard
 from evalfleet.scoring import outcomes, row_kinds, scored_returns
+from evalfleet.summary import percent_beyond
 
 AUDIT_FRACTION = 0.02
 AUDIT_MIN = 2
@@ -451,7 +451,8 @@ def harness_pairs_alarm(comparison: dict[str, Any] | None, name: str = "baseline
         return None
     theirs = int(comparison.get("dropped_harness_baseline") or 0)
     both = int(comparison.get("dropped_harness_both") or 0)
-    return (f"{name}_pairs_harness: {k} of {planned} pairs ({k / planned:.1%}; > "
+    share = percent_beyond(k / planned, FAILURE_ALARM_RATE)
+    return (f"{name}_pairs_harness: {k} of {planned} pairs ({share}; > "
             f"{FAILURE_ALARM_RATE:.0%}) were left out of the paired comparison with "
             f"{comparison.get('baseline')} because the harness failed on a side ({theirs - both} "
             f"on its run only, {k - theirs} on this one only, {both} on both: env errors, "

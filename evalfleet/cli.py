@@ -20,6 +20,7 @@ from evalfleet.console import QUIET_ENV, configure_console, quiet_environment
 from evalfleet.environ import restored_environment
 from evalfleet.errors import EvalfleetError, IsolationUnavailable, RequestError, Stopped
 from evalfleet.models import (
+    FAILURE_ALARM_RATE,
     INPUTS_CHANGED,
     OUTPUT_MISSING,
     RECORDING_INCOMPLETE,
@@ -28,7 +29,7 @@ from evalfleet.models import (
     check_training_pair,
 )
 from evalfleet.server import SERVER_MODE_ENV
-from evalfleet.summary import percent, summary_text
+from evalfleet.summary import percent, percent_beyond, summary_text
 
 #: The bundled example policy: a 4-64-64-2 TorchScript MLP that balances CartPole-v1.
 EXAMPLE_POLICY = str(files("evalfleet") / "data" / "cartpole_mlp.pt")
@@ -493,7 +494,8 @@ def run_suite(evaluate_suite: SuiteEvaluator | None, args: argparse.Namespace) -
         print(f"evalfleet: harness fault in a suite task: {'; '.join(recording)}", file=sys.stderr)
         return EXIT_HARNESS_FAULT
     if report.harness_fault and not args.allow_failures:
-        faulted = [f"{t['name']} (coverage {percent(t['coverage'], 1)})" for t in report.tasks
+        faulted = [f"{t['name']} (coverage {percent_beyond(t['coverage'], 1 - FAILURE_ALARM_RATE)})"
+                   for t in report.tasks
                    if t.get("harness_fault") and "coverage" in t] or ["the baseline's"]
         print("evalfleet: harness fault in a suite task: more than 5% of its episodes failed in the "
               f"harness ({', '.join(faulted)}; pass --allow-failures to exit 0 anyway)",
@@ -561,7 +563,8 @@ def _run_eval(evaluate: Callable[[EvalRequest], EvalReport], args: argparse.Name
                 if a.startswith((f"{RECORDING_INCOMPLETE}: ", f"{INPUTS_CHANGED}: "))]
     if unwaived or (report.harness_fault and not args.allow_failures):
         why = "; ".join(unwaived) if unwaived else (
-            f"more than 5% of episodes failed in the harness (coverage {percent(report.coverage, 1)})"
+            "more than 5% of episodes failed in the harness (coverage "
+            f"{percent_beyond(report.coverage, 1 - FAILURE_ALARM_RATE)})"
             " (pass --allow-failures to exit 0 anyway)")
         print(f"evalfleet: harness fault: {why}", file=sys.stderr)
         return EXIT_HARNESS_FAULT

@@ -41,6 +41,9 @@ _RUN_ID = re.compile(r"[A-Za-z0-9._\-:/@+]{1,256}")
 #: where the shards wait (threading's TIMEOUT_MAX, ~292 years, for a forward; epoll's int
 #: milliseconds, ~24.8 days, for a sandbox's answer) once the cluster was up.
 MAX_TIMEOUT_S = 1_000_000.0
+#: Above this share of planned episodes left unscored (harness failures) the evaluation is a
+#: harness fault, not a policy result (``report.aggregate``; the CLI's and Prefect's texts).
+FAILURE_ALARM_RATE = 0.05
 #: Shortest policy timeout, seconds. Below it no forward returns in time (handing a batch to the
 #: forward's thread and waking the watch takes about a millisecond before any model runs): every
 #: episode ended as policy_timeout at step 0, scored as the policy's fault, and the run exited 0.

@@ -12,15 +12,13 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from evalfleet import stats
-from evalfleet.models import EndReason, EvalReport, EvalRequest
+from evalfleet.models import FAILURE_ALARM_RATE, EndReason, EvalReport, EvalRequest
 from evalfleet.sandbox.isolation import isolation_manifest
 from evalfleet.sandbox.limits import sandbox_limits
 from evalfleet.sandbox.slots import UNREADABLE_FLAG
 from evalfleet.scoring import Outcomes, outcomes
+from evalfleet.summary import percent_beyond
 
-#: Above this share of planned episodes left unscored (harness failures) the evaluation is a
-#: harness fault, not a policy result.
-FAILURE_ALARM_RATE = 0.05
 #: Above this share of episodes ended by the policy (invalid actions, errors or hangs in its
 #: forward) the ``policy_failures`` alarm asks to look: the headline already counts them, but a
 #: policy that breaks often usually has a wiring bug (action-space drift, a device mismatch).
@@ -176,13 +174,15 @@ def aggregate(
     harness_fault = unscored_rate > FAILURE_ALARM_RATE
     if harness_fault:
         alarms.append(
-            f"harness_failures: {unscored_rate:.1%} of episodes could not be scored "
-            f"({_by_reason(reasons[~scored])}; > {FAILURE_ALARM_RATE:.0%}, coverage "
-            f"{coverage:.1%}); treat this evaluation as a harness fault, not a policy result"
+            f"harness_failures: {percent_beyond(unscored_rate, FAILURE_ALARM_RATE)} of episodes "
+            f"could not be scored ({_by_reason(reasons[~scored])}; > {FAILURE_ALARM_RATE:.0%}, "
+            f"coverage {percent_beyond(coverage, 1 - FAILURE_ALARM_RATE)}); treat this evaluation "
+            "as a harness fault, not a policy result"
         )
     if policy_rate > POLICY_FAILURE_ALARM_RATE:
         alarms.append(
-            f"policy_failures: {policy_rate:.1%} of episodes were ended by the policy "
+            f"policy_failures: {percent_beyond(policy_rate, POLICY_FAILURE_ALARM_RATE)} of "
+            "episodes were ended by the policy "
             f"({_by_reason(reasons[kinds.policy])}; > {POLICY_FAILURE_ALARM_RATE:.0%}); they "
             "count in every headline figure with their partial return and success false"
         )

@@ -79,6 +79,19 @@ def percent(share: float, digits: int = 2) -> str:
     return text
 
 
+def percent_beyond(share: float, threshold: float, digits: int = 1) -> str:
+    """``percent(share, digits)``, with more digits where it would round onto ``threshold``.
+
+    An alarm that says a share is past a threshold must not print the threshold itself: 6 of
+    119 episodes unscored read "5.0% ... > 5%, coverage 95.0%" beside the summary's 94.96%; now
+    "5.04% ... > 5%, coverage 94.96%". Rounding to nearest never crosses the threshold, so only
+    a tie with it needs the digits.
+    """
+    while digits < 6 and share != threshold and f"{share:.{digits}%}" == f"{threshold:.{digits}%}":
+        digits += 1
+    return percent(share, digits)
+
+
 def _episodes_line(report: EvalReport) -> str:
     """Planned, scored (completed + policy failures with a return), and what is left out.
 

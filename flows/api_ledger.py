@@ -37,8 +37,10 @@ from typing import Any, TypeVar, cast
 import httpx
 from pydantic import BaseModel
 
+from evalfleet.models import FAILURE_ALARM_RATE
 from evalfleet.server import evalfleet_home
 from evalfleet.storage import write_json
+from evalfleet.summary import percent_beyond
 
 logger = logging.getLogger(__name__)
 
@@ -161,7 +163,8 @@ def final_state(result: R) -> R:
     elif getattr(result, "harness_fault", False):
         alarms = list(getattr(result, "alarms", None) or [])
         name = "Harness fault"
-        message = f"coverage {float(getattr(result, 'coverage', 1.0)):.1%}; " + "; ".join(alarms)
+        coverage = float(getattr(result, "coverage", 1.0))  # as the alarms: never "95.0%" of "< 95%"
+        message = f"coverage {percent_beyond(coverage, 1 - FAILURE_ALARM_RATE)}; " + "; ".join(alarms)
     else:
         return result
     from prefect.states import Completed

@@ -201,3 +201,42 @@ def test_an_mlflow_run_that_cannot_be_logged_is_an_alarm_on_the_page(tmp_path, m
     assert final.alarms[-1].startswith("output_missing: the MLflow run: its experiment is deleted")
     assert _shown(Path(final.outputs["report_html"]).read_text()) == [
         a.split(":", 1)[0] for a in final.alarms]
+
+
+def test_a_harness_fault_just_past_the_threshold_never_reads_as_the_threshold(tmp_path, capsys):
+    """6 of 119 episodes lost to the harness: coverage 94.96%, 5.04% unscored. Before, the alarm
+    said "5.0% ... (> 5%, coverage 95.0%)", as did the CLI's exit message and the Prefect state,
+    while the summary said 94.96%: the fault stood on a number equal to its threshold."""
+    import tests.core.courier as courier
+    from evalfleet.cli import EXIT_HARNESS_FAULT, build_parser, run_eval
+    from evalfleet.models import EvalRequest
+    from evalfleet.report import aggregate
+    from flows.api_ledger import final_state
+
+    table = _table("careless")
+    table = pa.concat_tables([table, table, table]).slice(0, 119)
+    table = _set(table, "episode_index", {i: i for i in range(119)})
+    table = _set(table, "end_reason", dict.fromkeys(range(6), "env_error"))
+    request = EvalRequest(env=courier.ENV_ID, policy="tests.core.courier:careless", episodes=119,
+                          output=tmp_path)
+    report = aggregate(request, table, env_spec={"env_id": courier.ENV_ID}, env_spec_hash="spec",
+                       policy={"sha256": "cd" * 32}, isolation="inprocess", timings={"run": 1.0},
+                       cache={"status": "miss", "key": "cd" * 32}, run_seconds=1.0)
+    assert report.harness_fault and report.scored == 113
+    [alarm] = [a for a in report.alarms if a.startswith("harness_failures:")]
+    assert alarm.startswith("harness_failures: 5.04% of episodes could not be scored (env_error=6; "
+                            "> 5%, coverage 94.96%)")
+    assert "coverage              94.96% (113/119 episodes scored)" in summary_text(report)
+    assert final_state(report).message.startswith("coverage 94.96%; harness_failures: 5.04% ")
+    args = build_parser().parse_args(["--policy", "tests.core.courier:careless",
+                                      "--output", str(tmp_path)])
+    capsys.readouterr()
+    assert run_eval(lambda request: report, args) == EXIT_HARNESS_FAULT
+    assert ("evalfleet: harness fault: more than 5% of episodes failed in the harness (coverage "
+            "94.96%)") in capsys.readouterr().err
+    # Away from the threshold the texts keep one decimal (the summary's figure, rounded).
+    from evalfleet.summary import percent_beyond
+
+    assert [percent_beyond(s, 0.95) for s in (113 / 119, 0.9, 1 - 1 / 2001, 1.0)] == [
+        "94.96%", "90.0%", ">99.9%", "100.0%"]
+    assert percent_beyond(0.0500004, 0.05) == "5.00004%"
