@@ -1,5 +1,7 @@
 """Stage 7: feed back (and its replays, run ahead on a worker)."""
 
+import hashlib
+import re
 from dataclasses import replace
 
 import pyarrow as pa
@@ -25,12 +27,30 @@ def feed_back(
 ) -> EvalReport:
     """Parquet, cache, report.json and MLflow, then the Prefect artifacts the UI shows."""
     final = write_results(request, received, report, collected)
-    key = f"eval-{final.policy_sha256[:12]}"
+    key = artifact_key(final)
     with best_effort("the summary artifact"):  # the UI's copy: the result is written above
         create_table_artifact(summary_rows(final), key=key, description=f"evalfleet {final.env_id}")
     with best_effort("the report artifact"):
         create_markdown_artifact(report_markdown(final, final.failure_clusters), key=f"{key}-report")
     return final
+
+
+def artifact_key(report: EvalReport) -> str:
+    """The key of an evaluation's Prefect artifacts: ``eval-<sha12>``, then its suite task's name.
+
+    Prefect keeps one latest artifact per key: a suite's tasks (one policy) under one key
+    replaced each other's summary in the catalogue. A key allows lowercase letters, digits and
+    dashes: a name that needs more (``connect-four[opponent_depth=2]``) also gets a hash of
+    itself, so two names never meet in one key.
+    """
+    key = f"eval-{report.policy_sha256[:12].lower()}"
+    task = report.suite_task
+    if task is None:
+        return key
+    slug = re.sub(r"[^a-z0-9]+", "-", task.lower()).strip("-")[:48]
+    if slug != task:
+        slug = "-".join(filter(None, [slug, hashlib.sha256(task.encode()).hexdigest()[:8]]))
+    return f"{key}-task-{slug}"  # never a single evaluation's "-report" key
 
 
 @task(name="replay-episodes", cache_policy=NO_CACHE)

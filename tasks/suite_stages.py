@@ -23,6 +23,7 @@ from evalfleet.review import report_markdown
 from evalfleet.summary import summary_rows
 from evalfleet.worker import execute_shard
 from flows.api_ledger import best_effort
+from tasks.feed_back import artifact_key
 from tasks.receive_weights import receive_weights
 
 
@@ -89,7 +90,7 @@ def feed_back_all(requests: Sequence[EvalRequest], received: Sequence[Received],
 
 def publish(final: EvalReport) -> None:
     """A task's Prefect artifacts, as a single evaluation's stage 7 makes them."""
-    key = f"eval-{final.policy_sha256[:12]}"
+    key = artifact_key(final)  # the task's own: one key per task keeps each task's summary
     with best_effort(f"{final.request_id}'s summary artifact"):
         create_table_artifact(summary_rows(final), key=key, description=f"evalfleet {final.env_id}")
     with best_effort(f"{final.request_id}'s report artifact"):
