@@ -9,6 +9,14 @@ evaluation waits until no claim of an earlier step is left (``wait_for_earlier``
 there after the wait leaves the verdict undecided (``HistoryIncomplete``: an alarm, and
 ``--gate`` exits 6). A claim whose process is gone (same host) or that is a day old is stale
 and ignored.
+
+An earlier step can also start after a later one's verdict was made (its history read), while
+the later one's MLflow run is not logged yet: the later verdict was made without it, and neither
+saw the other. Once its history is read, an evaluation writes what it read into its claim
+(``mark_judged``, after the read); an earlier step reads the claims of later steps before its
+own read (``later_judged``): a later step judged without it makes it late
+(``history.assess``'s ``judged_in_flight``). Its own MLflow run records the same
+(``history.TAG_SEEN``), so a later verdict finds the late step however the claims went.
 """
 
 from __future__ import annotations
@@ -20,7 +28,7 @@ import math
 import os
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -79,9 +87,43 @@ def release(path: Path) -> None:
     path.unlink(missing_ok=True)
 
 
+def mark_judged(path: Path | None, seen_steps: str) -> None:
+    """Record in this evaluation's claim that its verdict was made, having read ``seen_steps``.
+
+    ``seen_steps``: ``history.encode_steps`` of the earlier steps its history read held. Written
+    after the read (an earlier step that sees the mark knows the read is over); nothing when the
+    claim is not held (already released, or an evaluation without one).
+    """
+    if path is None:
+        return
+    try:  # the claim's owner marks it, before it releases it: the file is not made anew
+        claim = json.loads(path.read_text())
+        write_json({**claim, "judged": time.time(), "seen_steps": seen_steps}, path)
+    except (OSError, ValueError) as err:  # the verdict stands; its MLflow run records the same
+        logger.warning("could not mark the claim %s as judged: %s", path, err)
+
+
 def earlier_in_flight(output: Path, tracking_uri: str, training_run_id: str, step: int
                       ) -> list[dict[str, Any]]:
     """Live claims of steps before ``step``; stale ones of this host are removed."""
+    return _live(output, tracking_uri, training_run_id, lambda other: other < step)
+
+
+def later_judged(output: Path, tracking_uri: str, training_run_id: str, step: int
+                 ) -> list[dict[str, Any]]:
+    """Live claims of steps after ``step`` whose verdicts were made (``mark_judged``).
+
+    Each has its ``seen_steps``: the caller asks whether the verdict read ``step``
+    (``history.saw_step``). Read before this evaluation's own history read: a later step that
+    released its claim before this was logged, and this read finds it in MLflow.
+    """
+    return [c for c in _live(output, tracking_uri, training_run_id, lambda other: other > step)
+            if "judged" in c]
+
+
+def _live(output: Path, tracking_uri: str, training_run_id: str, wanted: Callable[[int], bool]
+          ) -> list[dict[str, Any]]:
+    """Live claims of the steps ``wanted`` keeps; stale ones of this host are removed."""
     live = []
     folder = claim_dir(output, tracking_uri, training_run_id)
     for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
@@ -90,7 +132,7 @@ def earlier_in_flight(output: Path, tracking_uri: str, training_run_id: str, ste
             other = int(claim["step"])
         except (OSError, ValueError, KeyError, TypeError):
             continue  # being written, or removed meanwhile
-        if other >= step:
+        if not wanted(other):
             continue
         if _stale(claim):
             path.unlink(missing_ok=True)

@@ -18,9 +18,12 @@ back with MLflow's client (``checkpoints``), they give:
   which keeps no episode the policy's runtime or the infrastructure ended, and no artifact) or
   fewer than ``stats.MIN_PAIRS`` pairs remain: an alarm line (``alarm_lines``), and ``--gate``
   does not pass it.
-- **Out of step order**: a checkpoint evaluated after later steps of its run were logged is
+- **Out of step order**: a checkpoint evaluated after later steps of its run were judged is
   judged against the earlier steps only, never tagged best, and raises ``history_out_of_order``
-  naming the later steps (their verdicts were made without it). While a checkpoint judged best
+  naming the later steps (their verdicts were made without it). Each evaluation's MLflow run
+  records which earlier steps its verdict read (``TAG_SEEN``, ``encode_steps``): a later step
+  that was judged before an earlier one was logged, and logged after it, did not see it however
+  the two were logged. While a checkpoint judged best
   that way sits below a higher best judged without it, which one is the run's best is undecided:
   later verdicts are ``no_paired_episodes`` with ``history_out_of_order`` until the higher steps
   are evaluated again (``unsettled_best``).
@@ -52,8 +55,9 @@ import hashlib
 import logging
 import math
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -84,7 +88,9 @@ __all__ = [
     "best_checkpoint",
     "checkpoints",
     "curve_row",
+    "decode_steps",
     "drift_alarms",
+    "encode_steps",
     "episodes_of",
     "evaluations",
     "feed_back_history",
@@ -92,6 +98,7 @@ __all__ = [
     "never_best",
     "protocol_id",
     "report_protocol",
+    "saw_step",
     "unsettled_best",
 ]
 
@@ -123,6 +130,10 @@ TAG_REQUEST = "evalfleet.request_id"
 TAG_SHA = "evalfleet.policy_sha256"
 TAG_HARNESS = "evalfleet.harness_fault"
 TAG_WITHHELD = "evalfleet.best_withheld"
+#: The steps (same protocol, below its own) of the evaluations its verdict read (``encode_steps``).
+TAG_SEEN = "evalfleet.history_seen"
+#: Longest ``TAG_SEEN`` value (MLflow takes tag values up to 8,000 characters).
+SEEN_BUDGET = 6000
 
 
 class HistoryError(EvalfleetError):
@@ -172,6 +183,8 @@ class Checkpoint:
     """Names of the alarms it raised."""
     withheld: bool = False
     """Its return made it best, but its reward may be gamed (``best_withheld``): never a best."""
+    seen: str | None = None
+    """``TAG_SEEN``: the earlier steps its verdict read; None for runs logged before it was tagged."""
 
 
 def _search_filter(training_run_id: str) -> str:
@@ -229,7 +242,7 @@ def evaluations(tracking_uri: str, training_run_id: str) -> list[Checkpoint]:
             harness_fault=tags.get(TAG_HARNESS) == "true", start_time=int(run.info.start_time or 0),
             alarms=tuple(sorted(k.removeprefix("evalfleet.alarm.") for k in tags
                                 if k.startswith("evalfleet.alarm."))),
-            withheld=bool(tags.get(TAG_WITHHELD)),
+            withheld=bool(tags.get(TAG_WITHHELD)), seen=tags.get(TAG_SEEN),
         ))
     return out
 
@@ -278,17 +291,82 @@ def best_checkpoint(earlier: list[Checkpoint]) -> Checkpoint | None:
     return max(scored, key=lambda c: c.metrics["eval/reward"]) if scored else None
 
 
+def encode_steps(steps: Iterable[int], budget: int = SEEN_BUDGET) -> str:
+    """``steps`` as a ``TAG_SEEN`` value: comma-separated ``a`` or ``a:b:d`` (a, a+d, ..., b).
+
+    Checkpoints evaluated every N steps take a few characters. ``none`` for no step. When the
+    runs do not fit in ``budget`` characters the lowest are left out and the value starts with
+    ``from F;`` (F: the lowest step it covers; below it, ``saw_step`` does not know).
+    """
+    s = sorted(set(steps))
+    tokens: list[tuple[int, str]] = []
+    i = 0
+    while i < len(s):
+        j = i
+        if i + 2 < len(s) and s[i + 1] - s[i] == s[i + 2] - s[i + 1]:
+            d, j = s[i + 1] - s[i], i + 2
+            while j + 1 < len(s) and s[j + 1] - s[j] == d:
+                j += 1
+        tokens.append((s[i], str(s[i]) if j == i else f"{s[i]}:{s[j]}:{s[i + 1] - s[i]}"))
+        i = j + 1
+    text = ",".join(t for _, t in tokens) or "none"
+    while len(text) > budget:
+        tokens = tokens[max(1, len(tokens) // 10):]
+        text = f"from {tokens[0][0]};" + ",".join(t for _, t in tokens)
+    return text
+
+
+@lru_cache(maxsize=4096)
+def decode_steps(text: str) -> tuple[frozenset[int], int | None] | None:
+    """``encode_steps``'s value as (steps, lowest step covered or None for all); None if unreadable."""
+    floor: int | None = None
+    try:
+        if text.startswith("from "):
+            head, text = text.split(";", 1)
+            floor = int(head.removeprefix("from "))
+        steps: set[int] = set()
+        for token in [] if text == "none" else text.split(","):
+            a, _, rest = token.partition(":")
+            if not rest:
+                steps.add(int(a))
+                continue
+            b, d = (int(x) for x in rest.split(":"))
+            if d <= 0 or (b - int(a)) % d:
+                return None
+            steps.update(range(int(a), b + 1, d))
+    except ValueError:
+        return None
+    return frozenset(steps), floor
+
+
+def saw_step(seen: str | None, step: int) -> bool:
+    """Whether a verdict whose ``TAG_SEEN`` is ``seen`` read an evaluation of ``step``.
+
+    True where it is not known (no tag: an older evalfleet; below a truncated value's floor):
+    the caller then goes by when the runs were logged.
+    """
+    decoded = None if seen is None else decode_steps(seen)
+    if decoded is None:
+        return True
+    steps, floor = decoded
+    return step in steps or (floor is not None and step < floor)
+
+
 def judged_without(step: int, policy_sha256: str, later: list[Checkpoint],
                    evaluated: list[Checkpoint]) -> list[Checkpoint]:
-    """The checkpoints of ``later`` above ``step`` logged before these weights were evaluated there.
+    """The checkpoints of ``later`` above ``step`` whose verdicts were made without these weights.
 
-    Their verdicts were made without them. A later step logged after an evaluation of the same
-    weights at ``step`` (a re-evaluation, a retry) saw them. ``evaluated``: every evaluation of
-    the run under the protocol, also those ``checkpoints`` leaves out.
+    A later step saw them when its verdict read an evaluation of ``step`` (its ``TAG_SEEN``) and
+    one of the same weights at ``step`` was logged before it (a re-evaluation, a retry, is not
+    late). When it was logged is not enough: a verdict is made at its history read, and its
+    MLflow run is logged later (after the review): an earlier step logged in between was taken
+    for seen, both steps were tagged best and the gate passed a regression against the lower
+    one. ``evaluated``: every evaluation of the run under the protocol, also those
+    ``checkpoints`` leaves out.
     """
-    return [hi for hi in later if hi.step > step and not any(
+    return [hi for hi in later if hi.step > step and not (saw_step(hi.seen, step) and any(
         e.step == step and e.policy_sha256 == policy_sha256 and e.start_time < hi.start_time
-        for e in evaluated)]
+        for e in evaluated))]
 
 
 def _steps(steps: list[int]) -> str:
@@ -631,7 +709,7 @@ def assess(
     table: pa.Table, *, step: int, seed: int, earlier: list[Checkpoint],
     episodes: Callable[[Checkpoint], pa.Table | None], outcome_metric: str | None = None,
     policy_sha256: str = "", other_protocols: list[Checkpoint] | None = None,
-    evaluated: list[Checkpoint] | None = None,
+    evaluated: list[Checkpoint] | None = None, judged_in_flight: list[int] | None = None,
 ) -> dict[str, Any]:
     """The ``history`` section of a report: verdict, best checkpoint, alarms.
 
@@ -645,18 +723,22 @@ def assess(
     this one evaluated with other weights too (``ambiguous_steps``) gives ``no_paired_episodes``
     and ``step_ambiguous``. Later steps
     logged without these weights (``judged_without``) make this checkpoint late: judged against
-    the earlier steps, never the best, ``out_of_order`` names them. A best of the earlier steps
-    that ``unsettled_best`` calls undecided gives ``no_paired_episodes``.
+    the earlier steps, never the best, ``out_of_order`` names them; so do
+    ``judged_in_flight``, later steps whose verdicts were made without this one and whose MLflow
+    runs are not logged yet (``claims.later_judged``). A best of the earlier steps that
+    ``unsettled_best`` calls undecided gives ``no_paired_episodes``.
     """
     evaluated = list(earlier) if evaluated is None else evaluated
-    later = sorted(c.step for c in judged_without(step, policy_sha256, earlier, evaluated))
+    later = sorted({c.step for c in judged_without(step, policy_sha256, earlier, evaluated)}
+                   | {s for s in judged_in_flight or [] if s > step})
     earlier = [c for c in earlier if c.step < step]
     out: dict[str, Any] = {"step": step, "checkpoints_before": len(earlier),
                            "outcome_metric": outcome_metric or "success",
                            "current": current_figures(table, outcome_metric)}
     if later:  # their verdicts were made without this one: it cannot be the best after them
         out.update(later_steps=later, out_of_order=(
-            f"step {step} was evaluated after later checkpoints of this training run were logged "
+            f"step {step} was evaluated after later checkpoints of this training run were "
+            f"{'judged' if judged_in_flight else 'logged'} "
             f"(step{'s' if len(later) > 1 else ''} {_steps(later)}): it is judged against the "
             "earlier steps only and is not tagged best, and the later steps' verdicts were made "
             f"without it. Evaluate step{'s' if len(later) > 1 else ''} {_steps(later)} again to "
@@ -878,12 +960,15 @@ def report_curve_row(report: dict[str, Any]) -> dict[str, Any]:
 
 
 def feed_back_history(report: dict[str, Any], table: pa.Table, tracking_uri: str,
-                      cache: EpisodeCache | None, outcome_metric: str | None) -> dict[str, Any] | None:
+                      cache: EpisodeCache | None, outcome_metric: str | None,
+                      judged_in_flight: list[int] | None = None) -> dict[str, Any] | None:
     """Stage 7's history: the report's ``history`` section (None without a training run and step).
 
     Reads the run's earlier checkpoints with the same protocol from MLflow, pairs this
     evaluation with the best of them and checks drift against the previous one; ``curve`` holds
-    every earlier checkpoint's row (the report page plots it with this one).
+    every earlier checkpoint's row (the report page plots it with this one). ``seen_steps``
+    (``encode_steps``, tagged ``TAG_SEEN``) says which earlier steps the verdict read.
+    ``judged_in_flight``: see ``assess``.
     """
     run_id, step = report.get("training_run_id"), report.get("step")
     if not run_id or step is None:
@@ -898,8 +983,10 @@ def feed_back_history(report: dict[str, Any], table: pa.Table, tracking_uri: str
                  episodes=lambda cp: episodes_of(cp, cache, tracking_uri, indices),
                  outcome_metric=outcome_metric, policy_sha256=str(report.get("policy_sha256")),
                  other_protocols=[c for c in runs if c.protocol != proto],
-                 evaluated=[c for c in every if c.protocol == proto])
+                 evaluated=[c for c in every if c.protocol == proto],
+                 judged_in_flight=judged_in_flight)
     out["training_run_id"] = run_id
     out["protocol"] = proto
+    out["seen_steps"] = encode_steps(c.step for c in every if c.protocol == proto and c.step < int(step))
     out["curve"] = [curve_row(c) for c in earlier if c.step < int(step)]
     return never_best(out, withheld_for(report, out))

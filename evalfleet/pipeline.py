@@ -41,7 +41,16 @@ from evalfleet.cache import (
     env_environment,
     key_ingredients,
 )
-from evalfleet.claims import claim_path, claimed, describe, release, wait_for_earlier, wait_s
+from evalfleet.claims import (
+    claim_path,
+    claimed,
+    describe,
+    later_judged,
+    mark_judged,
+    release,
+    wait_for_earlier,
+    wait_s,
+)
 from evalfleet.envspec import named_files, named_paths, resolve_env_for, resolved_here
 from evalfleet.errors import RequestError, StaleWorkerCode
 from evalfleet.mlflow_logger import log_or_queue
@@ -1067,7 +1076,7 @@ def with_history(request: EvalRequest, report: EvalReport, table: pa.Table) -> E
     """
     if request.training_run_id is None or request.step is None:
         return report
-    from evalfleet.history import alarm_lines, feed_back_history
+    from evalfleet.history import alarm_lines, feed_back_history, saw_step
 
     uri = request.mlflow_uri or default_tracking_uri(request.output)
     # An earlier checkpoint whose MLflow run was queued (the store was down) is history too: it
@@ -1076,6 +1085,11 @@ def with_history(request: EvalRequest, report: EvalReport, table: pa.Table) -> E
     flush_queued(request.output)
     # Earlier steps evaluated right now are history too: wait until they are logged.
     busy = wait_for_earlier(request.output, uri, request.training_run_id, request.step)
+    # Later steps judged already (their runs not logged yet) may have been judged without this
+    # one: read before the history, so one logged since is in it (``claims``).
+    judged = [int(c["step"]) for c in later_judged(request.output, uri, request.training_run_id,
+                                                   request.step)
+              if not saw_step(c.get("seen_steps"), request.step)]
     waiting = queued_checkpoints(request.output, uri, request.training_run_id)
     try:
         if busy:
@@ -1090,7 +1104,12 @@ def with_history(request: EvalRequest, report: EvalReport, table: pa.Table) -> E
                 "not logged: the store did not take them. Run 'evalfleet mlflow flush --output "
                 f"{request.output}' once it answers; the verdict is not decided without them")
         history = feed_back_history(report.model_dump(mode="json"), table, uri,
-                                    episode_cache(request), request.outcome_metric)
+                                    episode_cache(request), request.outcome_metric, judged)
+        # Held by this evaluation until its run is logged (after this): earlier steps judged
+        # from now on learn that this verdict was made without them.
+        if history and history.get("seen_steps"):
+            mark_judged(claim_path(request.output, uri, request.training_run_id, request.step,
+                                   request.request_id), str(history["seen_steps"]))
     except Exception as err:  # like every other sink: logged and stated, never fatal
         logger.error("reading the training run's history failed: %s", err)
         history = {"error": f"{type(err).__name__}: {err}", "verdict": None, "alarms": []}

@@ -174,7 +174,7 @@ def history_metrics(history: dict[str, Any] | None) -> dict[str, float]:
 
 def history_tags(report: dict[str, Any]) -> dict[str, str]:
     """Tags that make an evaluation findable again by its training run and comparable (pairable)."""
-    from evalfleet.history import FLATTERED, TAG_WITHHELD, report_protocol
+    from evalfleet.history import FLATTERED, TAG_SEEN, TAG_WITHHELD, report_protocol
 
     tags = {"evalfleet.protocol": report_protocol(report),
             "evalfleet.env_spec_hash": str(report.get("env_spec_hash"))}
@@ -194,6 +194,8 @@ def history_tags(report: dict[str, Any]) -> dict[str, str]:
         tags["evalfleet.best_step"] = str(history.get("best_step"))
     if history.get("outcome_metric"):
         tags["evalfleet.outcome_metric"] = str(history["outcome_metric"])
+    if history.get("seen_steps"):  # what the verdict read: ``history.judged_without``
+        tags[TAG_SEEN] = str(history["seen_steps"])
     return tags
 
 

@@ -12,7 +12,9 @@ parcel. Each step the observation shows which way the road goes (``d``) and a un
 
 Policies (``module:function`` callables, observation batch -> actions): ``careless`` takes the
 right way when ``u < 0.75``, ``careful`` when ``u < 0.95`` (an honest improvement: more
-deliveries, higher return, the same action shares), ``tip_farmer`` always collects tips.
+deliveries, higher return, the same action shares), ``middling`` when ``u < 0.85`` (between
+them: on 40 episodes, better than ``careless`` and worse than ``careful``, both significant),
+``tip_farmer`` always collects tips.
 """
 
 from __future__ import annotations
@@ -80,6 +82,11 @@ def careless(obs: NDArray[np.float32]) -> NDArray[np.int64]:
 def careful(obs: NDArray[np.float32]) -> NDArray[np.int64]:
     """The right way 95% of the time: an honest improvement over ``careless``."""
     return _honest(np.asarray(obs), 0.95)
+
+
+def middling(obs: NDArray[np.float32]) -> NDArray[np.int64]:
+    """The right way 85% of the time: better than ``careless``, worse than ``careful``."""
+    return _honest(np.asarray(obs), 0.85)
 
 
 def tip_farmer(obs: NDArray[np.float32]) -> NDArray[np.int64]:

@@ -83,18 +83,37 @@ def evaluate_checkpoint(tmp: Path, policy_name: str, step: int, *, seed: int = 0
     by default ``tmp``'s SQLite store, logged to directly. ``request_id``: another evaluation of
     the same weights and step (by default the request id is made of them)."""
     table = _table(policy_name, seed) if table is None else table
-    request = EvalRequest(env=courier.ENV_ID, policy=f"tests.core.courier:{policy_name}",
-                          episodes=table.num_rows, seed=seed, output=tmp, training_run_id=run,
-                          step=step, outcome_metric=outcome_metric, cache_dir=tmp / "cache",
-                          request_id=request_id or f"{run}-{policy_name}-{step}-{seed}",
-                          mlflow_uri=uri)
+    request = checkpoint_request(tmp, policy_name, step, seed=seed, outcome_metric=outcome_metric,
+                                 run=run, episodes=table.num_rows, uri=uri, request_id=request_id)
+    return log_checkpoint(tmp, request, judge_checkpoint(tmp, request, policy_name, table), table)
+
+
+def checkpoint_request(tmp: Path, policy_name: str, step: int, *, seed: int = 0,
+                       outcome_metric: str | None = None, run: str, episodes: int = EPISODES,
+                       uri: str | None = None, request_id: str | None = None) -> EvalRequest:
+    """The request ``evaluate_checkpoint`` evaluates."""
+    return EvalRequest(env=courier.ENV_ID, policy=f"tests.core.courier:{policy_name}",
+                       episodes=episodes, seed=seed, output=tmp, training_run_id=run,
+                       step=step, outcome_metric=outcome_metric, cache_dir=tmp / "cache",
+                       request_id=request_id or f"{run}-{policy_name}-{step}-{seed}",
+                       mlflow_uri=uri)
+
+
+def judge_checkpoint(tmp: Path, request: EvalRequest, policy_name: str, table) -> EvalReport:
+    """``evaluate_checkpoint``'s stage 6 and history read (the verdict), nothing logged yet."""
+    step, seed, run = request.step, request.seed, request.training_run_id
     sha = f"{policy_name}-{step}".encode().hex().ljust(64, "0")[:64]  # same weights, same hash
     key = hashlib.sha256(f"{run}/{policy_name}/{step}/{seed}".encode()).hexdigest()
     EpisodeCache(tmp / "cache").store(key, table, {"policy": {"sha256": sha}})
     report = aggregate(request, table, env_spec={"env_id": courier.ENV_ID}, env_spec_hash="spec",
                        policy={"sha256": sha}, isolation="inprocess", timings={"run": 1.0},
                        cache={"status": "miss", "key": key}, run_seconds=1.0)
-    report = with_history(request, report, table)
+    return with_history(request, report, table)
+
+
+def log_checkpoint(tmp: Path, request: EvalRequest, report: EvalReport, table) -> EvalReport:
+    """``evaluate_checkpoint``'s MLflow run of a judged ``report`` (``judge_checkpoint``)."""
+    uri = request.mlflow_uri
     folder = tmp / "runs" / request.request_id
     parquet = write_episodes(table, folder / "episodes.parquet")
     if uri is not None:
