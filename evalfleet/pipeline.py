@@ -885,7 +885,8 @@ def review(
         more_alarms, more_notes = cross_device(result, device, received)
         alarms += more_alarms
         notes += more_notes
-        why += list(result.video_skipped.values()) + list(result.skipped.values())
+        why += [*result.video_skipped.values(), *result.skipped.values(),
+                *(f"episode {i}: {r}" for i, r in sorted(result.interrupted.items()))]
     except Exception as err:  # the shortfall below makes it an alarm when recordings were asked
         text = str(err) if isinstance(err, ReplayFailed) else f"{type(err).__name__}: {err}"
         logger.error("replaying episodes failed: %s", text)

@@ -139,6 +139,10 @@ class ReplayResult:
     """Action distribution over every replayed step (``action_summary``'s format)."""
     mismatches: tuple[str, ...] = ()
     """One line per episode whose replay differs from the recorded outcome (non-determinism)."""
+    interrupted: dict[int, str] = field(default_factory=dict)
+    """Episodes whose replay a clock or the infrastructure ended (``CLOCKED``: its sandbox
+    crashed, ran out of memory or time) where the recorded one did not end so, with why: not
+    compared, no video, no trajectory rows (the recording is incomplete, not a finding)."""
     skipped: dict[int, str] = field(default_factory=dict)
     """Episodes not replayed at all, with why."""
     video_skipped: dict[int, str] = field(default_factory=dict)
@@ -158,6 +162,7 @@ class ReplayResult:
         reasons = sorted(set(self.video_skipped.values()))
         out += [f"videos skipped: {r}" for r in reasons]
         out += [f"episode {i} not replayed: {r}" for i, r in sorted(self.skipped.items())]
+        out += [f"episode {i} not replayed whole: {r}" for i, r in sorted(self.interrupted.items())]
         return out
 
 
@@ -515,10 +520,27 @@ def _finish_video(ep: _Episode, sink: VideoSink | None) -> tuple[_Episode, Path 
 CLOCKED = frozenset({*UNSAFE_TO_REPLAY, EndReason.POLICY_TIMEOUT.value})
 
 
+def _interrupted(ep: _Episode, recorded_reason: str | None) -> str | None:
+    """Why the replay of ``ep`` was cut short by the harness, not the env; None when it was not.
+
+    A replay whose own sandbox crashed, ran out of memory or time (or whose policy forward hung)
+    where the recorded episode did not end so says nothing of determinism: a sandbox killed from
+    outside (a fork server stopped under it) was a ``replay_nondeterminism`` alarm that also
+    dropped the correct cache entry.
+    """
+    if ep.reason not in CLOCKED or recorded_reason is None or recorded_reason in CLOCKED:
+        return None  # nothing recorded to cut short, or a recorded failure replayed as one
+    why = f": {ep.error}" if ep.error else ""
+    return (f"its replay ended {ep.reason} at step {ep.length}{why} (the harness, not the env; "
+            f"recorded {recorded_reason}): not compared, no recording")
+
+
 def _compare(
     ep: _Episode, expected: tuple[float, int] | None, recorded_reason: str | None
 ) -> tuple[bool | None, str | None]:
     if expected is None or recorded_reason in CLOCKED:  # not compared: see ``CLOCKED``
+        return None, None
+    if _interrupted(ep, recorded_reason):  # the replay's own clock or sandbox ended it
         return None, None
     ret, length = expected
     same = ep.ret == ret and ep.length == length  # exact: returns are replayable bit for bit
@@ -715,6 +737,7 @@ def record_episodes(
     video_skipped: dict[int, str] = {}
     replayed: list[ReplayedEpisode] = []
     mismatches: list[str] = []
+    interrupted: dict[int, str] = {}
     wants_video = set(video_for) if video_for is not None else {i for i, _ in todo}
     wants_rows = set(trajectories_for) if trajectories_for is not None else {i for i, _ in todo}
     shape = sandbox.obs_shape if sandbox is not None else None
@@ -733,6 +756,14 @@ def record_episodes(
             ep, video, problem = _run_episode(
                 env_id, env_kwargs, max_steps, policy, index, seed, keep_rows, target, fps
             )
+        cut = _interrupted(ep, end_reasons.get(index))
+        if cut:  # its video and rows end where the harness did: no recording of the episode
+            logger.warning("replay of episode %d not whole: %s", index, cut)
+            interrupted[index] = cut
+            if video is not None:
+                video.unlink(missing_ok=True)
+                video, problem = None, cut
+            ep.rows = []
         if video is not None:
             videos[index] = video
         elif video_dir is not None and index in wants_video:
@@ -764,8 +795,10 @@ def record_episodes(
         episodes=tuple(replayed),
         actions=summary,
         mismatches=tuple(mismatches),
+        interrupted=interrupted,
         skipped=skipped,
         video_skipped=video_skipped,
-        trajectory_episodes=tuple(e.episode_index for e in replayed
-                                  if trajectories and e.episode_index in wants_rows),
+        trajectory_episodes=tuple(e.episode_index for e in replayed if trajectories
+                                  and e.episode_index in wants_rows
+                                  and e.episode_index not in interrupted),
     )

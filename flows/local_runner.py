@@ -13,7 +13,7 @@ from evalfleet.cluster import fleet_cluster
 from evalfleet.errors import ClusterLost
 from evalfleet.models import EvalReport, EvalRequest
 from evalfleet.pipeline import receive_unloaded
-from evalfleet.sandbox.forkclient import shutdown_fork_servers
+from evalfleet.sandbox.forkclient import shutdown_unused_fork_servers
 from evalfleet.suite import Suite, SuiteReport
 from flows.eval import evaluate
 from flows.runtime import prefect_api, worker_modules
@@ -96,4 +96,5 @@ class LocalFlowRunner:
                 if stack is not None:
                     stack.close()
             finally:  # the replays' sandboxes of stage 7 ran here: nothing they started outlives us
-                shutdown_fork_servers()
+                # but what another runner of this process is replaying in (it stops them itself).
+                shutdown_unused_fork_servers()

@@ -3,7 +3,8 @@
 A fork server (:mod:`evalfleet.sandbox.forkserver`, a process of its own, inside bubblewrap at the
 ``bwrap`` level) imports the env's modules once and forks sandboxes on request. This module holds
 the worker's handle on it (:class:`ForkServer`: the control socket, requests and answers, stop and
-clean-up) and the per-process registry (:func:`fork_server`, :func:`shutdown_fork_servers`) that
+clean-up) and the per-process registry (:func:`fork_server`, :func:`shutdown_fork_servers`,
+:func:`shutdown_unused_fork_servers`) that
 starts a server on first use and reuses it for the next shard. What runs episodes in the sandboxes
 it forks is :class:`evalfleet.sandbox.process.ProcessSlots`.
 """
@@ -137,6 +138,10 @@ class ForkServer:
             ) from err
         self.start_seconds = time.perf_counter() - t0
         self.prepared: set[str] = set()
+        #: Tokens of the slots that took this server from ``fork_server`` and have not released
+        #: it (``release_fork_server``): while any is left, ``shutdown_unused_fork_servers``
+        #: leaves it running.
+        self.users: set[str] = set()
         logger.info("%s fork server up in %.2f s: %s", level, self.start_seconds, self.hello)
 
     @property
@@ -282,11 +287,12 @@ def _server_key(level: str, packages: Sequence[str]) -> tuple[str, tuple[str, ..
     return level, tuple(sorted({m.split(".", 1)[0] for m in packages if m}))
 
 
-def fork_server(level: str, start_timeout_s: float, packages: Sequence[str] | None = None
-                ) -> ForkServer:
+def fork_server(level: str, start_timeout_s: float, packages: Sequence[str] | None = None,
+                user: str | None = None) -> ForkServer:
     """The fork server of ``level`` for envs from ``packages``, started on first use, reused.
 
     ``packages=None``: the server of ``level`` used last (started with no env packages if none).
+    ``user``: the token of the slots taking it, counted until ``release_fork_server``.
     """
     idle: ForkServer | None = None
     with _servers_lock:
@@ -301,7 +307,7 @@ def fork_server(level: str, start_timeout_s: float, packages: Sequence[str] | No
             logger.info("an env module's files changed: a new %s jail for %s", level, key[1])
             del _servers[key]
             server.retired = True
-            if server.prepared:
+            if server.prepared or server.users:
                 _retired.append(server)
             else:
                 idle = server
@@ -309,6 +315,8 @@ def fork_server(level: str, start_timeout_s: float, packages: Sequence[str] | No
         if server is None:
             server = _servers[key] = ForkServer(level, start_timeout_s, key[1])
         _latest[level] = key
+        if user is not None:
+            server.users.add(user)
     if idle is not None:
         idle.stop()
     return server
@@ -318,7 +326,8 @@ def release_fork_server(server: ForkServer, token: str) -> None:
     """The evaluation ``token`` is done with ``server``: a retired one stops with its last."""
     with _servers_lock:
         server.prepared.discard(token)
-        done = server.retired and not server.prepared and server in _retired
+        server.users.discard(token)
+        done = server.retired and not server.prepared and not server.users and server in _retired
         if done:
             _retired.remove(server)
     if done:
@@ -335,6 +344,24 @@ def shutdown_fork_servers() -> None:
     for server in servers:
         server.stop()
 
+
+def shutdown_unused_fork_servers() -> None:
+    """Stop the fork servers of this process that no open slots use (their sandboxes first).
+
+    What a runner's ``close()`` calls: another runner of the same process (a second
+    ``Evaluator``) may be replaying in sandboxes of a server right now. Stopping every server
+    killed them mid-episode: the replay ended ``crashed`` and was taken for non-determinism.
+    A server left running here stops once unused, at a later call, or at exit.
+    """
+    with _servers_lock:
+        unused = [s for s in [*_servers.values(), *_retired] if not s.users and not s.prepared]
+        for key in [k for k, v in _servers.items() if v in unused]:
+            del _servers[key]
+        for level in [lv for lv, key in _latest.items() if key not in _servers]:
+            del _latest[level]
+        _retired[:] = [s for s in _retired if s not in unused]
+    for server in unused:
+        server.stop()
 
 
 def discard_fork_server(server: ForkServer) -> None:

@@ -290,7 +290,8 @@ class ProcessSlots:
         if server is None or not server.alive:
             if server is not None:
                 release_fork_server(server, self._token)
-            server = fork_server(self.isolation, self.limits.start_timeout_s, self._packages)
+            server = fork_server(self.isolation, self.limits.start_timeout_s, self._packages,
+                                 user=self._token)
         if self._token not in server.prepared:
             answer = server.call(
                 ("prepare", self._token, self._maker_blob, list(sys.path), self._preload,
