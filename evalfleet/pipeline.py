@@ -1082,8 +1082,9 @@ def with_history(request: EvalRequest, report: EvalReport, table: pa.Table) -> E
     uri = request.mlflow_uri or default_tracking_uri(request.output)
     # An earlier checkpoint whose MLflow run was queued (the store was down) is history too: it
     # is logged first, or the verdict fails closed. Read without it, a regression against it was
-    # "first" (or judged against a worse checkpoint) and the gate passed.
-    flush_queued(request.output)
+    # "first" (or judged against a worse checkpoint) and the gate passed. One another process is
+    # logging now is waited for: still queued, the verdict would fail closed.
+    flush_queued(request.output, wait_s=FLUSH_WAIT_S)
     # Earlier steps evaluated right now are history too: wait until they are logged.
     busy = wait_for_earlier(request.output, uri, request.training_run_id, request.step)
     # Later steps judged already (their runs not logged yet) may have been judged without this
@@ -1160,11 +1161,18 @@ def queued_checkpoints(output: Path, tracking_uri: str, training_run_id: str) ->
     return steps
 
 
-def flush_queued(output: Path) -> str | None:
-    """Log MLflow runs earlier evaluations under ``output`` queued; a line saying what happened."""
+#: How long a history read waits for a queued run another process is logging (``flush_queued``).
+FLUSH_WAIT_S = 120.0
+
+
+def flush_queued(output: Path, wait_s: float = 0.0) -> str | None:
+    """Log MLflow runs earlier evaluations under ``output`` queued; a line saying what happened.
+
+    ``wait_s``: how long to wait for a run another process is logging right now (``flush_pending``).
+    """
     if not any(pending_dir(output).glob("*.json")):
         return None
-    results = flush_pending(output)
+    results = flush_pending(output, wait_s=wait_s)
     done = [r["request_id"] for r in results if "mlflow_run_id" in r]
     left = len(results) - len(done)
     logger.info("logged %d queued MLflow runs (%d still queued)", len(done), left)

@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -560,30 +561,82 @@ def _bound_http() -> None:
         os.environ.setdefault(name, value)
 
 
-def flush_pending(output: Path, tracking_uri: str | None = None) -> list[dict[str, str]]:
+#: The outcome of a pending file another process is flushing right now (``flush_pending``).
+BUSY = "being logged by another process now (left to it)"
+
+
+def flush_pending(output: Path, tracking_uri: str | None = None, *,
+                  wait_s: float = 0.0) -> list[dict[str, str]]:
     """Log every queued run of ``output`` once; returns one outcome per pending file.
 
     A run that logs is removed from the queue, and its report.json (when still there) gets its
     ``mlflow_run_id``; one that fails again stays queued. ``tracking_uri`` overrides the URI a
     run was queued with (a store that moved).
+
+    Each file is flushed under an exclusive lock on it (``fcntl.flock``): two processes flushing
+    one queue at once (two evaluations' stage 7, ``evalfleet mlflow flush``) each logged the
+    same queued run, two MLflow runs of one evaluation. One another process is flushing is left
+    to it (``busy``, with ``error`` ``BUSY``) once ``wait_s`` seconds of waiting for it passed;
+    one it logged meanwhile is no outcome.
     """
     _bound_http()
     results = []
     for path in sorted(pending_dir(output).glob("*.json")):
-        try:
-            entry = json.loads(path.read_text())
-            uri = tracking_uri or entry["tracking_uri"]
-            artifacts = [Path(a) for a in entry["artifacts"] if Path(a).exists()]
-            run_id = log_evaluation(uri, entry["experiment"], entry["report"], entry["params"],
-                                    artifacts, entry["run_name"])
-        except Exception as err:  # noqa: BLE001 - stays queued for the next flush
-            results.append({"pending": str(path), "error": f"{type(err).__name__}: {err}"[:500]})
-            continue
-        path.unlink(missing_ok=True)
+        with _locked(path, wait_s) as held:
+            if held is None:  # logged and removed (or queued anew) by another process meanwhile
+                continue
+            if not held:
+                results.append({"pending": str(path), "error": BUSY, "busy": "true"})
+                continue
+            try:
+                entry = json.loads(path.read_text())
+                uri = tracking_uri or entry["tracking_uri"]
+                artifacts = [Path(a) for a in entry["artifacts"] if Path(a).exists()]
+                run_id = log_evaluation(uri, entry["experiment"], entry["report"], entry["params"],
+                                        artifacts, entry["run_name"])
+            except Exception as err:  # noqa: BLE001 - stays queued for the next flush
+                results.append({"pending": str(path),
+                                "error": f"{type(err).__name__}: {err}"[:500]})
+                continue
+            path.unlink(missing_ok=True)  # before the lock is released: no one logs it again
         _note_logged(entry, uri, run_id)
         results.append({"pending": str(path), "request_id": str(entry["report"]["request_id"]),
                         "mlflow_run_id": run_id})
     return results
+
+
+@contextlib.contextmanager
+def _locked(path: Path, wait_s: float) -> Iterator[bool | None]:
+    """Hold the exclusive lock of pending file ``path`` in the block: True when held.
+
+    False when another process holds it (after ``wait_s`` seconds of trying); None when the file
+    is gone, or is no longer the file locked (removed, or queued anew, meanwhile).
+    """
+    import fcntl
+
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        yield None
+        return
+    try:
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    yield False
+                    return
+                time.sleep(0.1)
+        try:
+            same = os.stat(path).st_ino == os.fstat(fd).st_ino
+        except FileNotFoundError:
+            same = False
+        yield True if same else None
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def _note_logged(entry: dict[str, Any], uri: str, run_id: str) -> None:

@@ -47,8 +47,10 @@ def _mlflow(args: argparse.Namespace, rest: Sequence[str]) -> int:
     for r in results:
         print(f"{r['pending']}: " + (f"logged as run {r['mlflow_run_id']}" if "mlflow_run_id" in r
                                      else f"still queued ({r['error']})"))
-    left = sum("error" in r for r in results)
-    print(f"{len(results) - left} logged, {left} still queued")
+    left = sum("error" in r and "busy" not in r for r in results)
+    busy = sum("busy" in r for r in results)
+    print(f"{len(results) - left - busy} logged, {left} still queued"
+          + (f", {busy} being logged by another process" if busy else ""))
     return 1 if left else 0
 
 

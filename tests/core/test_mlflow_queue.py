@@ -122,3 +122,71 @@ def test_a_deleted_experiment_is_no_store_to_wait_for(tmp_path: Path) -> None:
     client.restore_experiment(client.get_experiment_by_name("gone").experiment_id)
     [done] = flush_pending(tmp_path)
     assert "mlflow_run_id" in done, done
+
+
+def test_two_flushes_of_one_queue_at_once_log_a_queued_run_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Planted: while one flush logs the queued run, another flush of the same queue runs (here a
+    thread; two processes alike). Before, both logged it: two MLflow runs of one evaluation."""
+    import threading
+
+    from mlflow.tracking import MlflowClient
+
+    from evalfleet import tracking
+
+    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    blocker = tmp_path / "blocker"
+    blocker.write_text("a file where the store's folder should be")
+    out = log_or_queue(tmp_path, f"sqlite:///{blocker / 'm.db'}", "exp", REPORT, {}, [], "run",
+                       attempts=1, wait_s=(0.01, 0.02))
+    assert "mlflow_queued" in out
+    real, second = tracking.log_evaluation, []
+
+    def log_while_another_flushes(*args: object, **kwargs: object) -> str:
+        if not second:  # the first flush, mid-log: the second one starts and ends meanwhile
+            thread = threading.Thread(target=lambda: second.append(flush_pending(tmp_path, store)))
+            second.append(None)
+            thread.start()
+            thread.join(timeout=120)
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(tracking, "log_evaluation", log_while_another_flushes)
+    [first] = flush_pending(tmp_path, store)
+    assert "mlflow_run_id" in first, first
+    client = MlflowClient(tracking_uri=store)
+    runs = client.search_runs([e.experiment_id for e in client.search_experiments()],
+                              "tags.`evalfleet.request_id` = 'r-queued'")
+    assert [r.info.run_id for r in runs] == [first["mlflow_run_id"]]  # before: two runs
+    assert second[1] == [{"pending": first["pending"], "error": tracking.BUSY, "busy": "true"}]
+    assert flush_pending(tmp_path, store) == []  # nothing left queued
+
+
+def test_a_flush_that_waits_finds_the_run_another_logged_meanwhile_gone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A history read waits for a queued run another process is logging (``wait_s``): once it is
+    logged there is nothing left to do, and the earlier step is in the store, not queued."""
+    import threading
+
+    from evalfleet import tracking
+
+    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    blocker = tmp_path / "blocker"
+    blocker.write_text("x")
+    log_or_queue(tmp_path, f"sqlite:///{blocker / 'm.db'}", "exp", REPORT, {}, [], "run",
+                 attempts=1, wait_s=(0.01, 0.02))
+    real, waiter = tracking.log_evaluation, []
+
+    def log_while_another_waits(*args: object, **kwargs: object) -> str:
+        if not waiter:
+            waiter.append(threading.Thread(
+                target=lambda: waiter.append(flush_pending(tmp_path, store, wait_s=60))))
+            waiter[0].start()
+            time.sleep(0.5)  # the other flush is waiting for this one's lock now
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(tracking, "log_evaluation", log_while_another_waits)
+    [first] = flush_pending(tmp_path, store)
+    waiter[0].join(timeout=120)
+    assert "mlflow_run_id" in first and waiter[1] == []
