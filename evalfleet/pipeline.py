@@ -48,6 +48,7 @@ from evalfleet.claims import (
     later_judged,
     mark_judged,
     release,
+    take,
     wait_for_earlier,
     wait_s,
 )
@@ -1129,6 +1130,16 @@ def history_claim(request: EvalRequest) -> AbstractContextManager[Path | None]:
         wait_s()
     return claimed(request.output, request.mlflow_uri or default_tracking_uri(request.output),
                    request.training_run_id, request.step, request.request_id)
+
+
+def take_history_claim(request: EvalRequest) -> Path | None:
+    """Take the claim ``history_claim`` holds, for a caller that hands it on to stage 7.
+
+    Released by ``release_history_claim`` (again is fine). No context manager: one handed on
+    unexited is closed, releasing the claim, when it is dropped.
+    """
+    return take(request.output, request.mlflow_uri or default_tracking_uri(request.output),
+                request.training_run_id, request.step, request.request_id)
 
 
 def release_history_claim(request: EvalRequest) -> None:

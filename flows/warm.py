@@ -21,7 +21,6 @@ import sys
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_for
-from contextlib import ExitStack
 from pathlib import Path
 
 import dask
@@ -38,7 +37,6 @@ from evalfleet.pipeline import (
     Received,
     collect,
     distribute,
-    history_claim,
     key_held,
     plan,
     receive,
@@ -48,6 +46,7 @@ from evalfleet.pipeline import (
     spawn,
     store_in_cache,
     summarize,
+    take_history_claim,
     with_history,
 )
 from evalfleet.records import stamp_evaluation
@@ -81,11 +80,16 @@ def evaluate_warm(request: EvalRequest, address: str, lane: FeedBackLane) -> Eva
     """
     if not warm_eligible(request):
         return evaluate(request.model_copy(update={"dask_address": address}))
-    with ExitStack() as held:  # the claim is the lane's once stage 7 is queued
-        held.enter_context(history_claim(request))
-        report = stages_here(request, address, lane)
-        held.pop_all()
-        return report
+    # The claim is the lane's once stage 7 is queued (``recorded_feed_back`` releases it). Held
+    # by a context manager handed on with ``ExitStack.pop_all()``, it was released at once: the
+    # popped stack, dropped, closed the claim's generator, and a later step of the run read its
+    # history before this one's MLflow run was logged.
+    take_history_claim(request)
+    try:
+        return stages_here(request, address, lane)
+    except BaseException:
+        release_history_claim(request)
+        raise
 
 
 def stages_here(request: EvalRequest, address: str, lane: FeedBackLane) -> EvalReport:

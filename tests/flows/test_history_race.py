@@ -52,3 +52,34 @@ def test_a_later_step_finishing_first_waits_for_the_earlier_one_and_the_gate_see
     assert code == EXIT_REGRESSION, err
     assert "gate: step 2 is a regression against the best checkpoint (step 1)" in err
     assert not list(out.glob("history-claims/*/*.json"))  # both released
+
+
+def test_the_fast_path_holds_its_claim_until_stage_7_releases_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # evaluate_warm handed its claim to the lane with ExitStack.pop_all(): the popped stack was
+    # dropped at once, which closed the claim's generator and released it. A later step of the
+    # run (another Evaluator, a CLI run) then read its history while this step's stage 7 had
+    # not logged it, and neither waited for it nor learnt that its own verdict came first.
+    from evalfleet import claims
+    from evalfleet.models import EvalRequest
+    from evalfleet.pipeline import release_history_claim
+    from flows import warm
+
+    request = EvalRequest(env=ENV_ID, policy="tests.core.courier:careless", output=tmp_path,
+                          training_run_id="warm-claim", step=3, request_id="warm-3")
+    uri = f"sqlite:///{tmp_path.resolve() / 'mlflow.db'}"
+    monkeypatch.setattr(warm, "stages_here", lambda request, address, lane: "stage 7 queued")
+    assert warm.evaluate_warm(request, "tcp://nowhere:1", lane=None) == "stage 7 queued"  # type: ignore[arg-type]
+    # The claim is the lane's now: a later step sees step 3 in flight until stage 7 releases it.
+    assert [c["request_id"] for c in claims.earlier_in_flight(tmp_path, uri, "warm-claim", 4)] \
+        == ["warm-3"]
+    release_history_claim(request)  # what the lane does once the MLflow run is logged or queued
+    assert claims.earlier_in_flight(tmp_path, uri, "warm-claim", 4) == []
+
+    def fails(request: EvalRequest, address: str, lane: object) -> str:
+        raise RuntimeError("stage 4 failed")
+
+    monkeypatch.setattr(warm, "stages_here", fails)
+    with pytest.raises(RuntimeError, match="stage 4 failed"):
+        warm.evaluate_warm(request, "tcp://nowhere:1", lane=None)  # type: ignore[arg-type]
+    assert claims.earlier_in_flight(tmp_path, uri, "warm-claim", 4) == []  # nothing queued: released
