@@ -1136,8 +1136,11 @@ def take_history_claim(request: EvalRequest) -> Path | None:
     """Take the claim ``history_claim`` holds, for a caller that hands it on to stage 7.
 
     Released by ``release_history_claim`` (again is fine). No context manager: one handed on
-    unexited is closed, releasing the claim, when it is dropped.
+    unexited is closed, releasing the claim, when it is dropped. A bad ``EVALFLEET_HISTORY_WAIT_S``
+    is refused here too, as by ``history_claim``.
     """
+    if request.training_run_id is not None and request.step is not None:
+        wait_s()
     return take(request.output, request.mlflow_uri or default_tracking_uri(request.output),
                 request.training_run_id, request.step, request.request_id)
 
