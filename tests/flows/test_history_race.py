@@ -83,3 +83,10 @@ def test_the_fast_path_holds_its_claim_until_stage_7_releases_it(
     with pytest.raises(RuntimeError, match="stage 4 failed"):
         warm.evaluate_warm(request, "tcp://nowhere:1", lane=None)  # type: ignore[arg-type]
     assert claims.earlier_in_flight(tmp_path, uri, "warm-claim", 4) == []  # nothing queued: released
+    # A bad wait setting is refused before the claim, as history_claim refuses it.
+    from evalfleet.errors import RequestError
+
+    monkeypatch.setenv(claims.WAIT_ENV, "10m")
+    with pytest.raises(RequestError, match=r"^EVALFLEET_HISTORY_WAIT_S='10m'"):
+        warm.evaluate_warm(request, "tcp://nowhere:1", lane=None)  # type: ignore[arg-type]
+    assert not list(tmp_path.glob("history-claims/*/*.json"))
