@@ -28,7 +28,7 @@ from deployments.webhook.schema import (
     parse_body,
     suite_sets,
 )
-from deployments.webhook.store import Evaluation, EvaluationStore
+from deployments.webhook.store import PENDING, Evaluation, EvaluationStore
 from evalfleet.callback import (
     DEFAULT_TOLERANCE_S,
     DELIVERY_HEADER,
@@ -48,6 +48,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("evalfleet.webhook")
 T = TypeVar("T")
+#: How long a delivery waits for one of its id and body handled at once (its policy fetched,
+#: its flow run created), and how often it looks.
+PENDING_WAIT_S = 30.0
+PENDING_POLL_S = 0.05
 
 
 def check_service_settings(*, isolation: str, output: Path, mlflow_uri: str | None,
@@ -154,6 +158,9 @@ class Receiver:
     answers 409 to a delivery id reused for another body, as the receiver that saw it does.
     """
 
+    pending_wait_s: float = PENDING_WAIT_S
+    """How long a delivery waits for another one of its id and body being handled at once."""
+
     def __init__(self, config: ReceiverConfig, prefect: PrefectAPI | None = None) -> None:
         if not config.secrets or not all(config.secrets):
             raise RuntimeError(
@@ -202,43 +209,15 @@ class Receiver:
                 raise Rejected(400, "invalid_request", f"callback_url refused: {err}",
                                field_name="callback_url") from None
         body_sha = hashlib.sha256(raw).hexdigest()
-        if (known := self._known_delivery(delivery_id, body_sha, base_url)) is not None:
+        known, reserved = self._reserve(delivery_id, body_sha, base_url)
+        if known is not None:
             return 200, known
-        policy_path = fetch_policy(body.policy, self.config.state_dir / "policies",
-                                   self.config.max_policy_bytes, self.config.egress,
-                                   self.config.policy_roots)
-        delivery_tag = _tag("delivery", hashlib.sha256(delivery_id.encode()).hexdigest()[:32])
-        body_tag = _tag("body", body_sha[:32])
-        key = idempotency_key(body)
-        earlier = self._prefect(lambda: self.prefect.find_flow_run([delivery_tag]))
-        if earlier is not None:  # delivered before, to another receiver
-            if not _same_body(earlier, body_tag, key):
-                raise Rejected(409, "conflict", f"delivery id {delivery_id!r} was already used "
-                               "for a different body; use a new delivery id for a new request")
-            evaluation = self._from_run(earlier)
-            self.store.record(delivery_id, body_sha, evaluation, evaluation.id)
-            return 200, self._accepted(evaluation, base_url, duplicate="delivery")
-        generation = self._prefect(lambda: self.prefect.count_flow_runs(
-            [_tag("key", key)], RETRYABLE_STATES))
-        proposed = uuid.uuid4().hex[:16]
-        parameters = {"request": self._request(body, policy_path, proposed)}
-        if body.suite is not None:
-            parameters["suite"] = suite_parameter(body.suite)
-        tags = ["evalfleet", "webhook", _tag("key", key), _tag("eval", proposed), delivery_tag,
-                body_tag]
-        tags += [f"train:{body.training_run_id}"] if body.training_run_id else []
-        run = self._prefect(lambda: self.prefect.create_flow_run(
-            parameters, f"evalfleet-{key}-{generation}", tags))
-        evaluation = self._from_run(run)
-        self.store.record(delivery_id, body_sha, evaluation, evaluation.id)
-        if evaluation.id == proposed:
-            logger.info("delivery %s: evaluation %s, flow run %s", delivery_id, evaluation.id,
-                        evaluation.flow_run_id)
-            return 202, self._accepted(evaluation, base_url, duplicate=None)
-        duplicate = "delivery" if delivery_tag in run.tags else "cache_key"
-        logger.info("delivery %s: same %s as evaluation %s", delivery_id, duplicate,
-                    evaluation.id)
-        return 200, self._accepted(evaluation, base_url, duplicate=duplicate)
+        try:
+            return self._create(body, delivery_id, body_sha, base_url)
+        except BaseException:
+            if reserved:  # nothing was recorded: a retry of this delivery id goes through
+                self.store.release(delivery_id, body_sha)
+            raise
 
     def status(self, evaluation_id: str, headers: dict[str, str], base_url: str
                ) -> dict[str, Any]:
@@ -292,15 +271,74 @@ class Receiver:
 
     # -- internals ---------------------------------------------------------------------------
 
-    def _known_delivery(self, delivery_id: str, body_sha: str, base_url: str
-                        ) -> dict[str, Any] | None:
-        known = self.store.delivery(delivery_id)
-        if known is None:
-            return None
-        evaluation_id, known_sha = known
-        if known_sha != body_sha:
-            raise Rejected(409, "conflict", f"delivery id {delivery_id!r} was already used for a "
-                           "different body; use a new delivery id for a new request")
+    def _create(self, body: EvaluationCreate, delivery_id: str, body_sha: str, base_url: str
+                ) -> tuple[int, dict[str, Any]]:
+        """Fetch the policy and create (or find) the flow run of a delivery; record it."""
+        policy_path = fetch_policy(body.policy, self.config.state_dir / "policies",
+                                   self.config.max_policy_bytes, self.config.egress,
+                                   self.config.policy_roots)
+        delivery_tag = _tag("delivery", hashlib.sha256(delivery_id.encode()).hexdigest()[:32])
+        body_tag = _tag("body", body_sha[:32])
+        key = idempotency_key(body)
+        earlier = self._prefect(lambda: self.prefect.find_flow_run([delivery_tag]))
+        if earlier is not None:  # delivered before, to another receiver
+            if not _same_body(earlier, body_tag, key):
+                raise Rejected(409, "conflict", f"delivery id {delivery_id!r} was already used "
+                               "for a different body; use a new delivery id for a new request")
+            evaluation = self._from_run(earlier)
+            self.store.record(delivery_id, body_sha, evaluation, evaluation.id)
+            return 200, self._accepted(evaluation, base_url, duplicate="delivery")
+        generation = self._prefect(lambda: self.prefect.count_flow_runs(
+            [_tag("key", key)], RETRYABLE_STATES))
+        proposed = uuid.uuid4().hex[:16]
+        parameters = {"request": self._request(body, policy_path, proposed)}
+        if body.suite is not None:
+            parameters["suite"] = suite_parameter(body.suite)
+        tags = ["evalfleet", "webhook", _tag("key", key), _tag("eval", proposed), delivery_tag,
+                body_tag]
+        tags += [f"train:{body.training_run_id}"] if body.training_run_id else []
+        run = self._prefect(lambda: self.prefect.create_flow_run(
+            parameters, f"evalfleet-{key}-{generation}", tags))
+        evaluation = self._from_run(run)
+        self.store.record(delivery_id, body_sha, evaluation, evaluation.id)
+        if evaluation.id == proposed:
+            logger.info("delivery %s: evaluation %s, flow run %s", delivery_id, evaluation.id,
+                        evaluation.flow_run_id)
+            return 202, self._accepted(evaluation, base_url, duplicate=None)
+        duplicate = "delivery" if delivery_tag in run.tags else "cache_key"
+        logger.info("delivery %s: same %s as evaluation %s", delivery_id, duplicate,
+                    evaluation.id)
+        return 200, self._accepted(evaluation, base_url, duplicate=duplicate)
+
+    def _reserve(self, delivery_id: str, body_sha: str, base_url: str
+                 ) -> tuple[dict[str, Any] | None, bool]:
+        """Reserve the delivery id in the store before anything is fetched or created.
+
+        Returns (the 200 answer of a delivery handled already, False), or (None, True) once
+        reserved. A delivery id held for another body is a 409 at once; one held by this body
+        still being handled is waited for (``pending_wait_s``), so its repeat gets the same
+        answer as after it. Past the wait, (None, False): it goes on unreserved, and Prefect's
+        idempotency key (the body's cache key) still makes it the same run.
+        """
+        deadline = time.monotonic() + self.pending_wait_s
+        while True:
+            held = self.store.reserve(delivery_id, body_sha)
+            if held is None:
+                return None, True
+            evaluation_id, known_sha = held
+            if known_sha != body_sha:
+                raise Rejected(409, "conflict", f"delivery id {delivery_id!r} was already used "
+                               "for a different body; use a new delivery id for a new request")
+            if evaluation_id != PENDING:
+                return self._known_delivery(delivery_id, evaluation_id, base_url), False
+            if time.monotonic() >= deadline:
+                logger.warning("delivery %s: still being handled after %.0f s; going on",
+                               delivery_id, self.pending_wait_s)
+                return None, False
+            time.sleep(PENDING_POLL_S)
+
+    def _known_delivery(self, delivery_id: str, evaluation_id: str, base_url: str
+                        ) -> dict[str, Any]:
         evaluation = self.store.get(evaluation_id)
         if evaluation is None:  # the store was edited by hand
             raise Rejected(500, "internal", f"delivery {delivery_id!r} points to a missing "

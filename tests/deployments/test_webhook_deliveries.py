@@ -369,3 +369,170 @@ def test_a_training_run_id_or_a_step_alone_is_a_bad_request(
     assert status == 400, answer
     assert answer["error"] == "invalid_request" and "go together" in answer["reason"], answer
     assert not prefect.runs  # nothing was started
+
+
+# ------------------------------------------------------- one delivery id handled twice at once
+
+
+class HeldFetch:
+    """``fetch_policy`` whose first call waits until ``release`` is set: a slow policy download."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, fail_first: bool = False) -> None:
+        import deployments.webhook.receiver as module
+
+        self.real = module.fetch_policy
+        self.entered, self.release = threading.Event(), threading.Event()
+        self.calls = 0
+        self.fail_first = fail_first
+        self.lock = threading.Lock()
+        monkeypatch.setattr(module, "fetch_policy", self)
+
+    def __call__(self, *args: Any) -> Path:
+        with self.lock:
+            self.calls += 1
+            first = self.calls == 1
+        if first:
+            self.entered.set()
+            assert self.release.wait(10), "the held fetch was never released"
+            if self.fail_first:
+                raise Rejected(503, "unavailable", "policy store went away")
+        path: Path = self.real(*args)
+        return path
+
+
+def post_in_thread(receiver: Receiver, raw: bytes, delivery_id: str,
+                   done: threading.Event | None = None
+                   ) -> tuple[threading.Thread, list[tuple[int, dict[str, Any]]]]:
+    """``post`` in a thread, as the app's threadpool runs it; its answer lands in the list."""
+    answers: list[tuple[int, dict[str, Any]]] = []
+
+    def go() -> None:
+        answers.append(post(receiver, raw, signed_headers(raw, SECRET, delivery_id=delivery_id)))
+        if done is not None:
+            done.set()
+
+    thread = threading.Thread(target=go, daemon=True)
+    thread.start()
+    return thread, answers
+
+
+def seen_pending(receiver: Receiver, monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    """An event set once a delivery finds its id held by one of its body still being handled."""
+    seen = threading.Event()
+    reserve = getattr(receiver.store, "reserve", None)
+    if reserve is None:  # the store before reservations: nothing waits
+        return seen
+
+    def spy(delivery_id: str, body_sha256: str) -> tuple[str, str] | None:
+        held_by = reserve(delivery_id, body_sha256)
+        if held_by is not None and held_by[0] == "":
+            seen.set()
+        return held_by
+
+    monkeypatch.setattr(receiver.store, "reserve", spy)
+    return seen
+
+
+def test_one_delivery_id_with_two_bodies_at_once_is_one_run_and_a_409(
+        receivers: tuple[Receiver, Receiver], prefect: MemoryPrefect,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Checked before the policy fetch and recorded after the run was created, a delivery id
+    sent with steps 5 and 6 at once got two 202s and two flow runs; the trainer's retries then
+    got 409 for the accepted step 5 and 'duplicate' for step 6."""
+    a, _ = receivers
+    held = HeldFetch(monkeypatch)
+    step5, step6 = canonical_json(doc(5)), canonical_json(doc(6))
+    thread, first = post_in_thread(a, step5, "trainer-delivery-42")
+    assert held.entered.wait(10)  # step 5 is fetching its policy
+    status, answer = post(a, step6, signed_headers(step6, SECRET, delivery_id="trainer-delivery-42"))
+    held.release.set()
+    thread.join(10)
+    assert status == 409, answer
+    assert answer["error"] == "conflict" and "different body" in answer["reason"]
+    assert first[0][0] == 202 and first[0][1]["step"] == 5
+    assert len(prefect.runs) == 1 and held.calls == 1  # step 6's policy was not even fetched
+
+    # The retries agree with the first answers.
+    status, again = post(a, step5, signed_headers(step5, SECRET, delivery_id="trainer-delivery-42"))
+    assert status == 200 and again["id"] == first[0][1]["id"] and again["duplicate"] == "delivery"
+    assert post(a, step6, signed_headers(step6, SECRET, delivery_id="trainer-delivery-42"))[0] == 409
+    assert len(prefect.runs) == 1
+
+
+def test_a_delivery_repeated_while_it_is_handled_waits_and_is_the_duplicate(
+        receivers: tuple[Receiver, Receiver], prefect: MemoryPrefect,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The repeat gets the answer it gets after the first one: 200, duplicate, the same id."""
+    a, _ = receivers
+    held = HeldFetch(monkeypatch)
+    step5 = canonical_json(doc(5))
+    thread, first = post_in_thread(a, step5, "again-1")
+    assert held.entered.wait(10)
+    waiting = seen_pending(a, monkeypatch)
+    repeat, second = post_in_thread(a, step5, "again-1", done=waiting)  # done: the old code
+    assert waiting.wait(10)
+    held.release.set()
+    thread.join(10)
+    repeat.join(10)
+    assert first[0][0] == 202 and first[0][1]["duplicate"] is None
+    assert second[0][0] == 200, second
+    assert second[0][1]["id"] == first[0][1]["id"] and second[0][1]["duplicate"] == "delivery"
+    assert len(prefect.runs) == 1 and held.calls == 1
+
+
+def test_a_delivery_that_failed_while_its_repeat_waited_leaves_the_id_to_the_repeat(
+        receivers: tuple[Receiver, Receiver], prefect: MemoryPrefect,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    a, _ = receivers
+    held = HeldFetch(monkeypatch, fail_first=True)
+    step5, step6 = canonical_json(doc(5)), canonical_json(doc(6))
+    thread, first = post_in_thread(a, step5, "flaky-1")
+    assert held.entered.wait(10)
+    waiting = seen_pending(a, monkeypatch)
+    repeat, second = post_in_thread(a, step5, "flaky-1", done=waiting)
+    assert waiting.wait(10)
+    held.release.set()
+    thread.join(10)
+    repeat.join(10)
+    assert first[0][0] == 503
+    assert second[0][0] == 202 and second[0][1]["step"] == 5, second
+    assert len(prefect.runs) == 1 and held.calls == 2
+    assert post(a, step6, signed_headers(step6, SECRET, delivery_id="flaky-1"))[0] == 409
+
+
+def test_a_failed_creation_releases_the_delivery_id(
+        receivers: tuple[Receiver, Receiver], prefect: MemoryPrefect,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import httpx
+
+    a, _ = receivers
+    step5 = canonical_json(doc(5))
+    real = prefect.create_flow_run
+
+    def down(*args: Any, **kwargs: Any) -> FlowRun:
+        raise httpx.ConnectError("connection refused")
+
+    monkeypatch.setattr(prefect, "create_flow_run", down)
+    status, answer = post(a, step5, signed_headers(step5, SECRET, delivery_id="retry-1"))
+    assert status == 503 and answer["error"] == "unavailable"
+    assert a.store.delivery("retry-1") is None
+    monkeypatch.setattr(prefect, "create_flow_run", real)
+    status, answer = post(a, step5, signed_headers(step5, SECRET, delivery_id="retry-1"))
+    assert status == 202 and len(prefect.runs) == 1
+
+
+def test_a_reservation_left_by_a_dead_receiver_delays_its_body_once(
+        receivers: tuple[Receiver, Receiver], prefect: MemoryPrefect) -> None:
+    """Killed between reserving and recording, a receiver leaves the id pending: the same body
+    goes on after the wait (Prefect's idempotency key still decides the run), another is a 409."""
+    a, _ = receivers
+    a.pending_wait_s = 0.2
+    step5, step6 = canonical_json(doc(5)), canonical_json(doc(6))
+    assert a.store.reserve("orphan-1", hashlib.sha256(step5).hexdigest()) is None
+    assert post(a, step6, signed_headers(step6, SECRET, delivery_id="orphan-1"))[0] == 409
+    status, answer = post(a, step5, signed_headers(step5, SECRET, delivery_id="orphan-1"))
+    assert status == 202 and answer["step"] == 5
+    assert a.store.delivery("orphan-1") == (answer["id"], hashlib.sha256(step5).hexdigest())
+    status, again = post(a, step5, signed_headers(step5, SECRET, delivery_id="orphan-1"))
+    assert status == 200 and again["id"] == answer["id"] and again["duplicate"] == "delivery"
+    assert len(prefect.runs) == 1
