@@ -32,7 +32,7 @@ from deployments.webhook.receiver import report_path
 from evalfleet.callback import CALLBACK_SECRET_ENV, FAILURE_EVENT, REPORT_EVENT, send_report_callback
 from evalfleet.errors import RequestError
 from evalfleet.models import EvalReport, EvalRequest, with_missing
-from evalfleet.storage import write_json
+from evalfleet.storage import report_lock, write_json
 from evalfleet.suite import Suite, SuiteReport
 from flows.api_ledger import final_state
 from flows.eval import evaluate
@@ -72,11 +72,13 @@ def notify_failure(flow: Any, flow_run: Any, state: Any) -> None:
                         request_id, state.type, sent)
             return
         outcome = send_report_callback(url, report, event=REPORT_EVENT)
-        alarms = report.get("alarms") or []
-        if not outcome.startswith("delivered"):
-            alarms = with_missing(alarms, [f"the callback to the trainer: {outcome}"])
-        write_json({**report, "outputs": {**(report.get("outputs") or {}), "callback": outcome},
-                    "alarms": alarms}, path)
+        with report_lock(path):  # read again: a flush may have recorded a late MLflow run meanwhile
+            report = _read_report(path) or report
+            alarms = report.get("alarms") or []
+            if not outcome.startswith("delivered"):
+                alarms = with_missing(alarms, [f"the callback to the trainer: {outcome}"])
+            write_json({**report, "outputs": {**(report.get("outputs") or {}), "callback": outcome},
+                        "alarms": alarms}, path)
         logger.info("report callback for %s (run ended %s after its report): %s", request_id,
                     state.type, outcome)
         return

@@ -97,7 +97,7 @@ from evalfleet.review_replays import ReviewReplays, replay_sandbox, review_repla
 from evalfleet.sandbox.isolation import resolve_isolation
 from evalfleet.sandbox.limits import sandbox_limits
 from evalfleet.seeds import SeedLedger
-from evalfleet.storage import run_dir, write_episodes, write_json, write_table
+from evalfleet.storage import report_lock, run_dir, write_episodes, write_json, write_table
 from evalfleet.tracking import default_tracking_uri, flush_pending, pending_dir
 from evalfleet.worker import stale_message, warm_sandboxes
 
@@ -1029,7 +1029,7 @@ def feed_back(
                                                                       missing[logged_missing:])}))
     if page is not None and missing[logged_missing:]:  # MLflow's alarms come after the page
         page(final)
-    write_json(final.model_dump(mode="json"), report_path)
+    final = write_report(final, report_path)
     if request.callback_url:  # last, so the trainer gets the MLflow run id; never raises
         from evalfleet.callback import send_report_callback
 
@@ -1039,13 +1039,50 @@ def feed_back(
             final.alarms, [f"the callback to the trainer: {outcome}"])
         final = scrubbed(final.model_copy(update={"outputs": {**final.outputs, "callback": outcome},
                                                   "alarms": alarms}))
-        write_json(final.model_dump(mode="json"), report_path)
+        final = write_report(final, report_path)
         if len(final.alarms) > logged:  # the page, and MLflow's copies, show them too
             shown = [page(final)] if page is not None else []
-            if "mlflow_run_id" in final.outputs:
+            if "mlflow_run_id" in final.outputs:  # also a run a flush logged meanwhile
                 final = late_alarms_logged(final, final.alarms[logged:], [report_path, *shown])
-                write_json(final.model_dump(mode="json"), report_path)
+                final = write_report(final, report_path)
     return final
+
+
+#: What ``evalfleet mlflow flush`` records in report.json once it logged a queued run
+#: (``tracking._note_logged``, which also drops ``mlflow_queued`` and ``mlflow_error``).
+LATE_RUN_OUTPUTS = ("mlflow_uri", "mlflow_run_id", "mlflow_logged_late", "mlflow_queued_after")
+
+
+def write_report(final: EvalReport, path: Path) -> EvalReport:
+    """Write stage 7's report.json, keeping the MLflow run a flush recorded there meanwhile.
+
+    Once its run is queued, ``evalfleet mlflow flush`` may log it while stage 7 still runs (its
+    callback waiting on a slow trainer) and record the run id in report.json; stage 7's next
+    write from memory put back ``mlflow_queued``, naming the removed queue file, for good. The
+    read and the write hold the report's lock, as the flush's do. Returns what was written.
+    """
+    with report_lock(path):
+        final = with_late_run(final, path)
+        write_json(final.model_dump(mode="json"), path)
+    return final
+
+
+def with_late_run(report: EvalReport, path: Path) -> EvalReport:
+    """``report`` with the late MLflow run that report.json at ``path`` records, if its queue file is gone."""
+    queued = report.outputs.get("mlflow_queued")
+    if not queued or Path(queued).exists():  # not queued, or not logged: nothing to take
+        return report
+    try:
+        on_disk = json.loads(path.read_text()).get("outputs") or {}
+    except (OSError, ValueError, AttributeError):
+        return report
+    if not (on_disk.get("mlflow_logged_late") and on_disk.get("mlflow_run_id")):
+        return report
+    outputs = {k: v for k, v in report.outputs.items() if k not in ("mlflow_queued", "mlflow_error")}
+    if "mlflow_error" in report.outputs:  # what queued it, kept as such (as the flush does)
+        outputs["mlflow_queued_after"] = report.outputs["mlflow_error"]
+    outputs.update({k: str(on_disk[k]) for k in LATE_RUN_OUTPUTS if k in on_disk})
+    return report.model_copy(update={"outputs": outputs})
 
 
 def late_alarms_logged(report: EvalReport, late: list[str],

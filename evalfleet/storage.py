@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -83,6 +85,24 @@ def json_safe(data: Any) -> Any:
     if isinstance(data, (list, tuple)):
         return [json_safe(v) for v in data]
     return data
+
+
+@contextlib.contextmanager
+def report_lock(path: Path) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on the folder of report ``path`` while it is read and rewritten.
+
+    Stage 7 (and serve's failure hook) and ``evalfleet mlflow flush`` (recording a late MLflow
+    run) each rewrite one evaluation's report.json; unlocked, the later write from what it read
+    before lost the other's. The folder is locked, not the file, as each write replaces the file.
+    """
+    import fcntl
+
+    fd = os.open(Path(path).parent, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def write_json(data: dict[str, Any], path: Path) -> Path:

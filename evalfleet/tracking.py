@@ -641,21 +641,24 @@ def _locked(path: Path, wait_s: float) -> Iterator[bool | None]:
 
 def _note_logged(entry: dict[str, Any], uri: str, run_id: str) -> None:
     """Record the late MLflow run in the evaluation's report.json, if it is among the artifacts."""
+    from evalfleet.storage import report_lock
+
     for name in entry["artifacts"]:
         if Path(name).name != "report.json" or not Path(name).exists():
             continue
         try:
-            report = json.loads(Path(name).read_text())
-            outputs = dict(report.get("outputs") or {})
-            outputs.pop("mlflow_queued", None)
-            error = outputs.pop("mlflow_error", None)  # what queued it, kept as such
-            if error:
-                outputs["mlflow_queued_after"] = error
-            outputs.update(mlflow_uri=uri, mlflow_run_id=run_id,
-                           mlflow_logged_late=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
-            report["outputs"] = outputs
-            tmp = Path(name).with_name(".report.json.tmp")
-            tmp.write_text(json.dumps(report, indent=2, sort_keys=True, default=str) + "\n")
-            os.replace(tmp, name)
+            with report_lock(Path(name)):  # stage 7 may be rewriting it (pipeline.write_report)
+                report = json.loads(Path(name).read_text())
+                outputs = dict(report.get("outputs") or {})
+                outputs.pop("mlflow_queued", None)
+                error = outputs.pop("mlflow_error", None)  # what queued it, kept as such
+                if error:
+                    outputs["mlflow_queued_after"] = error
+                outputs.update(mlflow_uri=uri, mlflow_run_id=run_id,
+                               mlflow_logged_late=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+                report["outputs"] = outputs
+                tmp = Path(name).with_name(".report.json.tmp")
+                tmp.write_text(json.dumps(report, indent=2, sort_keys=True, default=str) + "\n")
+                os.replace(tmp, name)
         except (OSError, ValueError) as err:
             logger.warning("logged %s late, but could not update %s: %s", run_id, name, err)

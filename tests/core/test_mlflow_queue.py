@@ -190,3 +190,93 @@ def test_a_flush_that_waits_finds_the_run_another_logged_meanwhile_gone(
     [first] = flush_pending(tmp_path, store)
     waiter[0].join(timeout=120)
     assert "mlflow_run_id" in first and waiter[1] == []
+
+
+# ------------------------------------------------- a flush while the evaluation is still in stage 7
+
+
+@pytest.fixture(scope="module")
+def late_store(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The MLflow store a flush logs queued runs into (one per module: creating one costs seconds)."""
+    return f"sqlite:///{tmp_path_factory.mktemp('late') / 'mlflow.db'}"
+
+
+def stage_7_queued(output: Path, request_id: str, monkeypatch: pytest.MonkeyPatch, *,
+                   callback: str | None, flush_during: str, store: str) -> object:
+    """Stage 7 of an evaluation of the Courier env whose MLflow store fails (the run is queued),
+    with ``evalfleet mlflow flush --mlflow-uri store`` planted during it: ``"queueing"`` right
+    after the run was queued, or ``"callback"`` while the trainer holds the callback, which
+    answers ``callback`` (an outcome of ``send_report_callback``)."""
+    from types import SimpleNamespace
+
+    import evalfleet.callback
+    import evalfleet.pipeline as pipeline
+    import tests.core.courier as courier
+    from evalfleet import tracking
+    from evalfleet.models import EvalRequest
+    from evalfleet.report import aggregate
+    from tests.core.test_history import _table
+
+    def queue_then_flush(*args: object, **kwargs: object) -> dict[str, str]:
+        fast = {**kwargs, "attempts": 1, "wait_s": (0.01, 0.02)}
+        out = tracking.log_or_queue(*args, **fast)  # type: ignore[arg-type]
+        assert "mlflow_queued" in out, out
+        if flush_during == "queueing":
+            assert [r["request_id"] for r in flush_pending(output, store)] == [request_id]
+        return out
+
+    def trainer_slow_to_answer(url: str, report: dict[str, object], **kwargs: object) -> str:
+        assert [r["request_id"] for r in flush_pending(output, store)] == [request_id]
+        assert callback is not None
+        return callback
+
+    monkeypatch.setattr(pipeline, "log_or_queue", queue_then_flush)
+    monkeypatch.setattr(evalfleet.callback, "send_report_callback", trainer_slow_to_answer)
+    monkeypatch.setenv("EVALFLEET_ALLOWED_HOSTS", "127.0.0.1")
+    blocker = output / "blocker"
+    blocker.parent.mkdir(parents=True, exist_ok=True)
+    blocker.write_text("a file where the store's folder should be")
+    table = _table("careless")
+    request = EvalRequest(env=courier.ENV_ID, policy="tests.core.courier:careless",
+                          episodes=table.num_rows, output=output, cache_dir=output / "cache",
+                          request_id=request_id, mlflow_uri=f"sqlite:///{blocker / 'm.db'}",
+                          callback_url="http://127.0.0.1:9/cb" if callback else None)
+    report = aggregate(request, table, env_spec={"env_id": courier.ENV_ID}, env_spec_hash="spec",
+                       policy={"sha256": "cd" * 32}, isolation="inprocess", timings={"run": 1.0},
+                       cache={"status": "hit", "key": "cd" * 32}, run_seconds=1.0)
+    collected = SimpleNamespace(table=table, fresh=table.slice(0, 0), replays=None)  # no review
+    return pipeline.feed_back(request, None, report, collected)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("flush_during", "callback"), [
+    ("callback", "delivered: HTTP 200 after 1 attempt (8.00 s)"),
+    ("callback", "failed after 1 attempt: HTTP 503"),
+    ("queueing", None),
+])
+def test_a_flush_during_stage_7_keeps_its_run_in_report_json(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, late_store: str, flush_during: str,
+        callback: str | None) -> None:
+    """Planted: 'evalfleet mlflow flush' logs the queued run while stage 7 still runs. It wrote
+    the run id into report.json; then stage 7 rewrote report.json from memory: 'mlflow_queued',
+    naming the removed queue file, and no run id, for good (no later flush found anything)."""
+    from mlflow.tracking import MlflowClient
+
+    request_id = f"flushed-{flush_during}-{bool(callback and callback.startswith('failed'))}"
+    final = stage_7_queued(tmp_path, request_id, monkeypatch, callback=callback,
+                           flush_during=flush_during, store=late_store)
+    on_disk = json.loads((tmp_path / "runs" / request_id / "report.json").read_text())
+    outputs = on_disk["outputs"]
+    client = MlflowClient(tracking_uri=late_store)
+    [run] = client.search_runs([e.experiment_id for e in client.search_experiments()],
+                               f"tags.`evalfleet.request_id` = '{request_id}'")
+    assert outputs["mlflow_run_id"] == run.info.run_id and outputs["mlflow_uri"] == late_store
+    assert "mlflow_queued" not in outputs and "mlflow_error" not in outputs
+    assert outputs["mlflow_queued_after"].startswith("FileExistsError") and outputs["mlflow_logged_late"]
+    assert final.outputs == outputs and final.alarms == on_disk["alarms"]  # type: ignore[attr-defined]
+    assert flush_pending(tmp_path, late_store) == []  # logged once, nothing left queued
+    if callback is not None:
+        assert outputs["callback"] == callback
+    if callback is not None and callback.startswith("failed"):  # the late alarm reaches that run
+        assert on_disk["alarms"][-1].startswith("output_missing: the callback to the trainer: failed")
+        tags = client.get_run(run.info.run_id).data.tags
+        assert tags["evalfleet.alarm.output_missing"] == "true"

@@ -346,6 +346,86 @@ def test_a_report_written_but_not_known_delivered_is_sent_again_as_completed(
     receiver.close()
 
 
+def queued_report(receiver: Receiver, evaluation_id: str) -> Path:
+    """A report written by stage 7 whose MLflow run was queued, its queue file logged since."""
+    path = write_report(receiver, evaluation_id, None)
+    report = json.loads(path.read_text())
+    report["outputs"].update(mlflow_error="ConnectionError: planted",
+                             mlflow_queued=str(receiver.config.output / "mlflow-pending" / "gone.json"))
+    write_json(report, path)
+    return path
+
+
+def test_a_flush_during_the_hooks_callback_keeps_its_run_in_report_json(
+        trainer: Trainer, tmp_path: Path, prefect: MemoryPrefect,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """'evalfleet mlflow flush' logged the queued run while the hook sent the report again; the
+    hook then wrote back the report it had read before: 'mlflow_queued', no run id, for good."""
+    import deployments.serve as serve
+    from evalfleet import tracking
+
+    receiver = make_receiver(prefect, tmp_path, "a")
+    path = queued_report(receiver, "eval-queued")
+    real = serve.send_report_callback
+
+    def flush_meanwhile(url: str, report: dict[str, Any], **kwargs: Any) -> str:
+        outcome: str = real(url, report, **kwargs)
+        # What a flush records once it logged the queued run (tracking.flush_pending).
+        tracking._note_logged({"artifacts": [str(path)]}, "sqlite:///late.db", "late-run-1")
+        return outcome
+
+    monkeypatch.setattr(serve, "send_report_callback", flush_meanwhile)
+    crash(trainer, receiver.config.output, "eval-queued")
+    outputs = json.loads(path.read_text())["outputs"]
+    assert outputs["mlflow_run_id"] == "late-run-1" and "mlflow_queued" not in outputs
+    assert outputs["mlflow_queued_after"] == "ConnectionError: planted"
+    assert outputs["callback"].startswith("delivered")
+    assert [c["delivery"] for c in trainer.calls] == ["eval-queued:completed"]
+    receiver.close()
+
+
+def test_a_flush_writing_report_json_as_the_hook_does_loses_neither_write(
+        trainer: Trainer, tmp_path: Path, prefect: MemoryPrefect,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Planted: the flush read report.json, then the hook wrote its callback outcome, then the
+    flush wrote what it read plus its run id: the outcome was lost (unlocked read-and-write)."""
+    import deployments.serve as serve
+    from evalfleet import tracking
+
+    receiver = make_receiver(prefect, tmp_path, "a")
+    path = queued_report(receiver, "eval-straddled")
+    read, go = threading.Event(), threading.Event()
+
+    class PausedJson:  # the flush pauses between reading report.json and writing it
+        loads = staticmethod(json.loads)
+
+        @staticmethod
+        def dumps(*args: Any, **kwargs: Any) -> str:
+            read.set()
+            go.wait(2)  # the hook's write comes now, or (locked out) after this write
+            return json.dumps(*args, **kwargs)
+
+    monkeypatch.setattr(tracking, "json", PausedJson)
+    flush = threading.Thread(target=tracking._note_logged,
+                             args=({"artifacts": [str(path)]}, "sqlite:///late.db", "late-run-2"))
+    real = serve.send_report_callback
+
+    def flush_reads_meanwhile(url: str, report: dict[str, Any], **kwargs: Any) -> str:
+        flush.start()
+        assert read.wait(10)
+        outcome: str = real(url, report, **kwargs)
+        return outcome
+
+    monkeypatch.setattr(serve, "send_report_callback", flush_reads_meanwhile)
+    crash(trainer, receiver.config.output, "eval-straddled")
+    go.set()
+    flush.join(10)
+    outputs = json.loads(path.read_text())["outputs"]
+    assert outputs["callback"].startswith("delivered"), outputs
+    assert outputs["mlflow_run_id"] == "late-run-2" and "mlflow_queued" not in outputs
+    receiver.close()
+
+
 def test_a_run_without_a_report_gets_a_failure_notice_with_its_own_delivery_id(
         trainer: Trainer, tmp_path: Path) -> None:
     crash(trainer, tmp_path / "results", "eval-none", state="FAILED")
