@@ -4,22 +4,24 @@ MLflow's SQL store costs every CLI run ~1 s of imports and opening (sqlalchemy, 
 store) for the one run it logs: a third of a cache hit. Once a CLI run has used the shared local
 Prefect server (``evalfleet.server``), it starts this logger (``python -m evalfleet.mlflow_logger``)
 in a session of its own, if none of its code runs yet. Later CLI runs hand it the evaluation to log
-and wait for its answer: the logger runs the very ``tracking.log_or_queue`` the run would have run
-(same retries, same queue under the results folder), with the run's environment and working
-directory, and sends back its outputs and log lines. The run is logged (or queued) before the CLI
-prints its summary, as before; only the imports moved.
+and wait for its answer. The logger forks a worker per request, which takes on the run's working
+directory, umask and environment and runs the very ``tracking.log_or_queue`` the run would have
+run (same retries, same queue under the results folder), then sends back its outputs and log
+lines and exits: requests run side by side, and no state of one (an open store) reaches the
+next. The run is logged (or queued) before the CLI prints its summary, as before; only the imports
+moved.
 
-It is used only where nothing can differ: by the CLI (``opted_in``), for a SQLite store under
-a path, by a logger of the same code (``code_key``: evalfleet's source, MLflow's version, the
-interpreter), recorded in ``$EVALFLEET_HOME/mlflow-logger.json`` (mode 0600) and answering on its
-Unix socket (abstract, so no path length limit; a peer must be this user and show the record's
-token, which only a reader of the home has). Anything else logs in-process as before. A reply lost
-after the request went out (the logger died) first adopts the run it may have logged, by request
-id (``tracking.log_or_queue(adopt=True)``): one evaluation never becomes two MLflow runs.
+It is used only where nothing can differ: by the CLI (``opted_in``), for a SQLite store under a
+path, by a logger of the same code (``code_key``: evalfleet's source, MLflow and its site-packages,
+the interpreter), recorded in ``$EVALFLEET_HOME/mlflow-logger.json`` (mode 0600) and answering on
+its Unix socket (abstract, so no path length limit). A peer must be this user, in this mount
+namespace and root, in the same working folder, and show the record's token, which only a reader
+of the home has. Anything else logs in-process as before. A reply lost after the request went out
+(the worker died) first adopts the run it may have logged, by request id
+(``tracking.log_or_queue(adopt=True)``): one evaluation never becomes two MLflow runs.
 
-Each request gets MLflow's stores anew (``_fresh_stores``): a cached engine would keep writing into
-a results folder's ``mlflow.db`` after it was deleted and made again. ``evalfleet server stop``
-stops the logger with the server; a logger whose record names another process exits.
+``evalfleet server stop`` stops the logger with the server; a logger whose record names another
+process exits.
 """
 
 from __future__ import annotations
@@ -35,11 +37,12 @@ import struct
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from evalfleet import tracking
 from evalfleet.server import alive, evalfleet_home
 
 logger = logging.getLogger(__name__)
@@ -47,9 +50,6 @@ logger = logging.getLogger(__name__)
 #: Set to ``off`` to log every evaluation in its own process (and start no logger).
 SWITCH_ENV = "EVALFLEET_MLFLOW_LOGGER"
 RECORD_NAME = "mlflow-logger.json"
-#: How long a CLI run waits for a live logger's answer (its retries and waits included) before it
-#: reports the MLflow run as neither logged nor queued. The logger's death ends the wait at once.
-ANSWER_TIMEOUT_S = 300.0
 #: Seconds between a logger's checks that it is still the recorded one and its home still exists.
 CHECK_EVERY_S = 30.0
 _HEADER = struct.Struct("!Q")
@@ -161,22 +161,25 @@ def ensure_started() -> None:
     """
     if not _opted_in:
         return
-    from evalfleet.server import locked
+    from evalfleet.server import EVALFLEET_HOME_ENV, locked, read_state
 
     try:
         key = code_key()
         with locked():
+            server = read_state()
+            if server is None or not alive(server.pid):  # stopped meanwhile: it goes with it
+                return
             record = read_record()
             if record is not None and alive(record.pid) and is_logger(record.pid):
                 if record.key == key:
                     return
                 _terminate(record.pid)
-            home = evalfleet_home()
+            home = evalfleet_home().resolve()  # a relative home is the caller's, not the logger's
             with open(home / "mlflow-logger.log", "ab") as log:
                 proc = subprocess.Popen(
                     [sys.executable, "-m", "evalfleet.mlflow_logger"], stdin=subprocess.DEVNULL,
                     stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=home,
-                    env={**os.environ, "PYTHONPATH": _import_path()})
+                    env={**os.environ, "PYTHONPATH": _import_path(), EVALFLEET_HOME_ENV: str(home)})
             _write_record(LoggerRecord(pid=proc.pid, key=key, started=time.time()))
     except Exception as err:  # noqa: BLE001 - runs log in-process without it
         logger.debug("could not start the shared MLflow logger: %s", err)
@@ -224,18 +227,17 @@ def _terminate(pid: int) -> None:
 
 def log_or_queue(
     output: Path, tracking_uri: str, experiment: str, report: dict[str, Any],
-    params: dict[str, Any], artifacts: list[Path], run_name: str,
+    params: dict[str, Any], artifacts: list[Path], run_name: str, attempts: int = tracking.LOG_ATTEMPTS,
 ) -> dict[str, str]:
     """``tracking.log_or_queue``, run by the shared logger when this process may use one."""
-    from evalfleet import tracking
-
     record = usable() if tracking_uri.startswith("sqlite:///") else None
     adopt = False
     if record is not None:
         request = {"output": str(Path(output).resolve()), "tracking_uri": tracking_uri,
                    "experiment": experiment, "report": report,
                    "params": {k: str(v) for k, v in params.items()},
-                   "artifacts": [str(Path(a).resolve()) for a in artifacts], "run_name": run_name}
+                   "artifacts": [str(Path(a).resolve()) for a in artifacts], "run_name": run_name,
+                   "attempts": attempts}
         try:
             return _ask(record, request)
         except _NotSent as why:
@@ -245,12 +247,26 @@ def log_or_queue(
                            "adopting the run it may have logged", record.pid, why)
             adopt = True
     return tracking.log_or_queue(output, tracking_uri, experiment, report, params, artifacts,
-                                 run_name, adopt=adopt)
+                                 run_name, attempts=attempts, adopt=adopt)
+
+
+def _caller() -> dict[str, Any]:
+    """What the logger's worker takes on as this run's: folder (and its identity), umask, environment.
+
+    The umask is read from ``/proc`` (setting it to read it would race this process's threads).
+    """
+    try:
+        cwd = os.getcwd()
+        here = os.stat(cwd)
+        status = Path("/proc/self/status").read_text()
+        umask = int(next(line.split()[1] for line in status.splitlines() if line.startswith("Umask:")), 8)
+    except (OSError, StopIteration, ValueError, IndexError) as err:
+        raise _NotSent(f"this process's folder or umask cannot be read: {err}") from err
+    return {"cwd": cwd, "cwd_id": [here.st_dev, here.st_ino], "umask": umask, "environ": dict(os.environ)}
 
 
 def _ask(record: LoggerRecord, request: dict[str, Any]) -> dict[str, str]:
-    message = {"token": record.token, "cwd": os.getcwd(), "environ": dict(os.environ),
-               "request": request}
+    message = {"token": record.token, **_caller(), "request": request}
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         try:
@@ -259,7 +275,12 @@ def _ask(record: LoggerRecord, request: dict[str, Any]) -> dict[str, str]:
             _send(sock, message)
         except OSError as err:
             raise _NotSent(f"{type(err).__name__}: {err}") from err
-        answer = _answer(sock, record.pid)
+        frames = _Frames(sock)
+        try:  # the worker forked for this request names itself before it reads the request
+            worker = int(frames.next(lambda: alive(record.pid), "the logger")["worker"])
+        except _Lost as err:
+            raise _NotSent(str(err)) from err
+        answer = frames.next(lambda: alive(worker), f"its worker (pid {worker})")
     finally:
         sock.close()
     for name, level, text in answer.get("logs", []):
@@ -271,31 +292,36 @@ def _ask(record: LoggerRecord, request: dict[str, Any]) -> dict[str, str]:
     return {str(k): str(v) for k, v in answer["outputs"].items()}
 
 
-def _answer(sock: socket.socket, pid: int) -> dict[str, Any]:
-    """The logger's answer, waited for while it lives (``ANSWER_TIMEOUT_S`` at most)."""
-    deadline = time.monotonic() + ANSWER_TIMEOUT_S
-    sock.settimeout(1.0)
-    data = b""
-    while True:
-        try:
-            chunk = sock.recv(1 << 16)
-        except TimeoutError:
-            if not alive(pid):
-                raise _Lost("it exited without answering") from None
-            if time.monotonic() > deadline:
-                raise LoggerError(f"the shared MLflow logger (pid {pid}) did not answer within "
-                                  f"{ANSWER_TIMEOUT_S:.0f} s; stop it with 'evalfleet server stop'"
-                                  ) from None
-            continue
-        except OSError as err:
-            raise _Lost(f"{type(err).__name__}: {err}") from err
-        if not chunk:
-            break
-        data += chunk
-    if len(data) < _HEADER.size or len(data) != _HEADER.size + _HEADER.unpack_from(data)[0]:
-        raise _Lost(f"its answer was cut short ({len(data)} bytes)")
-    answer: dict[str, Any] = json.loads(data[_HEADER.size:])
-    return answer
+class _Frames:
+    """Frames read off the logger's socket, each waited for while who sends it lives.
+
+    No time limit: logging in-process waits for the store as long as it takes, and so does this.
+    A limit was a run reported "neither logged nor queued" that the logger logged later.
+    """
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock, self.data = sock, b""
+        sock.settimeout(1.0)
+
+    def next(self, lives: Callable[[], bool], who: str) -> dict[str, Any]:
+        while True:
+            if len(self.data) >= _HEADER.size:
+                size = _HEADER.size + _HEADER.unpack_from(self.data)[0]
+                if len(self.data) >= size:
+                    frame, self.data = self.data[_HEADER.size:size], self.data[size:]
+                    answer: dict[str, Any] = json.loads(frame)
+                    return answer
+            try:
+                chunk = self.sock.recv(1 << 16)
+            except TimeoutError:
+                if not lives():
+                    raise _Lost(f"{who} exited without answering") from None
+                continue
+            except OSError as err:
+                raise _Lost(f"{type(err).__name__}: {err}") from err
+            if not chunk:
+                raise _Lost(f"{who} closed the connection after {len(self.data)} bytes")
+            self.data += chunk
 
 
 def _send(sock: socket.socket, payload: dict[str, Any]) -> None:
@@ -333,81 +359,92 @@ class _Captured(logging.Handler):
         self.lines.append((record.name, record.levelno, record.getMessage()))
 
 
-@contextlib.contextmanager
-def _as_the_caller(cwd: str, environ: dict[str, str]) -> Iterator[None]:
-    """The asking run's environment and working directory, for one request."""
-    saved, here = dict(os.environ), os.getcwd()
-    os.environ.clear()
-    os.environ.update(environ)
+def _peer_refusal(conn: socket.socket) -> str | None:
+    """Why the connected process may not have its runs logged here; None when it may.
+
+    The same user, seeing the same files: another mount namespace or root (a private /tmp, a
+    container sharing the home) would have its paths opened in this process's view of the disk.
+    """
+    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    pid, uid, _ = struct.unpack("3i", creds)
+    if uid != os.getuid():
+        return f"another user (uid {uid})"
     try:
-        with contextlib.suppress(OSError):
-            os.chdir(cwd)
-        yield
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
-        os.chdir(here)
-
-
-def _fresh_stores() -> None:
-    """Forget MLflow's cached stores and engines: the next request opens its store anew."""
-    from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
-    from mlflow.tracking._tracking_service.utils import _tracking_store_registry
-
-    for engine in list(SqlAlchemyStore._engine_map.values()):
-        engine.dispose()
-    SqlAlchemyStore._engine_map.clear()
-    _tracking_store_registry._get_store_with_resolved_uri.cache_clear()
+        if os.readlink(f"/proc/{pid}/ns/mnt") != os.readlink("/proc/self/ns/mnt"):
+            return "another mount namespace"
+        theirs, mine = os.stat(f"/proc/{pid}/root"), os.stat("/")
+    except OSError as err:
+        return f"its view of the files cannot be checked: {err}"
+    if (theirs.st_dev, theirs.st_ino) != (mine.st_dev, mine.st_ino):
+        return "another root directory"
+    return None
 
 
 def handle(message: dict[str, Any], token: str) -> dict[str, Any]:
-    """One request: ``tracking.log_or_queue`` as the asking run would have run it."""
-    from evalfleet import tracking
+    """One request, in a worker forked for it: ``tracking.log_or_queue`` as the asking run would run it.
 
+    The worker takes on the run's working directory (the same folder, checked by its identity),
+    umask and environment, and exits after: no state of one run reaches the next.
+    """
     if not isinstance(message.get("token"), str) or not secrets.compare_digest(message["token"], token):
         return {"refused": "wrong token"}
+    try:
+        os.chdir(message["cwd"])
+        here = os.stat(".")
+    except OSError as err:
+        return {"refused": f"its working directory is not here: {err}"}
+    if [here.st_dev, here.st_ino] != list(message["cwd_id"]):
+        return {"refused": f"its working directory {message['cwd']} is another folder here"}
+    os.umask(int(message["umask"]))
+    os.environ.clear()
+    os.environ.update(message["environ"])
     req = message["request"]
     captured = _Captured()
     root = logging.getLogger()
     root.addHandler(captured)
-    before = root.level
     root.setLevel(logging.INFO)
     try:
-        with _as_the_caller(str(message.get("cwd") or "/"), dict(message.get("environ") or {})):
-            try:
-                outputs = tracking.log_or_queue(
-                    Path(req["output"]), req["tracking_uri"], req["experiment"], req["report"],
-                    req["params"], [Path(a) for a in req["artifacts"]], req["run_name"])
-                answer: dict[str, Any] = {"outputs": outputs}
-            except Exception as err:  # noqa: BLE001 - the asking run reports it as its own
-                answer = {"raised": f"{type(err).__name__}: {err}"}
-            finally:
-                _fresh_stores()
+        outputs = tracking.log_or_queue(
+            Path(req["output"]), req["tracking_uri"], req["experiment"], req["report"],
+            req["params"], [Path(a) for a in req["artifacts"]], req["run_name"],
+            attempts=int(req.get("attempts", tracking.LOG_ATTEMPTS)))
+        answer: dict[str, Any] = {"outputs": outputs}
+    except Exception as err:  # noqa: BLE001 - the asking run reports it as its own
+        answer = {"raised": f"{type(err).__name__}: {err}"}
     finally:
         root.removeHandler(captured)
-        root.setLevel(before)
     answer["logs"] = [line for line in captured.lines if line[1] >= logging.INFO]
     return answer
 
 
-def _peer_uid(conn: socket.socket) -> int:
-    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    return int(struct.unpack("3i", creds)[1])
+def _work(conn: socket.socket, token: str) -> None:
+    """A forked worker's life: name itself, check the peer, read the request, answer."""
+    _send(conn, {"worker": os.getpid()})
+    conn.settimeout(30.0)
+    message = _receive(conn)
+    conn.settimeout(None)
+    why = _peer_refusal(conn)
+    _send(conn, {"refused": why} if why else handle(message, token))
 
 
 def serve() -> None:
-    """The logger's loop: one request at a time, until its record names another process."""
+    """The logger's loop: a worker forked per request, until its record names another process.
+
+    The logger itself only imports MLflow and forks: each request's worker starts from that
+    state, so requests run side by side (a store that hangs holds up its own run only).
+    """
     import mlflow.store.tracking.sqlalchemy_store  # noqa: F401 - what the runs no longer import
     import mlflow.tracking  # noqa: F401
 
     from evalfleet.server import locked
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # workers are reaped as they exit
     home = evalfleet_home()
     token, address = secrets.token_hex(32), f"evalfleet-mlflow-{secrets.token_hex(12)}"
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.bind("\0" + address)
-    sock.listen(16)
+    sock.listen(64)
     with locked():
         record = read_record()
         if record is None or record.pid != os.getpid():
@@ -423,16 +460,25 @@ def serve() -> None:
             if not home.exists() or current is None or current.pid != os.getpid():
                 return
             continue
-        with conn:
+        try:
+            child = os.fork()
+        except OSError as err:  # the asking run logs in its own process
+            logger.warning("could not fork a worker: %s", err)
+            conn.close()
+            continue
+        if child == 0:  # the worker
+            code = 0
             try:
-                if _peer_uid(conn) != os.getuid():
-                    continue
-                conn.settimeout(30.0)
-                message = _receive(conn)
-                conn.settimeout(None)
-                _send(conn, handle(message, token))
-            except (OSError, ValueError, KeyError, TypeError) as err:
+                sock.close()
+                signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+                _work(conn, token)
+            except BaseException as err:  # noqa: BLE001 - the asking run sees the connection end
                 logger.warning("dropped a request: %s: %s", type(err).__name__, err)
+                code = 1
+            finally:
+                logging.shutdown()
+                os._exit(code)
+        conn.close()
 
 
 if __name__ == "__main__":

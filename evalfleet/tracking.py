@@ -280,7 +280,10 @@ def log_evaluation(
     client = mlflow_client(tracking_uri)
     exp_id = _experiment_id(client, tracking_uri, experiment)
     if adopt and (done := _adopted(client, exp_id, str(report["request_id"]))) is not None:
-        return done
+        # Its process may have died before the trainer's point: logged again, the same rows,
+        # which the store keeps once.
+        log_into_trainer_run(client, report, flatten_metrics(report), int(done.info.start_time))
+        return str(done.info.run_id)
     tags = {
         "evalfleet.policy_sha256": report["policy_sha256"],
         "evalfleet.env_id": report["env_id"],
@@ -327,12 +330,12 @@ def log_evaluation(
     return run_id
 
 
-def _adopted(client: Any, exp_id: str, request_id: str) -> str | None:
-    """The id of this request's finished run in the experiment; unfinished ones are deleted."""
+def _adopted(client: Any, exp_id: str, request_id: str) -> Any:
+    """The finished run of ``request_id`` in the experiment (None: none); unfinished ones are deleted."""
     runs = client.search_runs([exp_id], filter_string=f"tags.`evalfleet.request_id` = '{request_id}'")
     for run in runs:
         if run.info.status in ("FINISHED", "FAILED") and run.info.end_time:
-            return str(run.info.run_id)
+            return run
     for run in runs:
         client.delete_run(run.info.run_id)
     return None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
@@ -34,9 +35,17 @@ def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return tmp_path / "home"
 
 
+def _server_recorded(home: Path) -> None:
+    """A live local server's record (this process: never signalled, it runs no Prefect server)."""
+    (home / "server.json").write_text(json.dumps({
+        "url": "http://127.0.0.1:9/api", "port": 9, "pid": os.getpid(), "started": time.time(),
+        "prefect_home": str(home / "prefect")}))
+
+
 @pytest.fixture
 def shared(home: Path) -> Iterator[mlflow_logger.LoggerRecord]:
     """A real logger process of this code, listening; stopped at teardown."""
+    _server_recorded(home)
     try:
         with mlflow_logger.opted_in():
             mlflow_logger.ensure_started()
@@ -99,11 +108,67 @@ def test_a_store_that_fails_is_queued_and_its_log_lines_reach_the_run(shared, tm
     assert any("queued as" in r.getMessage() and r.name == "evalfleet.tracking" for r in caplog.records)
 
 
-def test_the_caller_environment_and_folder_are_the_logger_own_for_one_request(tmp_path):
-    saved, cwd = dict(os.environ), os.getcwd()
-    with mlflow_logger._as_the_caller(str(tmp_path), {"MLFLOW_PLANTED": "1"}):
-        assert dict(os.environ) == {"MLFLOW_PLANTED": "1"} and os.getcwd() == str(tmp_path)
-    assert dict(os.environ) == saved and os.getcwd() == cwd
+def _message(tmp_path: Path, **changes) -> dict:  # type: ignore[no-untyped-def]
+    here = os.stat(tmp_path)
+    request = {"output": str(tmp_path), "tracking_uri": tracking.default_tracking_uri(tmp_path),
+               "experiment": "exp", "report": _report("r-msg"), "params": {}, "artifacts": [],
+               "run_name": "run"}
+    return {"token": "t", "cwd": str(tmp_path), "cwd_id": [here.st_dev, here.st_ino], "umask": 0o22,
+            "environ": {}, "request": request, **changes}
+
+
+def test_a_caller_whose_folder_is_another_here_is_refused(tmp_path, monkeypatch):
+    """A caller in a private mount view (its folder another folder here) logs in its own process."""
+    monkeypatch.chdir(tmp_path)  # handle() moves to the caller's folder: this test's is restored
+    other = tmp_path / "other"
+    other.mkdir()
+    answer = mlflow_logger.handle(_message(tmp_path, cwd=str(other)), "t")
+    assert "is another folder here" in answer["refused"]
+    answer = mlflow_logger.handle(_message(tmp_path, cwd=str(tmp_path / "gone")), "t")
+    assert "not here" in answer["refused"]
+    assert not (tmp_path / "mlflow.db").exists()
+
+
+def test_a_peer_in_this_mount_view_is_accepted():
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    with ours, theirs:
+        assert mlflow_logger._peer_refusal(ours) is None
+
+
+def test_the_pending_file_of_a_private_caller_stays_private(shared, tmp_path, monkeypatch):
+    """The worker takes on the caller's umask: a queued run's full report is not world-readable."""
+    _not_here(monkeypatch)
+    blocker = tmp_path / "blocker"
+    blocker.write_text("a file where the store's folder should be")
+    before = os.umask(0o077)
+    try:
+        with mlflow_logger.opted_in():
+            out = mlflow_logger.log_or_queue(tmp_path / "out", f"sqlite:///{blocker / 'mlflow.db'}",
+                                             "exp", _report("r-private"), {}, [], "run")
+    finally:
+        os.umask(before)
+    assert Path(out["mlflow_queued"]).stat().st_mode & 0o777 == 0o600
+
+
+def test_a_caller_whose_folder_was_removed_logs_in_its_own_process(shared, tmp_path, monkeypatch):
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    monkeypatch.chdir(gone)
+    gone.rmdir()
+    out = tmp_path / "out"
+    with mlflow_logger.opted_in():  # as in its own process: MLflow needs a folder, so it is queued
+        got = mlflow_logger.log_or_queue(out, tracking.default_tracking_uri(out), "exp",
+                                         _report("r-nocwd"), {}, [], "run", attempts=1)
+    assert Path(got["mlflow_queued"]) == tracking.pending_dir(out) / "r-nocwd.json"
+    monkeypatch.chdir(tmp_path)
+    [flushed] = tracking.flush_pending(out)  # not lost: the next flush logs it
+    assert [r.info.run_id for r in _runs(out / "mlflow.db")] == [flushed["mlflow_run_id"]]
+
+
+def test_a_logger_is_not_started_once_the_server_is_gone(home):
+    with mlflow_logger.opted_in():
+        mlflow_logger.ensure_started()  # no server recorded: `evalfleet server stop` came first
+    assert mlflow_logger.read_record() is None
 
 
 def test_a_wrong_token_logs_nothing(shared, tmp_path):
@@ -141,6 +206,7 @@ def test_a_logger_dying_before_its_answer_leaves_one_run(home, tmp_path, monkeyp
 
     def die_after_logging() -> None:
         conn, _ = listener.accept()
+        mlflow_logger._send(conn, {"worker": os.getpid()})
         message = mlflow_logger._receive(conn)
         req = message["request"]
         tracking.log_or_queue(Path(req["output"]), req["tracking_uri"], req["experiment"],
@@ -159,6 +225,22 @@ def test_a_logger_dying_before_its_answer_leaves_one_run(home, tmp_path, monkeyp
     listener.close()
     runs = _runs(out / "mlflow.db")
     assert [r.info.run_id for r in runs] == [got["mlflow_run_id"]]
+
+
+def test_an_adopted_run_gets_the_trainer_point_its_logger_died_before(tmp_path, monkeypatch):
+    uri = tracking.default_tracking_uri(tmp_path)
+    client = tracking.mlflow_client(uri)
+    trainer = client.create_run(tracking._experiment_id(client, uri, "train")).info.run_id
+    report = {**_report("r-trainer"), "training_run_id": trainer, "step": 7}
+    real = tracking.log_into_trainer_run
+    monkeypatch.setattr(tracking, "log_into_trainer_run", lambda *a: 0)  # it died right before
+    run_id = tracking.log_evaluation(uri, "exp", report, {}, [], "run")
+    assert client.get_metric_history(trainer, "eval/reward") == []
+    monkeypatch.setattr(tracking, "log_into_trainer_run", real)
+    assert tracking.log_evaluation(uri, "exp", report, {}, [], "run", adopt=True) == run_id
+    assert tracking.log_evaluation(uri, "exp", report, {}, [], "run", adopt=True) == run_id
+    points = client.get_metric_history(trainer, "eval/reward")
+    assert [(p.step, p.value) for p in points] == [(7, 1.0)]  # once, however often adopted
 
 
 def test_adopting_deletes_a_run_left_unfinished(tmp_path):
