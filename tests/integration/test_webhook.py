@@ -126,7 +126,7 @@ def test_signature_is_required(service: Service) -> None:
 @pytest.mark.parametrize(
     ("mutate", "field", "reason"),
     [
-        (lambda d: d.pop("env"), "env", "Field required"),
+        (lambda d: d.pop("env"), "env", "'env' is required"),
         (lambda d: d["protocol"].update(episodes=0), "protocol.episodes", "greater than 0"),
         (lambda d: d["policy"].update(sha256="abc"), "policy.sha256", "pattern"),
         (lambda d: d["policy"].update(sha256="0" * 64), "policy.sha256", "not 0000"),
