@@ -606,11 +606,17 @@ def gate(report: EvalReport) -> int:
                                "policy_failures_flatter:", "history_pairs_policy_flatter:"))]
     biased += gamed(history.get("alarms") or [])
     late = [a for a in report.alarms if a.startswith("history_out_of_order:")]
-    if verdict in GATE_PASSES and not biased and not late:
+    # A harness fault's numbers are not trusted (--allow-failures waives its exit 3, not that):
+    # a pass resting on them let a checkpoint whose worst seeds never ran through the gate.
+    if verdict in GATE_PASSES and not biased and not late and not report.harness_fault:
         return EXIT_OK
     if verdict != "regression":
         why = (f"the training run's history could not be read ({history['error']})"
                if history.get("error") else "; ".join(late) if late else
+               f"verdict {verdict!r} of an evaluation that is a harness fault (coverage "
+               f"{percent(report.coverage, 2)}: more than 5% of its episodes failed in the harness, "
+               "so its numbers do not pass a gate, whatever --allow-failures waives)"
+               if report.harness_fault else
                f"verdict {verdict!r} with {' and '.join(biased)} (the paired comparison left "
                "out pairs where the two may differ, failures of the policy scored above its "
                "completed episodes, or the reward may be gamed)" if biased else

@@ -139,3 +139,20 @@ def test_a_checkpoint_that_completed_nothing_is_alarmed_and_never_the_best():
     crashed = Checkpoint("run", 200, "b", "b" * 64, None, "proto", {"eval/reward": -30.0}, "new_best",
                          True, False, alarms=("policy_failures_flatter",))
     assert best_checkpoint([good, crashed]) is good
+
+
+def test_a_harness_fault_never_passes_the_gate(capsys):
+    """With --allow-failures a harness fault exits 0, but its verdict must not pass a gate."""
+    rng = np.random.default_rng(4)
+    lengths = np.round(rng.normal(150, 20, N)).astype(int)
+    returns, reasons = -lengths.astype(float), ["terminated"] * N
+    old = _table(returns, reasons, lengths, "b")
+    for i in np.argsort(lengths)[-N // 10:]:  # the hardest tenth never ran: the harness crashed
+        returns[i], lengths[i], reasons[i] = float("nan"), 0, "crashed"
+    new = _table(returns, reasons, lengths, "n")
+    report = _report(new, 200)
+    assert report.harness_fault and report.coverage == 0.9
+    verdict, code = _gated(new, old, report)
+    assert verdict in ("new_best", "not_distinguishable")  # what passed before
+    assert code == EXIT_GATE_UNDECIDED
+    assert "harness fault (coverage 90.00%" in capsys.readouterr().err
