@@ -445,6 +445,9 @@ def serve(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``evalfleet serve``: ``flows/console.py`` passes the arguments after ``serve``."""
+    from evalfleet.tracking import telemetry_off
+
+    telemetry_off()  # the service is evalfleet's own process: MLflow sends nothing home from it
     args = list(sys.argv[1:] if argv is None else argv)
     if args[:1] == ["serve"]:  # python -m deployments.cli serve ... reads naturally too
         args = args[1:]

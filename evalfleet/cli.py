@@ -30,6 +30,7 @@ from evalfleet.models import (
 )
 from evalfleet.server import SERVER_MODE_ENV
 from evalfleet.summary import percent, percent_beyond, summary_text
+from evalfleet.tracking import TELEMETRY_ENV, telemetry_off
 
 #: The bundled example policy: a 4-64-64-2 TorchScript MLP that balances CartPole-v1.
 EXAMPLE_POLICY = str(files("evalfleet") / "data" / "cartpole_mlp.pt")
@@ -516,8 +517,9 @@ def run_eval(evaluate: Callable[[EvalRequest], EvalReport], args: argparse.Names
     The console and server settings it exports for the evaluation's processes are undone after,
     so a caller that runs it in-process (a test, a script) keeps its own environment.
     """
-    with restored_environment([*quiet_environment(), SERVER_MODE_ENV, QUIET_ENV]), \
+    with restored_environment([*quiet_environment(), SERVER_MODE_ENV, QUIET_ENV, TELEMETRY_ENV]), \
             mlflow_logger.opted_in():
+        telemetry_off()  # before anything imports MLflow: it reads the setting on import
         return _run_eval(evaluate, args, evaluate_suite)
 
 

@@ -427,18 +427,66 @@ def _work(conn: socket.socket, token: str) -> None:
     _send(conn, {"refused": why} if why else handle(message, token))
 
 
+def _warmed_up() -> bool:
+    """Log one run into a throwaway store, so what MLflow imports on first use is imported here.
+
+    Each worker would import it again (~0.1 s of a run). The store is forgotten after
+    (``_fresh_stores``): nothing of it reaches a worker. False when a thread was left running.
+    """
+    import tempfile
+    import threading
+
+    try:
+        with tempfile.TemporaryDirectory(prefix="evalfleet-warm-up-") as folder:
+            report = {"request_id": "warm-up", "policy_sha256": "0" * 64, "env_id": "warm-up",
+                      "isolation": "inprocess", "harness_fault": False, "alarms": [], "failures": {},
+                      "returns": {"mean": 0.0, "std": 0.0, "var": 0.0, "stderr": 0.0, "iqm": 0.0,
+                                  "median": 0.0, "min": 0.0, "max": 0.0,
+                                  "ci": {"low": 0.0, "high": 0.0}},
+                      "lengths": {"mean": 0.0}, "episodes": 1, "failure_rate": 0.0, "coverage": 1.0,
+                      "scored": 1, "policy_failure_rate": 0.0, "harness_failure_rate": 0.0,
+                      "steps_per_second": 0.0, "episodes_per_second": 0.0, "cache": {"reused": 0},
+                      "timings": {}}
+            note = Path(folder) / "warm-up.txt"
+            note.write_text("warm-up\n")
+            tracking.log_evaluation(tracking.default_tracking_uri(Path(folder)), "warm-up", report,
+                                    {"warm": "up"}, [note], "warm-up")
+            _fresh_stores()
+    except Exception as err:  # noqa: BLE001 - the workers import it themselves
+        logger.warning("warm-up failed (%s: %s); workers import what it would have", type(err).__name__, err)
+    if threading.active_count() > 1:
+        logger.warning("threads left running after the warm-up (%s): not serving",
+                       [t.name for t in threading.enumerate()])
+        return False
+    return True
+
+
+def _fresh_stores() -> None:
+    """Forget MLflow's cached stores and engines: a worker opens its store anew."""
+    from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
+    from mlflow.tracking._tracking_service.utils import _tracking_store_registry
+
+    for engine in list(SqlAlchemyStore._engine_map.values()):
+        engine.dispose()
+    SqlAlchemyStore._engine_map.clear()
+    _tracking_store_registry._get_store_with_resolved_uri.cache_clear()
+
+
 def serve() -> None:
     """The logger's loop: a worker forked per request, until its record names another process.
 
     The logger itself only imports MLflow and forks: each request's worker starts from that
     state, so requests run side by side (a store that hangs holds up its own run only).
     """
+    tracking.telemetry_off()  # its telemetry thread would also make forking unsafe
     import mlflow.store.tracking.sqlalchemy_store  # noqa: F401 - what the runs no longer import
     import mlflow.tracking  # noqa: F401
 
     from evalfleet.server import locked
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
+    if not _warmed_up():
+        return  # a thread was left running: forking workers is unsafe, runs log in-process
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # workers are reaped as they exit
     home = evalfleet_home()
     token, address = secrets.token_hex(32), f"evalfleet-mlflow-{secrets.token_hex(12)}"

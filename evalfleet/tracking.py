@@ -14,6 +14,17 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 
+#: MLflow's usage telemetry, on by default outside CI, sends events to its servers from every
+#: process that imports MLflow: evalfleet's own processes (the CLI, the shared logger, ``serve``)
+#: turn it off unless the variable is set (``telemetry_off``). A training process keeps its own.
+TELEMETRY_ENV = "MLFLOW_DISABLE_TELEMETRY"
+
+
+def telemetry_off() -> None:
+    """Turn MLflow's telemetry off in this process (and its children) unless the user chose."""
+    os.environ.setdefault(TELEMETRY_ENV, "true")
+
+
 def default_tracking_uri(output: Path) -> str:
     """A SQLite store under the results folder (MLflow's file store is deprecated)."""
     return f"sqlite:///{Path(output).resolve() / 'mlflow.db'}"

@@ -6,6 +6,8 @@ import json
 import os
 import shutil
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -252,3 +254,38 @@ def test_adopting_deletes_a_run_left_unfinished(tmp_path):
     assert run_id != half
     assert [r.info.run_id for r in _runs(tmp_path / "mlflow.db")] == [run_id]
     assert tracking.log_evaluation(uri, "exp", _report("r-half"), {}, [], "run", adopt=True) == run_id
+
+
+def test_the_cli_runs_mlflow_without_its_telemetry_unless_the_user_chose(monkeypatch):
+    """MLflow's telemetry sends events to its servers from any process importing it, outside CI."""
+    from evalfleet.cli import run_cli
+    from evalfleet.errors import RequestError
+
+    seen: list[str | None] = []
+
+    def evaluate(request):  # type: ignore[no-untyped-def]
+        seen.append(os.environ.get("MLFLOW_DISABLE_TELEMETRY"))
+        raise RequestError("planted: stop here")
+
+    monkeypatch.delenv("MLFLOW_DISABLE_TELEMETRY", raising=False)
+    assert run_cli(evaluate, ["--episodes", "2"]) == 2
+    assert seen == ["true"] and "MLFLOW_DISABLE_TELEMETRY" not in os.environ  # this process's own
+    monkeypatch.setenv("MLFLOW_DISABLE_TELEMETRY", "false")
+    assert run_cli(evaluate, ["--episodes", "2"]) == 2
+    assert seen == ["true", "false"]
+
+
+def test_the_logger_warms_up_single_threaded_with_telemetry_off(home, monkeypatch):
+    monkeypatch.delenv("MLFLOW_DISABLE_TELEMETRY", raising=False)
+    for name in ("PYTEST_CURRENT_TEST", "CI"):  # MLflow's own "testing" switch would hide it
+        monkeypatch.delenv(name, raising=False)
+    # MLflow makes its telemetry client on import, then fetches its config from the internet on a
+    # thread: with telemetry off there is no client at all, so nothing is sent or tried.
+    probe = ("import threading; from evalfleet import mlflow_logger as m, tracking; "
+             "tracking.telemetry_off(); import mlflow; "
+             "from mlflow.telemetry.client import get_telemetry_client as c; none = c() is None; "
+             "ok = m._warmed_up(); print(none, ok, threading.active_count())")
+    env = {k: v for k, v in os.environ.items()}
+    done = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.stdout.split() == ["True", "True", "1"], done.stderr[-2000:]
