@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from evalfleet import tracking
-from evalfleet.server import alive, evalfleet_home
+from evalfleet.server import alive, evalfleet_home, terminate
 
 logger = logging.getLogger(__name__)
 
@@ -173,7 +173,7 @@ def ensure_started() -> None:
             if record is not None and alive(record.pid) and is_logger(record.pid):
                 if record.key == key:
                     return
-                _terminate(record.pid)
+                terminate(record.pid, grace_s=5.0)
             home = evalfleet_home().resolve()  # a relative home is the caller's, not the logger's
             with open(home / "mlflow-logger.log", "ab") as log:
                 proc = subprocess.Popen(
@@ -197,7 +197,7 @@ def stop() -> LoggerRecord | None:
     if record is None:
         return None
     if alive(record.pid) and is_logger(record.pid):
-        _terminate(record.pid)
+        terminate(record.pid, grace_s=5.0)
     record_path().unlink(missing_ok=True)
     return record
 
@@ -210,17 +210,6 @@ def describe() -> str:
     state = "listening" if record.address else "starting"
     mine = "" if record.key == code_key() else " (other code: this code's runs log in-process)"
     return f"mlflow   shared logger pid {record.pid}, {state}{mine}"
-
-
-def _terminate(pid: int) -> None:
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, sig)
-        deadline = time.monotonic() + 5.0
-        while time.monotonic() < deadline:
-            if not alive(pid):
-                return
-            time.sleep(0.05)
 
 
 # -- the client ------------------------------------------------------------------------------------

@@ -257,18 +257,19 @@ def _spawn(seed: bool = True) -> ServerState:
     return state
 
 
-def _terminate(state: ServerState, grace_s: float = 10.0) -> None:
+def terminate(pid: int, grace_s: float = 10.0) -> None:
+    """SIGTERM ``pid``'s process group (its own session), then SIGKILL after ``grace_s``."""
     for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
         try:
-            os.killpg(state.pid, sig)
+            os.killpg(pid, sig)
         except (ProcessLookupError, PermissionError):
             try:
-                os.kill(state.pid, sig)
+                os.kill(pid, sig)
             except ProcessLookupError:
                 return
         deadline = time.monotonic() + wait_s
         while time.monotonic() < deadline:
-            if not alive(state.pid):
+            if not alive(pid):
                 return
             time.sleep(0.1)
 
@@ -288,7 +289,7 @@ def claim_server() -> tuple[ServerState, bool]:
             if state.uptime_s < START_TIMEOUT_S:  # another process started it: still booting
                 return state, False
             if is_prefect_server(state.pid):  # hung: replace it (a recycled pid is left alone)
-                _terminate(state)
+                terminate(state.pid)
         return _spawn(), False
 
 
@@ -328,7 +329,7 @@ def stop_server() -> ServerState | None:
         if state is None:
             return None
         if alive(state.pid) and is_prefect_server(state.pid):
-            _terminate(state)
+            terminate(state.pid)
         state_path().unlink(missing_ok=True)
         return state
 
