@@ -462,6 +462,8 @@ class EpisodeCache:
             else:
                 logger.info("%s (seen without the key's lock: a miss here; the lock's holder "
                             "removes and recomputes it)", err)
+        if table is None and shards is None:  # a miss: no ``pa.array``, which imports pandas
+            return Lookup(key, empty_episodes(), list(indices), corrupt=corrupt)
         wanted = pa.array(np.asarray(indices, dtype=np.int64))
         if shards is not None:
             shards = shards.filter(pc.is_in(shards.column("episode_index"), value_set=wanted))
