@@ -15,7 +15,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, NoReturn
 
-from evalfleet import mlflow_logger
+from evalfleet import mlflow_logger, warm_forkserver
 from evalfleet.console import QUIET_ENV, configure_console, quiet_environment
 from evalfleet.environ import restored_environment
 from evalfleet.errors import EvalfleetError, IsolationUnavailable, RequestError, Stopped
@@ -518,7 +518,7 @@ def run_eval(evaluate: Callable[[EvalRequest], EvalReport], args: argparse.Names
     so a caller that runs it in-process (a test, a script) keeps its own environment.
     """
     with restored_environment([*quiet_environment(), SERVER_MODE_ENV, QUIET_ENV, TELEMETRY_ENV]), \
-            mlflow_logger.opted_in():
+            mlflow_logger.opted_in(), warm_forkserver.opted_in():
         telemetry_off()  # before anything imports MLflow: it reads the setting on import
         return _run_eval(evaluate, args, evaluate_suite)
 

@@ -175,6 +175,9 @@ WORKER_MODULES = ("distributed", "numpy", "pyarrow", "cloudpickle", "gymnasium",
 _local_clusters = 0  # local clusters open in this process: the last one out stops the fork server
 _owned: set[str] = set()  # scheduler addresses of the local clusters open in this process
 _single_use: dict[str, Any] = {}  # of those, clusters of one evaluation (``done_with``)
+#: The fork server this process started last in a CLI run, as ``warm_forkserver.ensure_started``
+#: takes it: (preload, environment, key, working folder).
+_started: tuple[tuple[str, ...], dict[str, str], str, str] | None = None
 _checks = 0  # stage-1 policy checks running in a child of the fork server (``fork_server_for_check``)
 
 
@@ -208,6 +211,7 @@ def fleet_cluster(address: str | None, workers: int, preload: tuple[str, ...] = 
     import dask
     from distributed import LocalCluster
 
+    _dask_keeps_our_preload()
     if address:
         client = client_for(address)
         if not client.scheduler_info().get("workers"):
@@ -387,9 +391,14 @@ def stop_idle_fork_server() -> None:
     """
     import multiprocessing.forkserver
 
+    from evalfleet import warm_forkserver
+
     server: Any = multiprocessing.forkserver._forkserver  # private: its pid and ``_stop``
     with _lock:
         if _local_clusters or _checks or not _fork_server_up():
+            return
+        if warm_forkserver.attached():  # the shared one runs on, for the next run
+            warm_forkserver.detach()
             return
         with suppress(ProcessLookupError):
             os.kill(server._forkserver_pid, signal.SIGKILL)
@@ -434,14 +443,51 @@ def _start_fork_server(modules: tuple[str, ...]) -> None:
     """
     import multiprocessing.forkserver
 
-    import distributed.utils
+    from evalfleet import warm_forkserver
 
-    distributed.utils._forkserver_preload_set = True  # Dask's own list imports pandas here
+    global _started
+    exports = worker_environment() | _main_script()
+    if warm_forkserver.opted_in_now():  # the CLI's run: a shared one of the same kind, or leave one
+        environment = {**os.environ, **exports}
+        try:
+            wanted = warm_forkserver.key(modules, environment)
+        except (OSError, ValueError):  # its umask unknown: none is shared with this run
+            wanted = None
+        record = warm_forkserver.usable(wanted) if wanted else None
+        if record is not None:
+            warm_forkserver.attach(record)
+            logger.info("workers fork from the shared fork server (pid %d); their own logs: %s",
+                        record.pid, warm_forkserver.record_path().with_suffix(".log"))
+            return
+        _started = (modules, environment, wanted, os.getcwd()) if wanted else None
+    # Not ``distributed`` here (~0.2-0.4 s): the server's imports start first, on another core
+    # (``fleet_cluster`` imports it, and keeps this preload: ``_dask_keeps_our_preload``).
     # ``preloaded`` last: it freezes what the others imported out of the workers' GC passes.
     multiprocessing.forkserver.set_forkserver_preload(
         ["evalfleet.fork_main", *modules, "evalfleet.preloaded"])
-    with exported(worker_environment() | _main_script()):
+    with exported(exports):
         multiprocessing.forkserver.ensure_running()
+
+
+def leave_warm_fork_server() -> None:
+    """After a CLI run: leave a shared fork server like the one it started (``warm_forkserver``)."""
+    from evalfleet import warm_forkserver
+
+    global _started
+    started, _started = _started, None
+    if started is not None:
+        warm_forkserver.ensure_started(*started)
+
+
+def _dask_keeps_our_preload() -> None:
+    """Dask's nannies start workers from our fork server without replacing its preload list.
+
+    Unset, Dask's first process start sets the list to its own (importing pandas and the like
+    here to check they exist); the server running already, that list would serve no one.
+    """
+    import distributed.utils
+
+    distributed.utils._forkserver_preload_set = True
 
 
 def _main_script() -> dict[str, str]:
@@ -460,13 +506,38 @@ def worker_environment() -> dict[str, str]:
     Dask's rule: ``distributed.nanny.pre-spawn-environ``, except where this process's own
     environment sets the variable; one hash seed for all workers.
     """
-    import dask
-
-    config = dask.config.get("distributed.nanny.pre-spawn-environ")
+    config = _pre_spawn_environ()
     env = {k: os.environ.get(k, str(v)) for k, v in config.items() if v is not None}
     if env.get("PYTHONHASHSEED") in (None, "0"):
         env["PYTHONHASHSEED"] = "6640"
     return env
+
+
+def _pre_spawn_environ() -> dict[str, Any]:
+    """Dask's ``distributed.nanny.pre-spawn-environ``, without importing ``distributed``.
+
+    Its defaults enter Dask's config when ``distributed`` is imported (~0.2-0.4 s, on the path
+    to the fork server's start); before that they are read from its ``distributed.yaml``, and
+    what the user's Dask config sets (files, ``DASK_*`` variables) is merged over them, as
+    ``distributed.config`` would.
+    """
+    import dask
+
+    key = "distributed.nanny.pre-spawn-environ"
+    if "distributed.config" in sys.modules:
+        return dict(dask.config.get(key))
+    import importlib.util
+
+    import yaml
+
+    spec = importlib.util.find_spec("distributed")
+    folder = next(iter(spec.submodule_search_locations or ())) if spec else None
+    if folder is None:
+        return dict(dask.config.get(key, default={}))
+    with open(os.path.join(folder, "distributed.yaml"), encoding="utf-8") as f:
+        defaults = yaml.load(f, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+    merged = dask.config.update({}, defaults["distributed"]["nanny"]["pre-spawn-environ"])
+    return dask.config.update(merged, dask.config.get(key, default={}) or {})
 
 
 @contextmanager

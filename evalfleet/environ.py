@@ -27,3 +27,15 @@ def exported(env: Mapping[str, str]) -> Iterator[None]:
     with restored_environment(list(env)):
         os.environ.update(env)
         yield
+
+
+def current_umask() -> int:
+    """The umask of this process, read from ``/proc`` (setting it to read it races other threads).
+
+    Raises ``OSError`` or ``ValueError`` where ``/proc/self/status`` does not say it.
+    """
+    with open("/proc/self/status", encoding="ascii", errors="replace") as status:
+        for line in status:
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    raise ValueError("/proc/self/status has no Umask line")

@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from evalfleet import tracking
+from evalfleet.environ import current_umask
 from evalfleet.server import alive, evalfleet_home, terminate
 
 logger = logging.getLogger(__name__)
@@ -247,9 +248,8 @@ def _caller() -> dict[str, Any]:
     try:
         cwd = os.getcwd()
         here = os.stat(cwd)
-        status = Path("/proc/self/status").read_text()
-        umask = int(next(line.split()[1] for line in status.splitlines() if line.startswith("Umask:")), 8)
-    except (OSError, StopIteration, ValueError, IndexError) as err:
+        umask = current_umask()
+    except (OSError, ValueError, IndexError) as err:
         raise _NotSent(f"this process's folder or umask cannot be read: {err}") from err
     return {"cwd": cwd, "cwd_id": [here.st_dev, here.st_ino], "umask": umask, "environ": dict(os.environ)}
 

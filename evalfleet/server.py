@@ -317,14 +317,15 @@ def ensure_server(timeout: float = START_TIMEOUT_S) -> ServerState:
 
 
 def stop_server() -> ServerState | None:
-    """Stop the recorded server (and the shared MLflow logger) and remove their records.
+    """Stop the recorded server (the shared MLflow logger and fork server too), remove their records.
 
     Returns the server stopped (None: nothing recorded).
     """
-    from evalfleet import mlflow_logger
+    from evalfleet import mlflow_logger, warm_forkserver
 
     with locked():
         mlflow_logger.stop()
+        warm_forkserver.stop()
         state = read_state()
         if state is None:
             return None
@@ -348,10 +349,11 @@ def server_command(action: str) -> int:
         print(f"stopped the local Prefect server at {stopped.url} (pid {stopped.pid})" if stopped
               else f"no local Prefect server recorded in {state_path()}")
     else:
-        from evalfleet import mlflow_logger
+        from evalfleet import mlflow_logger, warm_forkserver
 
         print(describe())
         print(mlflow_logger.describe())
+        print(warm_forkserver.describe())
         recorded = read_state()
         return 0 if recorded is not None and alive(recorded.pid) else 1
     return 0

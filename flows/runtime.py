@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from prefect.settings import PREFECT_API_URL, PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
 
 from evalfleet import mlflow_logger
+from evalfleet.cluster import leave_warm_fork_server
 from evalfleet.environ import exported
 from evalfleet.errors import EvalfleetError
 from evalfleet.server import SERVER_MODE_ENV
@@ -143,8 +144,10 @@ def shared_local_api(wait: bool = True) -> Iterator[PrefectApi]:
             if wait:
                 api.wait()
             yield api
-        # Later CLI runs hand their MLflow run to a logger that keeps MLflow imported.
+        # Later CLI runs hand their MLflow run to a logger that keeps MLflow imported, and fork
+        # their workers from a fork server that keeps their imports.
         mlflow_logger.ensure_started()
+        leave_warm_fork_server()
     finally:
         _flushed(api)  # bounded, rather than at interpreter exit
 

@@ -136,3 +136,42 @@ def test_later_cli_runs_log_mlflow_through_the_shared_logger(home, tmp_path, exa
 
     stop_server()
     assert not alive(record.pid) and mlflow_logger.read_record() is None
+
+
+@pytest.mark.slow
+def test_later_cli_runs_fork_their_workers_from_the_shared_fork_server(home, tmp_path, example_policy):
+    """Issue 15: a CLI run with the shared server up imports nothing for its workers; same episodes."""
+    import pyarrow.parquet as pq
+
+    from evalfleet import warm_forkserver
+
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+    env.update(PYTHONPATH=str(ROOT), EVALFLEET_HOME=str(home), PREFECT_SERVER_ANALYTICS_ENABLED="false")
+    args = [sys.executable, "flows/eval.py", "--policy", example_policy, "--episodes", "6",
+            "--concurrency", "3", "--workers", "1", "--no-cache", "-v"]
+
+    def run(name: str, **extra: str) -> tuple[subprocess.CompletedProcess[str], list[dict[str, object]]]:
+        done = subprocess.run([*args, "--output", str(tmp_path / name)], cwd=ROOT, env={**env, **extra},
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        table = pq.read_table(next((tmp_path / name).glob("runs/*/episodes.parquet")))
+        return done, table.select(["episode_index", "seed", "return", "length"]).sort_by(
+            "episode_index").to_pylist()
+
+    first, episodes = run("first")
+    deadline = time.monotonic() + 120
+    while (record := warm_forkserver.read_record()) is None or record.manifest is None:
+        assert time.monotonic() < deadline, (home / "fork-server.log").read_text()
+        time.sleep(0.2)
+    assert "workers fork from the shared fork server" not in first.stderr
+
+    second, again = run("second")
+    assert f"workers fork from the shared fork server (pid {record.pid})" in second.stderr
+    assert again == episodes
+    assert alive(record.pid) and not warm_forkserver._children(record.pid)  # its workers went
+
+    off, apart = run("off", EVALFLEET_WARM_WORKERS="off")
+    assert "workers fork from the shared fork server" not in off.stderr and apart == episodes
+
+    stop_server()
+    assert not alive(record.pid) and warm_forkserver.read_record() is None

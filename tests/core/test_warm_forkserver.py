@@ -1,0 +1,119 @@
+"""The shared fork server: used only while it is what a run's own would be, its imports unchanged."""
+
+import multiprocessing
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from evalfleet import warm_forkserver as warm
+from evalfleet.server import alive
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def probe(tmp_path, monkeypatch):
+    """A home, and a module the server preloads from a folder of its own."""
+    monkeypatch.setenv("EVALFLEET_HOME", str(tmp_path / "home"))
+    (tmp_path / "home").mkdir()
+    folder = tmp_path / "mods"
+    folder.mkdir()
+    (folder / "wfs_probe.py").write_text("VALUE = 1\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(folder), str(ROOT)])}
+    started: list[int] = []
+    yield folder / "wfs_probe.py", env, started
+    warm.detach()
+    for pid in started:
+        if alive(pid):
+            os.kill(pid, 9)
+    record = warm.read_record()
+    if record is not None and record.address:  # a killed server's socket folder
+        shutil.rmtree(Path(record.address).parent, ignore_errors=True)
+
+
+def _ready(timeout: float = 60.0) -> warm.WarmRecord:
+    deadline = time.monotonic() + timeout
+    while (record := warm.read_record()) is None or record.manifest is None:
+        log = warm.record_path().with_suffix(".log")
+        assert time.monotonic() < deadline, log.read_text() if log.exists() else "no log"
+        time.sleep(0.1)
+    return record
+
+
+def _what_the_child_sees(queue) -> None:
+    queue.put((os.getppid(), "wfs_probe" in sys.modules, sys.modules["wfs_probe"].VALUE, os.getcwd()))
+
+
+def test_a_run_forks_from_the_shared_server_only_while_its_imports_are_the_files_on_disk(probe):
+    module, env, started = probe
+    modules = ("wfs_probe",)
+    wanted = warm.key(modules, env)
+    started.append(warm.spawn(modules, env, wanted, str(ROOT)))
+    record = _ready()
+    assert record.pid == started[0] and str(module) in record.manifest
+    assert warm.usable(wanted) is None  # not opted in: an Evaluator, a test, a script
+    with warm.opted_in():
+        assert warm.usable(wanted) == record
+
+        warm.attach(record)  # the child: forked from it, the module imported there, our folder
+        try:
+            ctx = multiprocessing.get_context("forkserver")
+            queue = ctx.SimpleQueue()
+            child = ctx.Process(target=_what_the_child_sees, args=(queue,))
+            child.start()
+            child.join(30)
+            assert child.exitcode == 0
+            assert queue.get() == (record.pid, True, 1, os.getcwd())
+        finally:
+            warm.detach()
+
+        # Another environment, another kind of server: not this one.
+        assert warm.usable(warm.key(modules, {**env, "OMP_NUM_THREADS": "7"})) is None
+        # The shell's own bookkeeping is no difference.
+        assert warm.key(modules, {**env, "_": "/usr/bin/timeout", "SHLVL": "3"}) == wanted
+        before = os.umask(0o077)
+        try:
+            assert warm.key(modules, env) != wanted
+        finally:
+            os.umask(before)
+
+        module.write_text("VALUE = 2\n")  # an edited module: its old import must not serve
+        assert warm.usable(wanted) is None
+    assert warm.stop() == record
+    deadline = time.monotonic() + 10
+    while alive(record.pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not alive(record.pid) and warm.read_record() is None
+    assert not Path(record.address).parent.exists()  # its socket's folder went with it
+
+
+def test_an_unused_shared_server_exits_and_leaves_nothing(probe):
+    _, env, started = probe
+    modules = ("wfs_probe",)
+    env = {**env, warm.IDLE_ENV: "1"}
+    started.append(warm.spawn(modules, env, warm.key(modules, env), str(ROOT)))
+    record = _ready()
+    deadline = time.monotonic() + 20
+    while alive(record.pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not alive(record.pid)
+    assert not Path(record.address).parent.exists()
+    assert "no shared fork server" in warm.describe()
+
+
+def test_a_server_whose_record_names_another_is_not_used(probe):
+    _, env, started = probe
+    modules = ("wfs_probe",)
+    wanted = warm.key(modules, env)
+    started.append(warm.spawn(modules, env, wanted, str(ROOT)))
+    record = _ready()
+    os.kill(record.pid, 9)  # gone without a word: its record stays, naming a dead process
+    deadline = time.monotonic() + 10
+    while alive(record.pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    with warm.opted_in():
+        assert warm.usable(wanted) is None
