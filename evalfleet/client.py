@@ -256,9 +256,12 @@ class Evaluator:
         self.metrics_fn = metrics_fn
         self.skipped = 0
         self.best_step: int | None = None
-        """Training step of the best checkpoint so far (paired verdicts; needs training_run_id)."""
+        """Training step of the best checkpoint as the latest result's history says it (its
+        ``eval/best_step``; needs training_run_id): None when that result could establish none
+        (protocol changed, history unreadable, a step evaluated with two policies, a withheld
+        first). A result never keeps an older best the history no longer stands by."""
         self.best_policy_sha256: str | None = None
-        """Weights hash of that checkpoint."""
+        """Weights hash of that checkpoint (the latest result's ``eval/best_policy_sha256``)."""
         self._runner: Runner | None = runner
         # Found now (metadata only, nothing imported) so a missing runner fails before any thread.
         self._default_runner = find_runner() if runner is None else None
@@ -500,9 +503,10 @@ class Evaluator:
             return self._run_suite(request)
         report = self._runner(request)
         result = result_from_report(report, request.step)
-        if result["eval/best_step"] is not None:  # the training run's best checkpoint so far
-            self.best_step = result["eval/best_step"]
-            self.best_policy_sha256 = result["eval/best_policy_sha256"]
+        # Always the latest result's: kept when a result had none, it named a best the history no
+        # longer stood by (a protocol change, an unreadable history, a withheld best).
+        self.best_step = result["eval/best_step"]
+        self.best_policy_sha256 = result["eval/best_policy_sha256"]
         if self.metrics_fn is not None:
             table = read_episodes(Path(report.outputs["episodes"]))
             result.update(self.metrics_fn(table))
