@@ -585,7 +585,8 @@ def flush_pending(output: Path, tracking_uri: str | None = None, *,
 
     A run that logs is removed from the queue, and its report.json (when still there) gets its
     ``mlflow_run_id``; one that fails again stays queued. ``tracking_uri`` overrides the URI a
-    run was queued with (a store that moved).
+    run was queued with (a store that moved). The run is logged from that report.json as it is
+    then (``_final_report``), not as it was queued.
 
     Each file is flushed under an exclusive lock on it (``fcntl.flock``): two processes flushing
     one queue at once (two evaluations' stage 7, ``evalfleet mlflow flush``) each logged the
@@ -593,6 +594,8 @@ def flush_pending(output: Path, tracking_uri: str | None = None, *,
     to it (``busy``, with ``error`` ``BUSY``) once ``wait_s`` seconds of waiting for it passed;
     one it logged meanwhile is no outcome.
     """
+    from evalfleet.storage import report_lock
+
     _bound_http()
     results = []
     for path in sorted(pending_dir(output).glob("*.json")):
@@ -606,14 +609,20 @@ def flush_pending(output: Path, tracking_uri: str | None = None, *,
                 entry = json.loads(path.read_text())
                 uri = tracking_uri or entry["tracking_uri"]
                 artifacts = [Path(a) for a in entry["artifacts"] if Path(a).exists()]
-                run_id = log_evaluation(uri, entry["experiment"], entry["report"], entry["params"],
-                                        artifacts, entry["run_name"])
+                report_json = _report_json(entry)
+                # Held from reading report.json to recording the run there: what stage 7 adds
+                # meanwhile (a failed callback's alarm) it logs into the run itself only once
+                # report.json names the run (``pipeline.write_report``), so it is in the run either way.
+                with report_lock(report_json) if report_json else contextlib.nullcontext():
+                    run_id = log_evaluation(uri, entry["experiment"], _final_report(entry, report_json),
+                                            entry["params"], artifacts, entry["run_name"])
+                    path.unlink(missing_ok=True)  # before the locks are released: no one logs it again
+                    if report_json:
+                        _note_logged(report_json, uri, run_id)
             except Exception as err:  # noqa: BLE001 - stays queued for the next flush
                 results.append({"pending": str(path),
                                 "error": f"{type(err).__name__}: {err}"[:500]})
                 continue
-            path.unlink(missing_ok=True)  # before the lock is released: no one logs it again
-        _note_logged(entry, uri, run_id)
         results.append({"pending": str(path), "request_id": str(entry["report"]["request_id"]),
                         "mlflow_run_id": run_id})
     return results
@@ -653,26 +662,49 @@ def _locked(path: Path, wait_s: float) -> Iterator[bool | None]:
         os.close(fd)  # releases the lock
 
 
-def _note_logged(entry: dict[str, Any], uri: str, run_id: str) -> None:
-    """Record the late MLflow run in the evaluation's report.json, if it is among the artifacts."""
-    from evalfleet.storage import report_lock
-
+def _report_json(entry: dict[str, Any]) -> Path | None:
+    """The evaluation's report.json among a queued run's artifacts, if it is still there."""
     for name in entry["artifacts"]:
-        if Path(name).name != "report.json" or not Path(name).exists():
-            continue
-        try:
-            with report_lock(Path(name)):  # stage 7 may be rewriting it (pipeline.write_report)
-                report = json.loads(Path(name).read_text())
-                outputs = dict(report.get("outputs") or {})
-                outputs.pop("mlflow_queued", None)
-                error = outputs.pop("mlflow_error", None)  # what queued it, kept as such
-                if error:
-                    outputs["mlflow_queued_after"] = error
-                outputs.update(mlflow_uri=uri, mlflow_run_id=run_id,
-                               mlflow_logged_late=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
-                report["outputs"] = outputs
-                tmp = Path(name).with_name(".report.json.tmp")
-                tmp.write_text(json.dumps(report, indent=2, sort_keys=True, default=str) + "\n")
-                os.replace(tmp, name)
-        except (OSError, ValueError) as err:
-            logger.warning("logged %s late, but could not update %s: %s", run_id, name, err)
+        if Path(name).name == "report.json" and Path(name).exists():
+            return Path(name)
+    return None
+
+
+def _final_report(entry: dict[str, Any], report_json: Path | None) -> dict[str, Any]:
+    """The report a queued run is logged with: its report.json as it is now, else as queued.
+
+    Stage 7 goes on after queueing the run, and report.json is its truth: a failed callback (and
+    a store refusing the run for good) adds an ``output_missing`` alarm after the queueing.
+    Logged as queued, the run lacked those alarms' tags and counted one alarm less in
+    ``eval/alarm_count`` than report.json. The caller holds ``report_json``'s lock.
+    """
+    queued: dict[str, Any] = entry["report"]
+    if report_json is None:
+        return queued
+    try:
+        final = json.loads(report_json.read_text())
+    except (OSError, ValueError) as err:
+        logger.warning("%s does not read (%s): logging its run as it was queued", report_json, err)
+        return queued
+    if not isinstance(final, dict) or final.get("request_id") != queued.get("request_id"):
+        return queued  # not this evaluation's report (or not one at all)
+    return final
+
+
+def _note_logged(path: Path, uri: str, run_id: str) -> None:
+    """Record the late MLflow run in the evaluation's report.json; the caller holds its lock."""
+    try:
+        report = json.loads(path.read_text())
+        outputs = dict(report.get("outputs") or {})
+        outputs.pop("mlflow_queued", None)
+        error = outputs.pop("mlflow_error", None)  # what queued it, kept as such
+        if error:
+            outputs["mlflow_queued_after"] = error
+        outputs.update(mlflow_uri=uri, mlflow_run_id=run_id,
+                       mlflow_logged_late=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+        report["outputs"] = outputs
+        tmp = path.with_name(".report.json.tmp")
+        tmp.write_text(json.dumps(report, indent=2, sort_keys=True, default=str) + "\n")
+        os.replace(tmp, path)
+    except (OSError, ValueError) as err:
+        logger.warning("logged %s late, but could not update %s: %s", run_id, path, err)

@@ -206,7 +206,7 @@ def stage_7_queued(output: Path, request_id: str, monkeypatch: pytest.MonkeyPatc
     """Stage 7 of an evaluation of the Courier env whose MLflow store fails (the run is queued),
     with ``evalfleet mlflow flush --mlflow-uri store`` planted during it: ``"queueing"`` right
     after the run was queued, or ``"callback"`` while the trainer holds the callback, which
-    answers ``callback`` (an outcome of ``send_report_callback``)."""
+    answers ``callback`` (an outcome of ``send_report_callback``); ``"never"``: not during it."""
     from types import SimpleNamespace
 
     import evalfleet.callback
@@ -226,7 +226,8 @@ def stage_7_queued(output: Path, request_id: str, monkeypatch: pytest.MonkeyPatc
         return out
 
     def trainer_slow_to_answer(url: str, report: dict[str, object], **kwargs: object) -> str:
-        assert [r["request_id"] for r in flush_pending(output, store)] == [request_id]
+        if flush_during == "callback":
+            assert [r["request_id"] for r in flush_pending(output, store)] == [request_id]
         assert callback is not None
         return callback
 
@@ -280,3 +281,28 @@ def test_a_flush_during_stage_7_keeps_its_run_in_report_json(
         assert on_disk["alarms"][-1].startswith("output_missing: the callback to the trainer: failed")
         tags = client.get_run(run.info.run_id).data.tags
         assert tags["evalfleet.alarm.output_missing"] == "true"
+
+
+def test_a_run_flushed_after_stage_7_carries_the_final_reports_alarms_and_tags(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, late_store: str) -> None:
+    """Planted: the run is queued, then the callback fails (an ``output_missing`` alarm), and the
+    store comes back after stage 7 ended. The flush logged the report as it was queued: no
+    ``evalfleet.alarm.output_missing`` tag and ``eval/alarm_count`` one short of report.json's."""
+    from mlflow.tracking import MlflowClient
+
+    from evalfleet.tracking import alarm_tag, history_tags
+
+    final = stage_7_queued(tmp_path, "flushed-after", monkeypatch,
+                           callback="failed after 1 attempt: HTTP 503", flush_during="never",
+                           store=late_store)
+    assert "mlflow_queued" in final.outputs  # type: ignore[attr-defined]
+    [done] = flush_pending(tmp_path, late_store)
+    on_disk = json.loads((tmp_path / "runs" / "flushed-after" / "report.json").read_text())
+    assert on_disk["outputs"]["mlflow_run_id"] == done["mlflow_run_id"]  # report.json names it
+    assert on_disk["alarms"][-1].startswith("output_missing: the callback to the trainer: failed")
+    run = MlflowClient(tracking_uri=late_store).get_run(done["mlflow_run_id"])
+    tags = run.data.tags
+    assert {t for t in tags if t.startswith("evalfleet.alarm.")} == {alarm_tag(a) for a in on_disk["alarms"]}
+    assert run.data.metrics["eval/alarm_count"] == len(on_disk["alarms"]) > 0
+    assert history_tags(on_disk).items() <= tags.items()
+    assert tags["evalfleet.harness_fault"] == str(on_disk["harness_fault"]).lower()
