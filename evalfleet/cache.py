@@ -5,7 +5,8 @@ Key = sha256 over canonical JSON of:
 - the policy: sha256 of its bytes, format, factory reference, output kind (logits/actions), the
   sha256 of the factory's source (its module, and the module defining the function), and the code
   version of the factory's or callable's top-level package;
-- the env: id, kwargs (JSON values only), registered spec (entry point, version,
+- the env: id, kwargs (JSON values only; a ``max_episode_steps`` there is ``gym.make``'s cap,
+  keyed as the effective cap: ``envspec.keyed_kwargs``), registered spec (entry point, version,
   max_episode_steps, the spec's own kwargs in exact form, additional wrappers) and the code
   version of the package that provides it, of the module a ``module:EnvId-v0`` id imports and of
   the wrappers' packages (``evalfleet.envspec``);

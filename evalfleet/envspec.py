@@ -285,7 +285,8 @@ class EnvFingerprint:
     env_id: str
     """The id as requested (``'module:EnvId-v0'`` included)."""
     kwargs: dict[str, Any]
-    """The requested kwargs (JSON values, see ``check_env_kwargs``)."""
+    """The requested kwargs (JSON values, see ``check_env_kwargs``), but a ``max_episode_steps``
+    ``gym.make`` takes as its own step cap (``keyed_kwargs``): that is ``max_episode_steps``."""
     max_episode_steps: int | None
     """The step cap episodes run under: ``max_steps`` or the registered one."""
     entry_point: str
@@ -329,6 +330,23 @@ class EnvFingerprint:
         """sha256 (hex, first 16) of the fingerprint."""
         blob = json.dumps(self.as_dict(), sort_keys=True, default=str).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def keyed_kwargs(kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """The requested kwargs as the fingerprint keys them: without ``gym.make``'s own step cap.
+
+    ``gym.make(id, max_episode_steps=N, **kwargs)`` takes ``max_episode_steps`` as a parameter of
+    its own: it never reaches the env's constructor, and ``TimeLimit`` applies it, as it does
+    ``--max-steps N`` and the registered cap (``make_env`` passes all of them the same way). So
+    ``{"max_episode_steps": N}`` is the same env as ``--max-steps N``, and the effective cap is
+    keyed once, as ``EnvFingerprint.max_episode_steps``; kept in the kwargs too, it was another
+    key (a cache miss) and another history protocol (``protocol_changed``, gate exit 6). Only
+    where ``gym.make`` has that parameter: a ``make`` passing it on to the env keeps it keyed.
+    """
+    out = dict(kwargs)
+    if "max_episode_steps" in out and "max_episode_steps" in inspect.signature(gym.make).parameters:
+        del out["max_episode_steps"]
+    return out
 
 
 def _package_of(module: str) -> tuple[str, str]:
@@ -534,7 +552,7 @@ def resolved_from_facts(env_id: str, kwargs: dict[str, Any], facts: Mapping[str,
     package, package_version = _package_of(_module_of(entry))
     fingerprint = EnvFingerprint(
         env_id=env_id,
-        kwargs=dict(kwargs),
+        kwargs=keyed_kwargs(kwargs),
         max_episode_steps=max_episode_steps,
         entry_point=entry,
         version=version,

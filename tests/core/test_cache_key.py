@@ -1051,3 +1051,92 @@ def test_inputs_changed_during_a_run_name_what_changed(base, tmp_path, monkeypat
         assert inputs_changed(request, received, done=True)[0].startswith("the code of")  # forgot
     finally:
         _drop_modules(mod)
+
+
+#: The ways of giving CartPole-v1 one step cap: --max-steps, the env kwarg gym.make takes, both
+#: (agreeing), and, at its registered cap 500, none at all (or the kwarg as null).
+SPELLINGS = {
+    200: [{"max_steps": 200}, {"env_kwargs": {"max_episode_steps": 200}},
+          {"max_steps": 200, "env_kwargs": {"max_episode_steps": 200}}],
+    500: [{}, {"max_steps": 500}, {"env_kwargs": {"max_episode_steps": 500}},
+          {"max_steps": 500, "env_kwargs": {"max_episode_steps": 500}},
+          {"env_kwargs": {"max_episode_steps": None}}],
+}
+
+
+@pytest.mark.parametrize("cap", sorted(SPELLINGS))
+def test_every_spelling_of_one_step_cap_is_one_key_and_one_protocol(base, cap):
+    """``{"max_episode_steps": N}`` in --env-kwargs is the cap gym.make applies, as --max-steps N:
+    the same episodes (returns and lengths). It was keyed apart (a miss) and was another history
+    protocol: the next checkpoint evaluated the other way was ``protocol_changed``, gate exit 6."""
+    from evalfleet.history import report_protocol
+    from evalfleet.report import aggregate
+    from tests.core.episodes import run_in_process
+
+    keys, protocols, episodes = set(), set(), set()
+    for fields in SPELLINGS[cap]:
+        received = _received(**base, **fields)
+        keys.add(received.cache_key)
+        table = run_in_process("CartPole-v1", base["policy"], 6, kwargs=fields.get("env_kwargs"),
+                               cap=fields.get("max_steps"))
+        episodes.add((tuple(table.column("return").to_pylist()), tuple(table.column("length").to_pylist())))
+        protocols.add(report_protocol(aggregate(
+            EvalRequest.build(**base, **fields), table, env_spec=received.env_spec,
+            env_spec_hash=received.env_spec_hash, policy={"sha256": "a" * 64}, isolation="inprocess",
+            timings={}, cache={}, run_seconds=1.0).model_dump(mode="json")))
+    [(returns, lengths)] = episodes  # the same episodes, whatever the spelling
+    assert max(lengths) == cap  # the cap is reached: it shapes these episodes
+    assert len(keys) == 1 and len(protocols) == 1
+    other = 200 if cap == 500 else 500
+    assert _key(**base, env_kwargs={"max_episode_steps": other}) not in keys  # a cap still counts
+
+
+CAP_READING_MODULE = """
+    import gymnasium as gym
+    from gymnasium.envs.classic_control.cartpole import CartPoleEnv
+
+
+    class CapReadingCartPole(CartPoleEnv):
+        \"\"\"CartPole that scales its reward by a cap of its own, if its constructor gets one.\"\"\"
+
+        def __init__(self, max_episode_steps=None, render_mode=None):
+            super().__init__(render_mode=render_mode)
+            self.scale = 1.0 if max_episode_steps is None else 100.0 / max_episode_steps
+
+        def step(self, action):
+            obs, reward, terminated, truncated, info = super().step(action)
+            return obs, reward * self.scale, terminated, truncated, info
+
+
+    gym.register("{env_id}", entry_point="{name}:CapReadingCartPole", max_episode_steps=500)
+"""
+
+
+def test_a_step_cap_kwarg_never_reaches_an_env_that_reads_one_so_it_is_the_same_env(
+        base, tmp_path, monkeypatch):
+    """The kwarg is dropped from the key only because gym.make takes it as its own parameter:
+    an env whose constructor reads ``max_episode_steps`` gets none either way (the same returns).
+    A ``make`` that passed it on to the env would keep it in the key."""
+    import evalfleet.envspec as envspec
+    from tests.core.episodes import run_in_process
+
+    name, env_id = _unique("capreading"), f"CapReading{uuid.uuid4().hex[:6]}-v0"
+    _write(tmp_path / "src", {f"{name}.py": CAP_READING_MODULE.format(env_id=env_id, name=name)})
+    monkeypatch.syspath_prepend(str(tmp_path / "src"))
+    env = f"{name}:{env_id}"
+    try:
+        by_kwarg = run_in_process(env, base["policy"], 4, kwargs={"max_episode_steps": 50})
+        by_cap = run_in_process(env, base["policy"], 4, cap=50)
+        assert by_kwarg.column("return").to_pylist() == by_cap.column("return").to_pylist()
+        assert set(by_cap.column("length").to_pylist()) == {50}
+        assert _key(**base, env=env, isolation="inprocess", env_kwargs={"max_episode_steps": 50}) == _key(
+            **base, env=env, isolation="inprocess", max_steps=50)
+
+        def passes_it_on(id: str, **kwargs: Any) -> Any:  # noqa: A002 - gym.make's own name
+            raise AssertionError("not called")
+
+        monkeypatch.setattr(envspec.gym, "make", passes_it_on)
+        assert envspec.keyed_kwargs({"max_episode_steps": 50, "x": 1}) == {"max_episode_steps": 50, "x": 1}
+    finally:
+        _drop_modules(name)
+        gymnasium.registry.pop(env_id, None)

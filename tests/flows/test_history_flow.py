@@ -98,3 +98,31 @@ def test_gamed_checkpoint_alarms_everywhere_and_a_regression_gates(
     err = capsys.readouterr().err
     assert "gate: step 3 is a regression against the best checkpoint (step 1)" in err
     assert f"(exit {EXIT_REGRESSION})" in err
+
+
+@pytest.mark.parametrize("cap", [200, 500])
+def test_one_step_cap_spelled_three_ways_is_one_cache_entry_and_one_protocol(
+    prefect_server, tmp_path, example_policy, cap
+):
+    """Planted: three checkpoints of one run, the step cap given each time another way. The env
+    kwarg spelling was keyed apart (a miss) and was another protocol: ``protocol_changed``, and
+    ``--gate`` exited 6 on identical episodes."""
+    kwarg = ["--env-kwargs", json.dumps({"max_episode_steps": cap})]
+    spellings = [["--max-steps", str(cap)], kwarg,
+                 [] if cap == 500 else ["--max-steps", str(cap), *kwarg]]
+    out = tmp_path / "out"
+    for step, spelling in enumerate(spellings, 1):
+        args = ["--env", "CartPole-v1", "--policy", example_policy, "--episodes", "12",
+                "--concurrency", "12", "--isolation", "inprocess", "--output", str(out),
+                "--training-run-id", f"caps-{cap}", "--step", str(step), "--gate", "--quiet",
+                "--no-audit", *spelling]
+        assert run_cli(evaluate, args) == EXIT_OK, spelling
+    reports = sorted((json.loads(p.read_text()) for p in out.glob("runs/*/report.json")),
+                     key=lambda r: r["step"])
+    assert [r["cache"]["status"] for r in reports] == ["miss", "hit", "hit"]
+    assert len({r["cache"]["key"] for r in reports}) == 1
+    assert [r["history"]["verdict"] for r in reports] == ["first", "not_distinguishable",
+                                                         "not_distinguishable"]
+    assert len({r["returns"]["mean"] for r in reports}) == 1
+    assert reports[0]["lengths"]["max"] == cap  # the cap shapes these episodes
+    assert not any(a.startswith("history_protocol_changed") for r in reports for a in r["alarms"])
