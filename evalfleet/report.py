@@ -270,7 +270,8 @@ def aggregate(
             "envs_per_sandbox": request.envs_per_sandbox,
             "sandbox_limits": sandbox_limits(request).as_dict() if isolation != "inprocess" else None,
             "concurrency": request.concurrency,
-            "workers": request.workers,
+            # ``--workers`` sizes a local cluster only: an external one has the workers it has.
+            "workers": None if request.dask_address else request.workers,
             "dask_address": request.dask_address,
             "device": request.device,
         },

@@ -344,3 +344,16 @@ def test_an_adaptive_evaluations_mlflow_params_name_the_episodes_it_ran():
     assert (params["episodes"], params["first_round_episodes"]) == (200, 32) == (
         flatten_metrics(report.model_dump(mode="json"))["eval/episodes"], request.episodes)
     assert params["target_ci_halfwidth"] == 0.5
+
+
+def test_the_manifest_names_no_local_worker_count_for_an_external_cluster():
+    """``--workers`` sizes a local cluster; with ``--dask-address`` it was recorded all the same."""
+    table = _run("tests.flows.headline_envs:steady", n=4)
+    local = _report(table)
+    assert local.manifest["execution"]["workers"] == 2
+    request = EvalRequest(env=ENV, policy="x", episodes=4, seed=0, dask_address="tcp://127.0.0.1:1")
+    external = aggregate(request, table, env_spec={"env_id": ENV}, env_spec_hash="spec",
+                         policy={"sha256": "ab" * 32}, isolation="inprocess", timings={"run": 1.0},
+                         cache={"status": "miss"}, run_seconds=1.0)
+    assert external.manifest["execution"]["workers"] is None
+    assert external.manifest["execution"]["dask_address"] == "tcp://127.0.0.1:1"
