@@ -77,8 +77,11 @@ def notify_failure(flow: Any, flow_run: Any, state: Any) -> None:
             alarms = report.get("alarms") or []
             if not outcome.startswith("delivered"):
                 alarms = with_missing(alarms, [f"the callback to the trainer: {outcome}"])
-            write_json({**report, "outputs": {**(report.get("outputs") or {}), "callback": outcome},
-                        "alarms": alarms}, path)
+            late = [a for a in alarms if a not in (report.get("alarms") or [])]
+            report = {**report, "outputs": {**(report.get("outputs") or {}), "callback": outcome},
+                      "alarms": alarms}
+            write_json(report, path)
+        _log_late_alarms(report, late, path)
         logger.info("report callback for %s (run ended %s after its report): %s", request_id,
                     state.type, outcome)
         return
@@ -91,6 +94,24 @@ def notify_failure(flow: Any, flow_run: Any, state: Any) -> None:
         "flow_run_id": str(flow_run.id),
     }, event=FAILURE_EVENT)
     logger.info("failure callback for %s: %s", request_id, outcome)
+
+
+def _log_late_alarms(report: dict[str, Any], late: list[str], path: Path) -> None:
+    """Tag the evaluation's MLflow run with the alarms this hook added to report.json.
+
+    Its run said less than report.json: no ``output_missing`` tag, one alarm less in
+    ``eval/alarm_count``. A run still queued is logged from report.json as it is at its flush.
+    """
+    outputs = report.get("outputs") or {}
+    if not late or not outputs.get("mlflow_run_id") or not outputs.get("mlflow_uri"):
+        return
+    from evalfleet.tracking import log_late_alarms
+
+    try:
+        log_late_alarms(outputs["mlflow_uri"], outputs["mlflow_run_id"], report, late, [path])
+    except Exception as err:  # noqa: BLE001 - report.json has them; say so, never raise in a hook
+        logger.error("could not tag MLflow run %s with the late alarms %s: %s",
+                     outputs["mlflow_run_id"], late, err)
 
 
 def _read_report(path: Path) -> dict[str, Any] | None:

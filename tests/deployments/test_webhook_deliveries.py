@@ -616,3 +616,26 @@ def test_a_reservation_left_by_a_dead_receiver_delays_its_body_once(
     status, again = post(a, step5, signed_headers(step5, SECRET, delivery_id="orphan-1"))
     assert status == 200 and again["id"] == answer["id"] and again["duplicate"] == "delivery"
     assert len(prefect.runs) == 1
+
+
+def test_a_callback_the_hook_could_not_deliver_is_an_alarm_in_the_mlflow_run_too(
+        trainer: Trainer, tmp_path: Path, prefect: MemoryPrefect, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The hook added ``output_missing`` to report.json; the run already logged in MLflow lacked it."""
+    from mlflow.tracking import MlflowClient
+
+    receiver = make_receiver(prefect, tmp_path, "a")
+    path = write_report(receiver, "eval-unsent", None)
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(tracking_uri=uri)
+    run = client.create_run(client.create_experiment("evalfleet"))
+    report = json.loads(path.read_text())
+    report["outputs"].update(mlflow_uri=uri, mlflow_run_id=run.info.run_id)
+    write_json(report, path)
+    monkeypatch.setenv("EVALFLEET_CALLBACK_SECRET", "not-the-trainers")  # it answers 401
+    crash(trainer, receiver.config.output, "eval-unsent")
+    final = json.loads(path.read_text())
+    assert [a.split(":")[0] for a in final["alarms"]] == ["output_missing"]
+    logged = client.get_run(run.info.run_id).data
+    assert logged.tags.get("evalfleet.alarm.output_missing") == "true"
+    assert logged.metrics["eval/alarm_count"] == 1.0
+    receiver.close()
