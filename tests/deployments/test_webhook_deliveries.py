@@ -346,6 +346,15 @@ def test_a_report_written_but_not_known_delivered_is_sent_again_as_completed(
     receiver.close()
 
 
+def flush_records(path: Path, run_id: str) -> None:
+    """What a flush records in report.json once it logged the queued run (``tracking.flush_pending``)."""
+    from evalfleet import tracking
+    from evalfleet.storage import report_lock
+
+    with report_lock(path):
+        tracking._note_logged(path, "sqlite:///late.db", run_id)
+
+
 def queued_report(receiver: Receiver, evaluation_id: str) -> Path:
     """A report written by stage 7 whose MLflow run was queued, its queue file logged since."""
     path = write_report(receiver, evaluation_id, None)
@@ -362,7 +371,6 @@ def test_a_flush_during_the_hooks_callback_keeps_its_run_in_report_json(
     """'evalfleet mlflow flush' logged the queued run while the hook sent the report again; the
     hook then wrote back the report it had read before: 'mlflow_queued', no run id, for good."""
     import deployments.serve as serve
-    from evalfleet import tracking
 
     receiver = make_receiver(prefect, tmp_path, "a")
     path = queued_report(receiver, "eval-queued")
@@ -371,7 +379,7 @@ def test_a_flush_during_the_hooks_callback_keeps_its_run_in_report_json(
     def flush_meanwhile(url: str, report: dict[str, Any], **kwargs: Any) -> str:
         outcome: str = real(url, report, **kwargs)
         # What a flush records once it logged the queued run (tracking.flush_pending).
-        tracking._note_logged({"artifacts": [str(path)]}, "sqlite:///late.db", "late-run-1")
+        flush_records(path, "late-run-1")
         return outcome
 
     monkeypatch.setattr(serve, "send_report_callback", flush_meanwhile)
@@ -406,8 +414,7 @@ def test_a_flush_writing_report_json_as_the_hook_does_loses_neither_write(
             return json.dumps(*args, **kwargs)
 
     monkeypatch.setattr(tracking, "json", PausedJson)
-    flush = threading.Thread(target=tracking._note_logged,
-                             args=({"artifacts": [str(path)]}, "sqlite:///late.db", "late-run-2"))
+    flush = threading.Thread(target=flush_records, args=(path, "late-run-2"))
     real = serve.send_report_callback
 
     def flush_reads_meanwhile(url: str, report: dict[str, Any], **kwargs: Any) -> str:
