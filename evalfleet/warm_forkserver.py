@@ -54,6 +54,8 @@ SWITCH_ENV = "EVALFLEET_WARM_WORKERS"
 IDLE_ENV = "EVALFLEET_WARM_WORKERS_IDLE_S"
 IDLE_S = 900.0
 RECORD_NAME = "fork-server.json"
+#: Size past which a new server starts its log (its workers' log lines) anew.
+LOG_KEEP_BYTES = 10 * 2**20
 #: Seconds between the server's checks that it is still the recorded one and still of use.
 CHECK_EVERY_S = 30
 #: Files read when the preload imports, beside the modules' own: Prefect's settings sources.
@@ -253,7 +255,10 @@ def spawn(modules: tuple[str, ...], environment: dict[str, str], wanted: str, cw
     """Start the shared server (``serve``) and record it; returns its pid (the caller holds the lock)."""
     home = evalfleet_home().resolve()
     spec = {"home": str(home), "modules": list(modules), "key": wanted}
-    with open(home / "fork-server.log", "ab") as log:
+    log_path = home / "fork-server.log"
+    # Its workers' lines of every run that used it: started anew past LOG_KEEP_BYTES.
+    mode = "wb" if log_path.exists() and log_path.stat().st_size > LOG_KEEP_BYTES else "ab"
+    with open(log_path, mode) as log:
         proc = subprocess.Popen(
             [sys.executable, *_interpreter_flags(), "-c",
              "from evalfleet.warm_forkserver import serve; serve()", json.dumps(spec)],
