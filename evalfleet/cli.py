@@ -520,7 +520,24 @@ def run_eval(evaluate: Callable[[EvalRequest], EvalReport], args: argparse.Names
     with restored_environment([*quiet_environment(), SERVER_MODE_ENV, QUIET_ENV, TELEMETRY_ENV]), \
             mlflow_logger.opted_in(), warm_forkserver.opted_in():
         telemetry_off()  # before anything imports MLflow: it reads the setting on import
-        return _run_eval(evaluate, args, evaluate_suite)
+        code = _run_eval(evaluate, args, evaluate_suite)
+        leave_shared_processes()
+        return code
+
+
+def leave_shared_processes() -> None:
+    """After a run that used the shared local server, and its summary: the processes later runs share.
+
+    A logger that keeps MLflow imported (``mlflow_logger``) and a fork server that keeps the
+    workers' imports (``warm_forkserver``), each started unless one of its kind runs. Started
+    last, their imports compete with nothing of this run.
+    """
+    from evalfleet.cluster import leave_warm_fork_server
+    from evalfleet.server import take_used
+
+    if take_used():
+        mlflow_logger.ensure_started()
+        leave_warm_fork_server()
 
 
 def _run_eval(evaluate: Callable[[EvalRequest], EvalReport], args: argparse.Namespace,

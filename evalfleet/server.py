@@ -274,6 +274,22 @@ def terminate(pid: int, grace_s: float = 10.0) -> None:
             time.sleep(0.1)
 
 
+def mark_used() -> None:
+    """Note that this process's evaluation used the shared local server (``take_used``)."""
+    global _used
+    _used = True
+
+
+def take_used() -> bool:
+    """Whether an evaluation of this process used the shared local server since the last call."""
+    global _used
+    used, _used = _used, False
+    return used
+
+
+_used = False
+
+
 def claim_server() -> tuple[ServerState, bool]:
     """The local server to use, started if there is none: ``(state, answering_now)``.
 

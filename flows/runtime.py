@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING, Any
 from prefect.settings import PREFECT_API_URL, PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
 
 from evalfleet import mlflow_logger
-from evalfleet.cluster import leave_warm_fork_server
 from evalfleet.environ import exported
 from evalfleet.errors import EvalfleetError
 from evalfleet.server import SERVER_MODE_ENV
@@ -125,7 +124,7 @@ def start_shared_server() -> None:
 @contextmanager
 def shared_local_api(wait: bool = True) -> Iterator[PrefectApi]:
     """The shared local server's API for this block: found after a health check, or started."""
-    from evalfleet.server import claim_server, wait_healthy
+    from evalfleet.server import claim_server, mark_used, wait_healthy
 
     state, ready = claim_server()
     api = PrefectApi(state.url)
@@ -144,10 +143,7 @@ def shared_local_api(wait: bool = True) -> Iterator[PrefectApi]:
             if wait:
                 api.wait()
             yield api
-        # Later CLI runs hand their MLflow run to a logger that keeps MLflow imported, and fork
-        # their workers from a fork server that keeps their imports.
-        mlflow_logger.ensure_started()
-        leave_warm_fork_server()
+        mark_used()  # the CLI leaves its shared logger and fork server behind (``cli.run_eval``)
     finally:
         _flushed(api)  # bounded, rather than at interpreter exit
 
