@@ -282,6 +282,27 @@ def _source_files(top: str) -> list[tuple[str, Path]]:
     return []
 
 
+def source_trees(tops: Iterable[str]) -> list[Path]:
+    """Every file of those of ``tops`` (top-level modules) not installed in this interpreter.
+
+    What ``stale_code`` judges a source-identified package by: its whole tree, data included
+    (``_source_files``). Modules in the standard library or a site-packages are left out: their
+    installed version identifies them.
+    """
+    out: list[Path] = []
+    for top in sorted(set(tops)):
+        try:
+            spec = importlib.util.find_spec(top)
+        except (ImportError, ValueError):
+            continue
+        where = [*(spec.submodule_search_locations or [])] if spec else []
+        if spec and spec.origin and not where:
+            where = [spec.origin]
+        if where and not any(_install_folder(Path(w).parent) for w in where):
+            out += [path for _, path in _source_files(top)]
+    return out
+
+
 def _single_file(top: str) -> Path | None:
     """The source file of ``top`` when it is a module of one ``.py`` file, else None."""
     spec = importlib.util.find_spec(top)

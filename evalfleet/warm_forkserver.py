@@ -194,9 +194,17 @@ def manifest_current(recorded: dict[str, list[int]]) -> bool:
 
 
 def _imported_files() -> list[str]:
-    """The files of every module imported in this process, and the settings files Prefect read."""
+    """The files of every module imported in this process, and the settings files Prefect read.
+
+    With the whole tree of each package not installed here (a source checkout's): a worker
+    judges such code stale once any file of it is newer than its import (``stale_code``).
+    """
+    from evalfleet.provenance import source_trees
+
     files = {os.path.abspath(f) for m in list(sys.modules.values())
              if isinstance(f := getattr(m, "__file__", None), str)}
+    tops = {name.partition(".")[0] for name in list(sys.modules)}
+    files.update(os.path.abspath(p) for p in source_trees(tops))
     files.update(os.path.abspath(name) for name in _SETTINGS_FILES)
     prefect_home = os.environ.get("PREFECT_HOME") or os.path.expanduser("~/.prefect")
     files.add(os.path.join(prefect_home, "profiles.toml"))
@@ -319,12 +327,15 @@ def serve() -> None:
         os._exit(0)
 
     signal.signal(signal.SIGTERM, leave)
+    importing = time.time_ns()
     for name in ["evalfleet.fork_main", *spec["modules"], "evalfleet.preloaded"]:
         with contextlib.suppress(ImportError):  # as multiprocessing's own server does
             __import__(name)
     mine = WarmRecord(pid=os.getpid(), key=spec["key"], started=time.time(), address=address,
                       manifest=manifest(_imported_files()))
-    if not _still_recorded(mine.pid):
+    # A file changed while it imported: what it imported is neither the old nor the new code
+    # for sure, and its workers would find their code older than the files (``stale_code``).
+    if not _still_recorded(mine.pid) or any(t >= importing for t, _ in (mine.manifest or {}).values()):
         leave()
     _write_record(mine)
     idle_s = float(os.environ.get(IDLE_ENV) or IDLE_S)

@@ -23,6 +23,9 @@ def probe(tmp_path, monkeypatch):
     folder = tmp_path / "mods"
     folder.mkdir()
     (folder / "wfs_probe.py").write_text("VALUE = 1\n")
+    (folder / "wfs_pkg").mkdir()
+    (folder / "wfs_pkg" / "__init__.py").write_text("")
+    (folder / "wfs_pkg" / "levels.txt").write_text("1 2 3\n")  # data its code reads, not a module
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(folder), str(ROOT)])}
     started: list[int] = []
     yield folder / "wfs_probe.py", env, started
@@ -116,4 +119,21 @@ def test_a_server_whose_record_names_another_is_not_used(probe):
     while alive(record.pid) and time.monotonic() < deadline:
         time.sleep(0.1)
     with warm.opted_in():
+        assert warm.usable(wanted) is None
+
+
+def test_an_edited_data_file_of_a_package_it_imported_retires_it_too(probe):
+    """A worker judges a source package by its whole tree: edited after the server imported it,
+    its workers were refused as stale (exit 7) although every module file was unchanged."""
+    module, env, started = probe
+    modules = ("wfs_probe", "wfs_pkg")
+    wanted = warm.key(modules, env)
+    started.append(warm.spawn(modules, env, wanted, str(ROOT)))
+    record = _ready()
+    levels = module.parent / "wfs_pkg" / "levels.txt"
+    assert str(levels) in record.manifest
+    assert str(ROOT / "evalfleet" / "templates" / "report.html.j2") in record.manifest
+    with warm.opted_in():
+        assert warm.usable(wanted) == record
+        levels.write_text("1 2 3 4\n")
         assert warm.usable(wanted) is None
