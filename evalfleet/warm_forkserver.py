@@ -56,6 +56,9 @@ IDLE_S = 900.0
 RECORD_NAME = "fork-server.json"
 #: Size past which a new server starts its log (its workers' log lines) anew.
 LOG_KEEP_BYTES = 10 * 2**20
+#: A server a run took this recently is not replaced by one of another kind: that run may be
+#: forking its workers from it right now.
+REPLACE_AFTER_S = 60.0
 #: Seconds between the server's checks that it is still the recorded one and still of use.
 CHECK_EVERY_S = 30
 #: Files read when the preload imports, beside the modules' own: Prefect's settings sources.
@@ -251,12 +254,20 @@ def ensure_started(modules: tuple[str, ...], environment: dict[str, str], wanted
                 if record.key == wanted and (record.manifest is None
                                              or manifest_current(record.manifest)):
                     return
-                if _children(record.pid):
-                    return
+                if _children(record.pid) or _used_within(REPLACE_AFTER_S):
+                    return  # another run's (or one attaching now): its workers are its children
                 terminate(record.pid, grace_s=5.0)
             spawn(modules, environment, wanted, cwd)
     except Exception as err:  # noqa: BLE001 - runs start a private fork server without it
         logger.debug("could not leave a shared fork server behind: %s", err)
+
+
+def _used_within(seconds: float) -> bool:
+    """Whether a run took the recorded server for its own in the last ``seconds`` (``usable``)."""
+    try:
+        return time.time() - record_path().stat().st_mtime < seconds
+    except OSError:
+        return False
 
 
 def spawn(modules: tuple[str, ...], environment: dict[str, str], wanted: str, cwd: str) -> int:
@@ -277,13 +288,13 @@ def spawn(modules: tuple[str, ...], environment: dict[str, str], wanted: str, cw
 
 
 def _children(pid: int) -> list[int]:
-    """The live children of ``pid``."""
-    found: list[int] = []
-    with contextlib.suppress(OSError):
-        for task in os.listdir(f"/proc/{pid}/task"):
-            with contextlib.suppress(OSError):
-                found += [int(c) for c in Path(f"/proc/{pid}/task/{task}/children").read_text().split()]
-    return [c for c in found if alive(c)]
+    """The live children of ``pid`` (every process's parent read: no kernel option needed)."""
+    import psutil
+
+    try:
+        return [c.pid for c in psutil.Process(pid).children() if alive(c.pid)]
+    except psutil.Error:
+        return []
 
 
 def stop() -> WarmRecord | None:
