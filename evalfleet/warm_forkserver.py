@@ -145,8 +145,9 @@ def key(modules: tuple[str, ...], environment: dict[str, str]) -> str:
 
     Everything its children inherit from it besides its imports: the environment (the whole of
     it: modules read variables when they are imported), working folder, umask, resource limits,
-    user and groups, mount namespace and root, cgroup, the interpreter and its flags, the import
-    path, and what it preloads. Its imports are checked apart (``manifest_current``). Raises
+    user and groups, namespaces and root, cgroup, capabilities, no-new-privileges and seccomp,
+    niceness, scheduling policy, CPU and memory-node affinity, OOM score, the interpreter and its
+    flags, the import path, and what it preloads. Its imports are checked apart (``manifest_current``). Raises
     ``OSError`` or ``ValueError`` where ``/proc`` does not say the umask.
     """
     mask = current_umask()
@@ -157,11 +158,32 @@ def key(modules: tuple[str, ...], environment: dict[str, str]) -> str:
         "environment": sorted((k, v) for k, v in environment.items() if k not in SHELL_BOOKKEEPING),
         "cwd": os.getcwd(),
         "umask": mask, "limits": limits, "ids": [os.getuid(), os.getgid(), sorted(os.getgroups())],
-        "namespace": [_inode("/proc/self/ns/mnt"), _inode("/proc/self/root")],
+        "namespace": [_inode(f"/proc/self/ns/{ns}") for ns in NAMESPACES] + [_inode("/proc/self/root")],
         "cgroup": _text("/proc/self/cgroup"), "python": sys.executable,
         "flags": _interpreter_flags(), "path": list(sys.path),
+        "privileges": _inherited_status(), "oom_score_adj": _text("/proc/self/oom_score_adj"),
+        "scheduling": [os.getpriority(os.PRIO_PROCESS, 0), os.sched_getscheduler(0),
+                       sorted(os.sched_getaffinity(0))],
     }
     return hashlib.sha256(json.dumps(facts, sort_keys=True, default=str).encode()).hexdigest()
+
+
+#: Namespaces a child inherits from its fork server (each one's identity is in the key).
+NAMESPACES = ("mnt", "pid", "net", "ipc", "uts", "user", "cgroup")
+#: What ``/proc/self/status`` says a child inherits besides ids: capabilities, no-new-privileges,
+#: seccomp filters, allowed CPUs and memory nodes. A run started with fewer privileges (``capsh``,
+#: ``setpriv``, a seccomp filter) must not have its workers forked with the server's.
+_STATUS_FIELDS = ("CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb", "NoNewPrivs", "Seccomp",
+                  "Seccomp_filters", "Cpus_allowed_list", "Mems_allowed_list")
+
+
+def _inherited_status() -> dict[str, str]:
+    out: dict[str, str] = {}
+    for line in _text("/proc/self/status").splitlines():
+        name, _, value = line.partition(":")
+        if name in _STATUS_FIELDS:
+            out[name] = value.strip()
+    return out
 
 
 def _inode(path: str) -> str:

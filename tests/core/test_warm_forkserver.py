@@ -137,3 +137,46 @@ def test_an_edited_data_file_of_a_package_it_imported_retires_it_too(probe):
         assert warm.usable(wanted) == record
         levels.write_text("1 2 3 4\n")
         assert warm.usable(wanted) is None
+
+
+def _key_in_a_child(change, env) -> str:
+    """``key`` as a forked child of this process computes it after ``change()``."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: one key, then out
+        try:
+            change()
+            os.write(write, warm.key(("wfs_probe",), env).encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as answer:
+        out = answer.read()
+    os.waitpid(pid, 0)
+    return out
+
+
+@pytest.mark.parametrize("change", ["nothing", "nice", "affinity", "capabilities"])
+def test_a_run_with_other_privileges_or_scheduling_is_another_kind(change, probe):
+    """Its workers would have had the server's niceness, CPUs or capabilities, not the run's own."""
+    import ctypes
+
+    _, env, _ = probe
+
+    def apply() -> None:
+        if change == "nice":
+            os.nice(5)
+        elif change == "affinity":
+            os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})
+        elif change == "capabilities":  # drop CAP_NET_RAW (13) from the bounding set
+            ctypes.CDLL(None, use_errno=True).prctl(24, 13, 0, 0, 0)
+
+    if change == "affinity" and len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("one CPU allowed: no narrower affinity to set")
+    status = warm._inherited_status()
+    if change == "capabilities" and not (int(status["CapEff"], 16) >> 8 & 1
+                                         and int(status["CapBnd"], 16) >> 13 & 1):
+        pytest.skip("no CAP_SETPCAP here (or CAP_NET_RAW bounded already): nothing to drop")
+    ours = warm.key(("wfs_probe",), env)
+    theirs = _key_in_a_child(apply, env)
+    assert (theirs == ours) is (change == "nothing")
