@@ -441,8 +441,6 @@ def _start_fork_server(modules: tuple[str, ...]) -> None:
     workers on two cores spun against each other, a CartPole MLP step took ~5 ms instead of
     ~0.1 ms and a cold 8-episode evaluation's run stage 2.4 s instead of 1.1 s.
     """
-    import multiprocessing.forkserver
-
     from evalfleet import warm_forkserver
 
     global _started
@@ -455,11 +453,17 @@ def _start_fork_server(modules: tuple[str, ...]) -> None:
             wanted = None
         record = warm_forkserver.usable(wanted) if wanted else None
         if record is not None:
-            warm_forkserver.attach(record)
-            logger.info("workers fork from the shared fork server (pid %d); their own logs: %s",
-                        record.pid, warm_forkserver.record_path().with_suffix(".log"))
+            warm_forkserver.attach(record, lambda: _start_private(modules, exports))
+            logger.info("workers fork from the shared fork server (pid %d)", record.pid)
             return
         _started = (modules, environment, wanted, os.getcwd()) if wanted else None
+    _start_private(modules, exports)
+
+
+def _start_private(modules: tuple[str, ...], exports: dict[str, str]) -> None:
+    """Start multiprocessing's fork server of this process, importing ``modules``, with ``exports``."""
+    import multiprocessing.forkserver
+
     # Not ``distributed`` here (~0.2-0.4 s): the server's imports start first, on another core
     # (``fleet_cluster`` imports it, and keeps this preload: ``_dask_keeps_our_preload``).
     # ``preloaded`` last: it freezes what the others imported out of the workers' GC passes.

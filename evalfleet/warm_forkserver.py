@@ -19,8 +19,10 @@ no evaluation code of its own, and each child is a fresh copy of it.
 Anything else starts a private fork server as before: another environment, an edited module,
 an installed package, ``EVALFLEET_WARM_WORKERS=off``, a run that is not the CLI's. The server exits
 after ``EVALFLEET_WARM_WORKERS_IDLE_S`` (900 s) without use and with no child left, when its record
-names another process or is gone, and with ``evalfleet server stop``. Its children's own log lines
-(Dask's workers') go to ``$EVALFLEET_HOME/fork-server.log``, not to the terminal of the run.
+names another process or is gone, and with ``evalfleet server stop``. Each request carries the
+run's stdout and stderr, which the child takes on (``_take_run_stdio``): what it prints reaches the
+run's terminal, as from a private server. A run whose shared server is gone when it asks for a
+child starts a private one then (``attach``).
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -299,7 +301,8 @@ def spawn(modules: tuple[str, ...], environment: dict[str, str], wanted: str, cw
     log_path = home / "fork-server.log"
     # Its workers' lines of every run that used it: started anew past LOG_KEEP_BYTES.
     mode = "wb" if log_path.exists() and log_path.stat().st_size > LOG_KEEP_BYTES else "ab"
-    with open(log_path, mode) as log:
+    flags = os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if mode == "wb" else os.O_APPEND)
+    with os.fdopen(os.open(log_path, flags, 0o600), mode) as log:  # this user's only
         proc = subprocess.Popen(
             [sys.executable, *_interpreter_flags(), "-c",
              "from evalfleet.warm_forkserver import serve; serve()", json.dumps(spec)],
@@ -344,6 +347,7 @@ def describe() -> str:
 def serve() -> None:
     """The shared server's process: import, record, then serve multiprocessing's fork-server protocol."""
     import multiprocessing.forkserver
+    import multiprocessing.util
 
     global _home
     spec = json.loads(sys.argv[1])
@@ -390,10 +394,36 @@ def serve() -> None:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
     os.register_at_fork(after_in_child=child)
+    multiprocessing.util.register_after_fork(_STDIO, _take_run_stdio)
     signal.signal(signal.SIGALRM, check)
     signal.alarm(int(max(1, min(CHECK_EVERY_S, idle_s))))
     alive_r, _alive_w = os.pipe()  # never at EOF: the server outlives the runs it serves
     multiprocessing.forkserver.main(listener.detach(), alive_r, [])
+
+
+class _Stdio:
+    """What ``multiprocessing.util.register_after_fork`` holds (a weak reference) for the hook."""
+
+
+_STDIO = _Stdio()
+
+
+def _take_run_stdio(_: object) -> None:
+    """In a child of the shared server: stdout and stderr are the run's, sent last (``attach``).
+
+    Runs when the child starts its target (multiprocessing's after-fork hooks), after what the
+    run sent was unpickled by position: the two extra descriptors are then left out.
+    """
+    import multiprocessing.forkserver
+
+    server: Any = multiprocessing.forkserver._forkserver
+    fds = server._inherited_fds
+    if not fds or len(fds) < 2:
+        return
+    for fd, target in zip(fds[-2:], (1, 2), strict=True):
+        os.dup2(fd, target)
+        os.close(fd)
+    del fds[-2:]
 
 
 def _still_recorded(pid: int) -> bool:
@@ -403,8 +433,15 @@ def _still_recorded(pid: int) -> bool:
 
 # -- attached: this process's multiprocessing fork server is the shared one --------------------------
 
-def attach(record: WarmRecord) -> None:
-    """Make multiprocessing's fork server in this process the shared one ``record`` names."""
+def attach(record: WarmRecord, start_private: Callable[[], None]) -> None:
+    """Make multiprocessing's fork server in this process the shared one ``record`` names.
+
+    Each child is sent this process's stdout and stderr (``_take_run_stdio``): what env and
+    policy code print, and the workers' log lines, reach the run's terminal as they would from a
+    private server. ``start_private``: what starts a private server instead, should the shared
+    one be gone when a child is asked for (killed, out of memory): multiprocessing would start
+    one anew; a run must never wait on a server that is not there.
+    """
     import multiprocessing.forkserver
     from multiprocessing import resource_tracker
 
@@ -412,8 +449,22 @@ def attach(record: WarmRecord) -> None:
     server._forkserver_address = record.address
     server._forkserver_alive_fd = os.open(os.devnull, os.O_WRONLY)  # the children's: unused
     server._forkserver_pid = record.pid
-    # ``ensure_running`` would ``waitpid`` a process that is not this one's child.
-    server.ensure_running = resource_tracker.ensure_running
+    connect = type(server).connect_to_new_process
+
+    def ensure_running() -> None:  # ``waitpid`` would fail: the shared one is not our child
+        if not alive(record.pid) or not is_warm_server(record.pid):
+            detach()
+            start_private()
+            return
+        resource_tracker.ensure_running()
+
+    def connect_with_stdio(fds: Sequence[int]) -> tuple[int, int]:
+        if "ensure_running" not in vars(server):  # fell back to a private server
+            return connect(server, fds)  # type: ignore[no-any-return]
+        return connect(server, [*fds, 1, 2])  # type: ignore[no-any-return]
+
+    server.ensure_running = ensure_running
+    multiprocessing.forkserver.connect_to_new_process = connect_with_stdio  # what Popen calls
 
 
 def attached() -> bool:
@@ -431,6 +482,7 @@ def detach() -> None:
     if "ensure_running" not in vars(server):
         return
     del server.ensure_running
+    multiprocessing.forkserver.connect_to_new_process = server.connect_to_new_process
     with contextlib.suppress(OSError, TypeError):
         os.close(server._forkserver_alive_fd)
     server._forkserver_address = server._forkserver_alive_fd = server._forkserver_pid = None

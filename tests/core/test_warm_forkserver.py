@@ -48,10 +48,12 @@ def _ready(timeout: float = 60.0) -> warm.WarmRecord:
 
 
 def _what_the_child_sees(queue) -> None:
+    print("printed by the child", flush=True)  # reaches the run's stdout, not the server's log
+    os.write(2, b"written to the child's stderr\n")
     queue.put((os.getppid(), "wfs_probe" in sys.modules, sys.modules["wfs_probe"].VALUE, os.getcwd()))
 
 
-def test_a_run_forks_from_the_shared_server_only_while_its_imports_are_the_files_on_disk(probe):
+def test_a_run_forks_from_the_shared_server_only_while_its_imports_are_the_files_on_disk(probe, capfd):
     module, env, started = probe
     modules = ("wfs_probe",)
     wanted = warm.key(modules, env)
@@ -62,7 +64,7 @@ def test_a_run_forks_from_the_shared_server_only_while_its_imports_are_the_files
     with warm.opted_in():
         assert warm.usable(wanted) == record
 
-        warm.attach(record)  # the child: forked from it, the module imported there, our folder
+        warm.attach(record, lambda: None)  # the child: forked from it, its imports, our folder
         try:
             ctx = multiprocessing.get_context("forkserver")
             queue = ctx.SimpleQueue()
@@ -73,6 +75,9 @@ def test_a_run_forks_from_the_shared_server_only_while_its_imports_are_the_files
             assert queue.get() == (record.pid, True, 1, os.getcwd())
         finally:
             warm.detach()
+        out, err = capfd.readouterr()
+        assert "printed by the child" in out and "written to the child's stderr" in err
+        assert "printed by the child" not in warm.record_path().with_suffix(".log").read_text()
 
         # Another environment, another kind of server: not this one.
         assert warm.usable(warm.key(modules, {**env, "OMP_NUM_THREADS": "7"})) is None
@@ -180,3 +185,24 @@ def test_a_run_with_other_privileges_or_scheduling_is_another_kind(change, probe
     ours = warm.key(("wfs_probe",), env)
     theirs = _key_in_a_child(apply, env)
     assert (theirs == ours) is (change == "nothing")
+
+
+def test_a_run_whose_shared_server_died_starts_a_private_one_instead_of_waiting(probe):
+    """Killed after the run took it (out of memory, a stray signal), the server left a run whose
+    workers could never start: its nannies waited on a socket no one served."""
+    _, env, started = probe
+    modules = ("wfs_probe",)
+    wanted = warm.key(modules, env)
+    started.append(warm.spawn(modules, env, wanted, str(ROOT)))
+    record = _ready()
+    fallback: list[str] = []
+    with warm.opted_in():
+        warm.attach(warm.usable(wanted), lambda: fallback.append("private"))
+    os.kill(record.pid, 9)
+    deadline = time.monotonic() + 10
+    while alive(record.pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    import multiprocessing.forkserver
+
+    multiprocessing.forkserver._forkserver.ensure_running()
+    assert fallback == ["private"] and not warm.attached()
