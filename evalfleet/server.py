@@ -112,14 +112,28 @@ def alive(pid: int) -> bool:
         return True
 
 
-def is_prefect_server(pid: int) -> bool:
-    """Whether ``pid`` runs ``prefect server start`` (a recycled pid must never be signalled)."""
+def command_line(pid: int) -> list[str]:
+    """The arguments ``pid`` was started with ([] when it cannot be read)."""
     try:
         argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
     except OSError:
-        return False
-    words = [a.decode(errors="replace") for a in argv]
+        return []
+    return [a.decode(errors="replace") for a in argv]
+
+
+def is_prefect_server(pid: int) -> bool:
+    """Whether ``pid`` runs ``prefect server start`` (a recycled pid must never be signalled)."""
+    words = command_line(pid)
     return "prefect" in words and "server" in words
+
+
+def write_private_json(path: Path, data: object) -> None:
+    """Write ``data`` as JSON to ``path`` whole (a rename), readable by this user only."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as out:
+        out.write(json.dumps(data) + "\n")
+    os.replace(tmp, path)
 
 
 @contextmanager

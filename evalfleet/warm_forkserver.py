@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from evalfleet.environ import current_umask
-from evalfleet.server import alive, evalfleet_home, terminate
+from evalfleet.server import alive, command_line, evalfleet_home, terminate, write_private_json
 
 logger = logging.getLogger(__name__)
 
@@ -117,21 +117,12 @@ def read_record() -> WarmRecord | None:
 
 
 def _write_record(record: WarmRecord) -> None:
-    path = record_path()
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as out:
-        out.write(json.dumps(asdict(record)) + "\n")
-    os.replace(tmp, path)
+    write_private_json(record_path(), asdict(record))
 
 
 def is_warm_server(pid: int) -> bool:
     """Whether ``pid`` runs this server (a recycled pid must never be signalled)."""
-    try:
-        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-    except OSError:
-        return False
-    return any(b"evalfleet.warm_forkserver" in arg for arg in argv)
+    return any("evalfleet.warm_forkserver" in arg for arg in command_line(pid))
 
 
 def _interpreter_flags() -> list[str]:
