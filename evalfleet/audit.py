@@ -198,7 +198,9 @@ def reused_instances(shards: Sequence[Shard]) -> list[int]:
     """Episodes of ``shards`` that start on an env instance an earlier episode used.
 
     A shard's ``slots`` instances take its first ``slots`` episodes; each later one takes the
-    instance an ended episode freed.
+    instance an ended episode freed. (A worker may hand a shard's instances on to the request's
+    next shard, ``worker.KeptSlots``: that one's first episodes then start on used instances
+    too, so every episode listed here did.)
     """
     return [i for shard in shards for i in shard.episode_indices[shard.slots:]]
 
