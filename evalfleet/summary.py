@@ -135,9 +135,15 @@ def summary_rows(report: EvalReport) -> list[dict[str, str]]:
                                      f"{percent(s['ci']['high'])}]"))
     if report.adaptive:
         a = report.adaptive
+        # Rounds the target was reached at, but too few episodes to stop early (audit.P_RARE).
+        held = [str(r["round"]) for r in a["rounds"]
+                if str(r.get("went_on") or "").startswith("minimum ")]
         rows.append(("adaptive", f"{len(a['rounds'])} rounds, CI half-width "
                                  f"{number(a['achieved_halfwidth'])} (target "
-                                 f"{number(a['target_halfwidth'])}): {a['stop_reason']}"))
+                                 f"{number(a['target_halfwidth'])}): {a['stop_reason']}"
+                                 + (f"; went on after round {', '.join(held)}: minimum "
+                                    f"{a['min_episodes_to_stop']} episodes before an early stop"
+                                    if held else "")))
     if report.comparison:
         c = report.comparison
         if "ci" in c:

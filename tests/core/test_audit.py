@@ -108,9 +108,11 @@ def test_round_schedule_grows_until_target_or_cap():
     assert sched.next_episodes(table(200, 10.0)) is None and sched.stop_reason == "max episodes reached"
     calm = RoundSchedule(req)
     calm.next_episodes(None)
-    assert calm.next_episodes(table(20, 0.1)) is None
+    # Narrow enough at 20, but no early stop below min_stop_episodes(5 looks) = 90 episodes.
+    assert calm.next_episodes(table(20, 0.1)) == 90
+    assert calm.next_episodes(table(90, 0.1)) is None
     assert calm.stop_reason == "target CI half-width reached"
-    assert calm.summary()["rounds"][0]["episodes"] == 20
+    assert [r["episodes"] for r in calm.summary()["rounds"]] == [20, 90]
     fixed = RoundSchedule(EvalRequest.build(policy="x.pt", episodes=20))
     fixed.next_episodes(None)
     assert fixed.next_episodes(pa.concat_tables([table(20, 1.0)])) is None
@@ -139,7 +141,9 @@ def test_returns_equal_up_to_rounding_have_no_spread_and_never_stop_the_evaluati
     # Returns that differ at their own scale still count as spread.
     small = RoundSchedule(EvalRequest.build(policy="x.pt", episodes=16, target_ci_halfwidth=1e-6,
                                             max_episodes=2000))
-    assert small.observe(np.array([1e-9] * 8 + [2e-9] * 8), 16) is None
+    assert small.observe(np.array([1e-9] * 8 + [2e-9] * 8), 16) == 99  # the minimum count
+    assert small.rounds[0]["went_on"] == "minimum 99 episodes before an early stop"
+    assert small.observe(np.array([1e-9] * 50 + [2e-9] * 49), 99) is None
     assert small.stop_reason == "target CI half-width reached"
 
 
@@ -168,6 +172,56 @@ def test_adaptive_looks_are_bonferroni_adjusted_and_bounded():
     assert summary["ci"]["high"] - summary["ci"]["low"] > plain.high - plain.low
     if summary["stop_reason"] == "target CI half-width reached":
         assert last["halfwidth"] <= 0.05
+
+
+def test_an_adaptive_run_never_stops_before_a_rare_large_return_could_have_shown():
+    """Returns 0 + N(0, 0.01), and 500 one time in ten (true mean 50): the first 16 had no 500,
+    spread enough to count, and a 95% interval of [-0.018, 0.009]; the run stopped there, exit 0."""
+    from evalfleet.report import aggregate
+    from evalfleet.summary import summary_rows
+
+    rng = np.random.default_rng(1)
+    x = 500.0 * (rng.random(2000) < 0.1) + rng.normal(0.0, 0.01, 2000)
+    x[:16] = rng.normal(0.0, 0.01, 16)  # planted: the first round saw no 500
+    req = EvalRequest.build(policy="x.pt", episodes=16, target_ci_halfwidth=25.0, max_episodes=2000)
+    sched = RoundSchedule(req)
+    assert sched.next_episodes(None) == 16
+    assert sched.observe(x[:16], 16) == 99  # narrow (the target is 25), but too few to stop
+    first = sched.rounds[0]
+    assert first["halfwidth"] < 0.1 and first["high"] < 1.0
+    assert first["went_on"] == "minimum 99 episodes before an early stop"
+    from evalfleet.audit import P_RARE, min_stop_episodes
+
+    assert (sched.looks, P_RARE) == (8, 0.05)
+    assert sched.min_stop == min_stop_episodes(8) == 99  # ceil(log(0.05 / 8) / log(0.95))
+    assert 0.95 ** 98 > 0.05 / 8 >= 0.95 ** 99
+    n, seen = 99, [16, 99]
+    while n is not None:
+        n = sched.observe(x[:n], n)
+        seen += [n] if n is not None else []
+    assert sched.stop_reason == "target CI half-width reached" and seen[-1] >= 99
+    assert sched.interval is not None and sched.interval.low <= 50.0 <= sched.interval.high
+    assert sched.rounds[-1]["went_on"] is None
+    summary = sched.summary()
+    assert summary["min_episodes_to_stop"] == 99 and "rarer one can still be missed" in summary["stop_rule"]
+
+    # The report's summary says why the run went on.
+    table = records_to_table([_row(i, float(x[i]), 10) for i in range(seen[-1])])
+    report = aggregate(req, table, env_spec={"env_id": ENV}, env_spec_hash="spec",
+                       policy={"sha256": "ab" * 32}, isolation="inprocess", timings={},
+                       cache={"status": "miss"}, run_seconds=1.0)
+    rows = {r["metric"]: r["value"] for r in summary_rows(report.model_copy(update={"adaptive": summary}))}
+    assert rows["adaptive"].endswith(": target CI half-width reached; went on after round 1: "
+                                     "minimum 99 episodes before an early stop"), rows["adaptive"]
+
+
+def test_an_adaptive_run_capped_below_the_minimum_runs_to_its_cap():
+    req = EvalRequest.build(policy="x.pt", episodes=16, target_ci_halfwidth=25.0, max_episodes=40)
+    sched = RoundSchedule(req)
+    x = np.random.default_rng(2).normal(0.0, 0.01, 40)
+    assert sched.observe(x[:16], 16) == 40
+    assert sched.observe(x, 40) is None and sched.stop_reason == "max episodes reached"
+    assert sched.min_stop == 80  # 3 looks (16, 32, 64 >= 40)
 
 
 def test_scored_returns_keep_policy_failures_and_drop_harness_failures():
