@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from evalfleet.aggregates import normalise
 from evalfleet.models import EvalReport, EvalRequest, with_missing
 from evalfleet.plots import SUITE_PLOT_FILES, render_suite_plots, suite_figures
 from evalfleet.review import _data_uri, _templates
@@ -37,7 +38,8 @@ from evalfleet.summary import number, percent
 from evalfleet.tracking import default_tracking_uri, log_suite
 
 __all__ = ["MIN_TASK_EPISODES", "Aggregated", "aggregate_and_draw", "build_suite_report",
-           "coverage_alarms", "few_episodes_alarms", "identical_task_alarms", "suite_feed_back",
+           "coverage_alarms", "few_episodes_alarms", "flattering_score_alarms",
+           "identical_task_alarms", "suite_feed_back",
            "suite_markdown", "suite_page"]
 
 logger = logging.getLogger(__name__)
@@ -164,6 +166,41 @@ def coverage_alarms(suite: Suite, tables: Sequence[pa.Table],
     return alarms
 
 
+def flattering_score_alarms(suite: Suite, tables: Sequence[pa.Table],
+                            baseline_tables: Sequence[pa.Table] | None = None) -> list[str]:
+    """``policy_failures_flatter`` for each task whose policy failures score above its completed episodes.
+
+    ``report.flattering_failures`` on the normalised scores: a failure counts with its partial
+    return, and on a task whose normalisation runs downward (``high < low``: lower returns are
+    better) a partial return below the completed ones scores above them, which the task's own
+    report, comparing returns, cannot see: 5 invalid actions at step 0 of 30 episodes scored the
+    reference's 1.0 each and raised the task's score from 0.641 to 0.701. Only such tasks are
+    checked here: elsewhere scores order as returns do and the task's report raised the alarm.
+    """
+    alarms = []
+    groups = [("", tables)] + ([("the baseline on ", baseline_tables)] if baseline_tables else [])
+    for who, group in groups:
+        for task, table in zip(suite.tasks, group, strict=True):
+            n = task.normalisation
+            kinds = outcomes(table)
+            failed = kinds.policy & kinds.scored
+            if n is None or n.high > n.low or not failed.any() or not kinds.completed.any():
+                continue  # (no completed episode: the task's report says so, in either direction)
+            scores = normalise(table.column("return").to_numpy(zero_copy_only=False), n.low, n.high)
+            partial, done = float(scores[failed].mean()), float(scores[kinds.completed].mean())
+            if partial <= done:
+                continue
+            alarms.append(
+                f"policy_failures_flatter: {who}task {task.name!r}: {int(failed.sum())} episodes "
+                f"ended by the policy count with their partial return (mean score {partial:.4g}), "
+                f"above the completed episodes' mean score ({done:.4g}): the task's normalisation "
+                f"runs downward ({n.kind} = {n.low:g} / {n.high:g}: lower returns are better), so "
+                "ending early scores higher, and the task's score and the suite's aggregates may "
+                "overstate this policy. Fix the policy's failures (see the task's report) and "
+                "evaluate again")
+    return alarms
+
+
 def identical_task_alarms(suite: Suite, tables: Sequence[pa.Table]) -> list[str]:
     """``identical_tasks`` for each group of tasks whose episodes are identical, seed by seed.
 
@@ -234,6 +271,7 @@ def build_suite_report(
                       "different scales are aggregated together")
     alarms += score_range_alarms(suite, scores)
     alarms += coverage_alarms(suite, tables, baseline_tables)
+    alarms += flattering_score_alarms(suite, tables, baseline_tables)
     alarms += identical_task_alarms(suite, tables)
     alarms += few_episodes_alarms(suite, scores, baseline_tables)
     if baseline is not None and baseline_tables is not None:

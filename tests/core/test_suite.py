@@ -424,3 +424,53 @@ def test_too_few_episodes_a_task_make_the_aggregate_intervals_an_alarm() -> None
     (alarm,) = [a for a in build_suite_report(suite, base, reports, ten, [ten[0], crashed]).alarms
                 if a.startswith("aggregate_intervals_unreliable")]
     assert "(the baseline's 'two' 9)" in alarm
+
+
+def test_policy_failures_that_flatter_a_task_scored_lower_is_better_are_an_alarm() -> None:
+    """Task 'c' normalises random = 20, reference = 0 (lower returns are better). The policy broke
+    (invalid action at step 0, partial return 0) on its 6 seeds with u > 0.8: each scored the
+    reference's 1.0, the task's score rose above its completed episodes', and no alarm said so
+    (the task's report compares returns, where 0 is below the completed ones)."""
+    from evalfleet.suite_report import build_suite_report
+
+    suite = parse_suite({"suite": {"name": "planted", "reps": 100}, "task": [
+        {"name": "a", "env": "CartPole-v1", "episodes": 20, "normalise": {"random": 0.0, "reference": 10.0}},
+        {"name": "c", "env": "Acrobot-v1", "episodes": 30, "normalise": {"random": 20.0, "reference": 0.0}},
+    ]})
+    base = EvalRequest(env="CartPole-v1", policy="x", baseline="y", episodes=30, seed=0)
+    u = (np.arange(30) + 0.5) / 30
+    broke = u > 0.8
+    reasons = ["invalid_action" if b else "terminated" for b in broke]
+    mine_c = _episodes(np.where(broke, 0.0, 3.0 * (1.0 + 4.0 * u)), reasons)
+    # Task 'a' (higher is better): the same breaks score 0 there, below the rest: no alarm.
+    mine_a = _episodes(np.where(broke, 0.0, 5.0 + u)[:20], reasons[:20])
+    theirs_c = _episodes(np.where(u < 0.1, 0.0, 12.0 * u),
+                         ["policy_error" if x < 0.1 else "truncated" for x in u])
+    theirs_a = _episodes(5.0 + u[:20], ["terminated"] * 20)
+    tables, theirs = [mine_a, mine_c], [theirs_a, theirs_c]
+    report = build_suite_report(suite, base, [_report(t, f"t{i:02d}") for i, t in enumerate(tables)],
+                                tables, theirs)
+    scores = 1.0 - 3.0 * (1.0 + 4.0 * u) / 20.0
+    assert report.tasks[1]["score_mean"] == pytest.approx((broke.sum() + scores[~broke].sum()) / 30)
+    assert report.tasks[1]["score_mean"] > scores[~broke].mean()  # the breaks raised the score
+    flattered = [a for a in report.alarms if "policy_failures_flatter" in a]
+    their_scores = 1.0 - 12.0 * u / 20.0
+    assert flattered == [
+        f"policy_failures_flatter: task 'c': 6 episodes ended by the policy count with their partial "
+        f"return (mean score 1), above the completed episodes' mean score "
+        f"({scores[~broke].mean():.4g}): the task's normalisation runs downward (random/reference "
+        "= 20 / 0: lower returns are better), so ending early scores higher, and the task's score "
+        "and the suite's aggregates may overstate this policy. Fix the policy's failures (see the "
+        "task's report) and evaluate again",
+        f"policy_failures_flatter: the baseline on task 'c': 3 episodes ended by the policy count "
+        f"with their partial return (mean score 1), above the completed episodes' mean score "
+        f"({their_scores[u >= 0.1].mean():.4g}): the task's normalisation runs downward "
+        "(random/reference = 20 / 0: lower returns are better), so ending early scores higher, and "
+        "the task's score and the suite's aggregates may overstate this policy. Fix the policy's "
+        "failures (see the task's report) and evaluate again"]
+
+    # Breaks that score below the completed episodes ask for nothing, in either direction.
+    fine = _episodes(np.where(broke, 40.0, 3.0 * (1.0 + 4.0 * u)), reasons)
+    report = build_suite_report(suite, base, [_report(t, f"t{i:02d}") for i, t in enumerate([mine_a, fine])],
+                                [mine_a, fine])
+    assert not [a for a in report.alarms if a.startswith("policy_failures_flatter")]
