@@ -336,10 +336,12 @@ def paired_comparison(
     seed = _check_seed(seed)
 
     raw = new_arr - base_arr
-    # Differences within float rounding of the returns' magnitude are ties, as equal returns
-    # are one value in the headline (``SAME_VALUE_RTOL``): two policies whose actions differ in
-    # their last bits got "better" with a CI of [2.4e-16, 2.7e-16], and the gate exited 4.
-    tol = SAME_VALUE_RTOL * float(max(np.max(np.abs(new_arr)), np.max(np.abs(base_arr))))
+    # Differences within float rounding of the pair's returns are ties, as equal returns are
+    # one value in the headline (``SAME_VALUE_RTOL``): two policies whose actions differ in
+    # their last bits got "better" with a CI of [2.4e-16, 2.7e-16], and the gate exited 4. Per
+    # pair: a tolerance from the whole sample's largest return made one pair at 1e13 turn 99
+    # differences of ~1 into ties (mean difference 0, "not distinguishable").
+    tol = SAME_VALUE_RTOL * np.maximum(np.abs(new_arr), np.abs(base_arr))
     rounded = np.where(np.abs(raw) <= tol, 0.0, raw)
     diffs = np.sort(rounded)
     sorted_new = np.sort(new_arr)

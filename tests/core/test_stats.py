@@ -773,9 +773,9 @@ def test_paired_comparison_properties(
     if len(new) < stats.MIN_PAIRS:
         expected = "too few pairs"
     assert cmp.verdict == expected
-    # Differences within float rounding of the returns' magnitude are ties (``paired_comparison``).
+    # Differences within float rounding of the pair's returns are ties (``paired_comparison``).
     raw = np.asarray(new) - np.asarray(base)
-    tol = stats.SAME_VALUE_RTOL * float(max(np.max(np.abs(new)), np.max(np.abs(base))))
+    tol = stats.SAME_VALUE_RTOL * np.maximum(np.abs(new), np.abs(base))
     diffs = np.where(np.abs(raw) <= tol, 0.0, raw)
     t = mean_ci(diffs, seed=seed, n_boot=N_BOOT, method="t")
     if intervals.distinct_values(np.sort(diffs)) < 3:
@@ -827,3 +827,22 @@ def test_paired_differences_within_float_rounding_are_ties_not_a_verdict():
     # A real difference, however small against the returns' spread, is still one.
     x = np.random.default_rng(0).normal(size=50)
     assert stats.paired_comparison(x + 1e-9, x, seed=0).verdict == "better"
+
+
+def test_one_huge_pair_does_not_turn_the_other_pairs_differences_into_ties():
+    # The new policy is better by ~1 on 99 pairs; on one seed both return 1e13. The tolerance
+    # was 1e-12 of the sample's largest return (10) for every pair: mean_diff 0, CI [0, 0],
+    # 'not distinguishable', P(improvement) 0.5.
+    from scipy.stats import ttest_1samp
+
+    rng = np.random.default_rng(0)
+    base = rng.normal(100, 10, 100)
+    new = base + 1.0 + rng.normal(0, 0.2, 100)
+    base[0] = new[0] = 1e13
+    cmp = stats.paired_comparison(new, base, seed=0)
+    d = new - base
+    assert cmp.mean_diff == pytest.approx(d.mean(), rel=1e-12) and cmp.mean_diff > 0.97
+    t = ttest_1samp(d, 0.0).confidence_interval(0.95)
+    assert cmp.ci.low <= t.low and cmp.ci.high >= t.high and cmp.ci.low > 0.9
+    assert cmp.verdict == "better"
+    assert cmp.p_improvement == pytest.approx((99 + 0.5) / 100)
