@@ -86,7 +86,8 @@ def result_from_report(report: EvalReport, step: int | None) -> Result:
         "eval/reward_ci_low": report.ci[0],
         "eval/reward_ci_high": report.ci[1],
         "eval/episode_length": _number(report.lengths["mean"]),
-        "eval/fps": float(report.steps_per_second),
+        # None when nothing ran (a full cache hit): no rate was measured.
+        "eval/fps": None if report.steps_per_second is None else float(report.steps_per_second),
         "eval/step": step,
         "eval/episodes": report.episodes,  # planned, as the MLflow run's metric of that name
         "eval/scored": report.scored,  # the episodes behind eval/reward

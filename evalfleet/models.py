@@ -622,8 +622,10 @@ class EvalReport(_Frozen):
     """Episode-length stats; null in JSON (NaN in memory) when no episode was scored."""
     success: dict[str, Any] | None
     env_steps: int
-    steps_per_second: float
-    episodes_per_second: float
+    steps_per_second: float | None
+    """Env steps per second of the episodes this evaluation ran (``env_steps`` counts cached ones
+    too); null when it ran none (a full cache hit)."""
+    episodes_per_second: float | None
     timings: dict[str, float]
     cache: dict[str, Any]
     outputs: dict[str, str]

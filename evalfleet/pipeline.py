@@ -665,6 +665,7 @@ def summarize(
                "corrupt_entry_recomputed": collected.cache_corrupt,
                "resumed": collected.resumed},
         run_seconds=collected.run_seconds,
+        ran=collected.fresh,  # run_seconds timed these rows only
     )
     alarms = list(report.alarms) + reward_integrity(collected.table)
     audit = determinism_audit(collected.table, collected.audit_rows) if request.audit else None

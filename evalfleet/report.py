@@ -146,8 +146,12 @@ def aggregate(
     timings: dict[str, float],
     cache: dict[str, Any],
     run_seconds: float,
+    ran: pa.Table | None = None,
 ) -> EvalReport:
     """Statistics, failure accounting, alarms and the reproducibility manifest.
+
+    ``ran``: the rows that ran within ``run_seconds`` (``Collected.fresh``; None: all of
+    ``table``); throughput is theirs, and None when none ran (a full cache hit).
 
     Every headline figure (mean, var/std/stderr, CI, IQM, percentiles, min/max, episode lengths,
     success rate) is computed over the *scored* episodes of ``evalfleet.scoring``: completed ones
@@ -244,7 +248,7 @@ def aggregate(
     if unreadable:
         alarms.append(unreadable)
     steps = int(lengths.sum())
-    wall = max(run_seconds, 1e-9)
+    steps_per_second, episodes_per_second = throughput(table if ran is None else ran, run_seconds)
     endings = _endings(reasons, lengths, env_spec.get("max_episode_steps"))
     manifest = {
         "versions": versions(),
@@ -302,13 +306,26 @@ def aggregate(
         endings=endings,
         success=success,
         env_steps=steps,
-        steps_per_second=steps / wall,
-        episodes_per_second=n / wall,
+        steps_per_second=steps_per_second,
+        episodes_per_second=episodes_per_second,
         timings=timings,
         cache=cache,
         outputs={},
         manifest=manifest,
     )
+
+
+def throughput(ran: pa.Table, run_seconds: float) -> tuple[float | None, float | None]:
+    """Env steps and episodes per second of the rows that ran within ``run_seconds``.
+
+    Only those: a top-up's cached rows took none of that time (200 cached episodes beside 20 run
+    in 0.98 s read 93,629 steps/s for a real 8,690). None when nothing ran (a full cache hit):
+    no rate was measured, and 0 or a number would read as one.
+    """
+    if not ran.num_rows:
+        return None, None
+    wall = max(run_seconds, 1e-9)
+    return int(pc.sum(ran.column("length")).as_py() or 0) / wall, ran.num_rows / wall
 
 
 def _endings(reasons: np.ndarray, lengths: np.ndarray, step_cap: Any) -> dict[str, Any]:

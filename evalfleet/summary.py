@@ -175,7 +175,9 @@ def summary_rows(report: EvalReport) -> list[dict[str, str]]:
     rows.append(("cache", f"{report.cache.get('status')} (reused {report.cache.get('reused', 0)}"
                           + (f", {resumed} persisted by an interrupted run)" if resumed else ")")))
     wall = sum(report.timings.values())
-    rows.append(("wall time", f"{wall:.2f} s ({report.steps_per_second:,.0f} env steps/s in run)"))
+    rate = (f"{report.steps_per_second:,.0f} env steps/s in run" if report.steps_per_second is not None
+            else "no episodes run" + (" (cache hit)" if report.cache.get("status") == "hit" else ""))
+    rows.append(("wall time", f"{wall:.2f} s ({rate})"))
     for key in ("episodes", "report", "mlflow_run_id", "mlflow_error", "mlflow_queued",
                 "mlflow_flushed", "prefect_lost"):
         if key in report.outputs:

@@ -99,6 +99,7 @@ def flatten_metrics(report: dict[str, Any]) -> dict[str, float]:
         "eval/policy_failure_rate": report["policy_failure_rate"],
         "eval/harness_failure_rate": report["harness_failure_rate"],
         "eval/harness_fault": float(report["harness_fault"]),
+        # null when nothing ran (a full cache hit): no point is logged, never a 0 or a fake rate
         "eval/fps": report["steps_per_second"],
         "eval/episodes_per_second": report["episodes_per_second"],
     }

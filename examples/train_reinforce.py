@@ -151,7 +151,8 @@ def eval_line(result: dict[str, Any]) -> str:
     """One printed line per evaluation result."""
     return (f"  eval  step {result['eval/step']:>3}: return {result['eval/reward']:7.1f} "
             f"[{result['eval/reward_ci_low']:.1f}, {result['eval/reward_ci_high']:.1f}]  "
-            f"({result['eval/fps']:.0f} env steps/s)")
+            + (f"({result['eval/fps']:.0f} env steps/s)" if result["eval/fps"] is not None
+               else "(cache hit: no episodes run)"))
 
 
 def final_outputs(evaluator: Evaluator, result: dict[str, Any]) -> dict[str, str]:
