@@ -43,7 +43,8 @@ not open, a refused socket).
 
 Each entry is ``<root>/<key[:2]>/<key>/manifest.json`` and the Parquet table it names,
 ``episodes-<sha256>.parquet``: the manifest holds the key's ingredients, the row count, the table's
-file name and its sha256. Renaming the manifest into place is a store's one commit point: the
+file name and its sha256, and the runs that computed its rows (request id, time, execution
+settings). Renaming the manifest into place is a store's one commit point: the
 table is written under its sha256 first and never rewritten, the manifest then switches to it, and
 only after that are the tables it replaced deleted, so a reader always finds the table its manifest
 names (or, if a store deleted it in between, a new manifest, which it follows). An entry written
@@ -555,18 +556,24 @@ class EpisodeCache:
             path.unlink(missing_ok=True)
 
     def store(self, key: str, table: pa.Table, ingredients: dict[str, Any], *, replace: bool = False,
-              audit: dict[str, Any] | None = None) -> int:
+              audit: dict[str, Any] | None = None, execution: dict[str, Any] | None = None) -> int:
         """Merge cacheable rows of ``table`` into the entry (or replace it); returns rows stored.
 
         The caller holds the key's lock (``exclusive``). Verified shard files are folded in (a
         damaged one is removed); the manifest's rename commits the new table, and only then are
         the table it replaced and the shard files deleted. Entry and shard rows rank as in
         ``lookup`` (``_precedence``); rows of ``table`` win over both. ``audit`` is the determinism
-        audit that passed for these rows, reported again on a hit.
+        audit that passed for these rows, reported again on a hit. ``execution``: the storing
+        run's record (``request_id``, ``computed_at``, ``execution``), kept beside the records of
+        the earlier runs whose rows the entry still holds (``executions``), so a hit names the
+        settings its episodes ran with, not its own.
         """
         keep = _cacheable(table)
         old = None
         shards, shard_files, _ = self._read_shards(key, judge=True)
+        runs = {} if replace else self.executions(key)
+        if execution is not None:
+            runs[str(execution["request_id"])] = execution
         if not replace:
             try:
                 old = self._read(key)
@@ -580,6 +587,10 @@ class EpisodeCache:
             old = old.filter(pc.invert(pc.is_in(old.column("episode_index"), value_set=new_idx)))
             keep = pa.concat_tables([old, keep.cast(EPISODE_SCHEMA)])
         keep = keep.sort_by("episode_index")
+        # Rows carry the request id of the run that computed them: records of runs none of whose
+        # rows are left go.
+        present = set(pc.unique(keep.column("request_id")).to_pylist())
+        runs = {rid: run for rid, run in runs.items() if rid in present}
         folder = self.entry(key)
         folder.mkdir(parents=True, exist_ok=True)
         _sweep_tmp(folder)
@@ -592,6 +603,7 @@ class EpisodeCache:
                 "parquet_sha256": sha,
                 "ingredients": ingredients,
                 "audit": audit,
+                "executions": runs,
                 "updated": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             },
             folder / MANIFEST,
@@ -620,6 +632,21 @@ class EpisodeCache:
             return None
         audit = data.get("audit")
         return audit if isinstance(audit, dict) else None
+
+    def executions(self, key: str) -> dict[str, dict[str, Any]]:
+        """The runs that computed the entry's rows, by request id (``store``'s ``execution``).
+
+        Empty if none is recorded (an entry stored before evalfleet kept them) or unreadable;
+        rows from shard files of an interrupted evaluation have none either.
+        """
+        try:
+            data = json.loads((self.entry(key) / MANIFEST).read_text())
+        except (OSError, ValueError):
+            return {}
+        runs = data.get("executions") if isinstance(data, dict) else None
+        if not isinstance(runs, dict):
+            return {}
+        return {str(k): v for k, v in runs.items() if isinstance(v, dict)}
 
     def remove(self, key: str) -> bool:
         """Delete one entry; True if something was there."""

@@ -91,7 +91,7 @@ from evalfleet.replay import (
     probe_encoder,
     probe_rendering,
 )
-from evalfleet.report import aggregate, curve_so_far, versions
+from evalfleet.report import aggregate, curve_so_far, execution_manifest, versions
 from evalfleet.review import cluster_failures, report_page
 from evalfleet.review_replays import ReviewReplays, replay_sandbox, review_replays
 from evalfleet.sandbox.isolation import resolve_isolation
@@ -182,6 +182,9 @@ class Collected:
     replays: ReviewReplays | None = None
     """Stage 7's replays when a worker ran them ahead (``review_replays``); None: stage 7 runs
     them itself."""
+    computed_at: str | None = None
+    """When the fresh rows were collected (UTC): the time the cache keeps with this run's
+    execution settings (``run_record``)."""
 
 
 def receive(request: EvalRequest) -> Received:
@@ -637,6 +640,7 @@ def collect(
         cache_status=planned.cache_status,
         cache_corrupt=planned.cache_corrupt or (prior.cache_corrupt if prior else False),
         resumed=planned.resumed + (prior.resumed if prior else 0),
+        computed_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     )
 
 
@@ -709,7 +713,8 @@ def summarize(
             logger.warning("adaptive interval from %s scored episodes, headline from %s",
                            schedule.rounds[-1]["scored"], report.returns.get("n"))
     return report.model_copy(update={
-        "manifest": placed(report.manifest, request, received),
+        "manifest": computed_by(placed(report.manifest, request, received), request, received,
+                                collected),
         "returns": returns,
         "timings": dict(timings, aggregate=time.perf_counter() - t0),
         "alarms": alarms,
@@ -726,6 +731,68 @@ def placed(manifest: dict[str, Any], request: EvalRequest, received: Received) -
     execution = dict(manifest.get("execution") or {}, device=received.device,
                      device_requested=request.device, device_fallback=received.device_fallback)
     return dict(manifest, execution=execution)
+
+
+def run_record(request: EvalRequest, received: Received, collected: Collected) -> dict[str, Any]:
+    """The run as the cache keeps it beside its rows: request id, time and execution settings.
+
+    The settings are those its report's manifest states (``placed``), secrets scrubbed.
+    """
+    execution = placed({"execution": execution_manifest(request, received.isolation)}, request,
+                       received)["execution"]
+    record: dict[str, Any] = redact_json({"request_id": request.request_id,
+                                          "computed_at": collected.computed_at, "execution": execution})
+    return record
+
+
+#: Why a run whose cached episodes a report uses has no execution settings to show.
+EXECUTION_NOT_KEPT = ("not kept: the cache entry was stored by an evalfleet that did not keep the "
+                      "settings of the run that computed its episodes, or they were persisted by an "
+                      "evaluation that was interrupted")
+
+
+def computed_by(manifest: dict[str, Any], request: EvalRequest, received: Received,
+                collected: Collected) -> dict[str, Any]:
+    """The manifest naming the runs that computed the episodes, with the execution they ran under.
+
+    ``computed_by`` lists them (``request_id``, ``computed_at``, ``episodes``, ``execution``):
+    those whose episodes came from the cache (as its entry keeps them, ``run_record``), then this
+    request when it ran any. A full hit ran nothing: its ``execution`` is the one run's that
+    computed its episodes, never its own settings, which ran none of them (before, a hit with
+    ``--concurrency 4 --workers 2`` stated those for episodes run with 10 and 1); it is null, with
+    ``execution_unknown`` saying why, when that run's settings were not kept or several runs
+    computed them. A top-up keeps its own ``execution`` beside the cached runs in ``computed_by``.
+    """
+    fresh = set(collected.fresh.column("episode_index").to_pylist())
+    cached: dict[str, int] = {}  # the computing runs' request ids, in episode order
+    for rid, index in zip(collected.table.column("request_id").to_pylist(),
+                          collected.table.column("episode_index").to_pylist(), strict=True):
+        if index not in fresh:
+            cached[rid] = cached.get(rid, 0) + 1
+    kept = episode_cache(request).executions(received.cache_key) if cached else {}
+    runs: list[dict[str, Any]] = []
+    for rid, n in cached.items():
+        run = kept.get(rid)
+        if run is None:
+            runs.append({"request_id": rid, "computed_at": None, "episodes": n, "execution": None,
+                         "unknown": EXECUTION_NOT_KEPT})
+        else:
+            runs.append({"request_id": rid, "computed_at": run.get("computed_at"), "episodes": n,
+                         "execution": run.get("execution")})
+    if collected.fresh.num_rows:
+        runs.append(dict(run_record(request, received, collected), episodes=collected.fresh.num_rows))
+    out = dict(manifest, computed_by=runs)
+    if collected.fresh.num_rows or not runs:  # it ran episodes: its own execution stands
+        return out
+    if len(runs) == 1 and runs[0]["execution"] is not None:
+        out["execution"] = runs[0]["execution"]
+    else:
+        out["execution"] = None
+        out["execution_unknown"] = (
+            f"the run that computed these episodes (request {runs[0]['request_id']}): "
+            f"{EXECUTION_NOT_KEPT}" if len(runs) == 1 else
+            f"{len(runs)} runs computed these episodes, each with its own settings: see computed_by")
+    return out
 
 
 class _SkipReview(Exception):
@@ -1254,9 +1321,11 @@ def store_in_cache(request: EvalRequest, received: Received, collected: Collecte
     if inputs_changed(request, received):
         episode_cache(request).discard_shards(received.cache_key)  # persisted as shards finished
         return 0
+    ran = run_record(request, received, collected) if collected.fresh.num_rows else None
     return episode_cache(request).store(received.cache_key, collected.table,
                                         received.cache_ingredients,
-                                        replace=request.cache == "refresh", audit=audit)
+                                        replace=request.cache == "refresh", audit=audit,
+                                        execution=ran)
 
 
 def replays_differ(replays: ReviewReplays | None, received: Received) -> bool:
@@ -1493,6 +1562,9 @@ def _one_hash_match(request: EvalRequest, received: Received, also: str | None =
 
 def mlflow_params(request: EvalRequest, report: EvalReport) -> dict[str, Any]:
     """The request's protocol and execution settings as MLflow params."""
+    # Execution settings are the manifest's: on a full hit the computing run's, None if unknown.
+    execution = report.manifest["execution"] if "execution" in report.manifest else {
+        "concurrency": request.concurrency}
     return {
         "env": request.env,
         "env_kwargs": request.env_kwargs,
@@ -1503,7 +1575,7 @@ def mlflow_params(request: EvalRequest, report: EvalReport) -> dict[str, Any]:
         "episodes": report.episodes,
         "first_round_episodes": request.episodes,
         "target_ci_halfwidth": request.target_ci_halfwidth,
-        "concurrency": request.concurrency,
+        "concurrency": (execution or {}).get("concurrency"),
         "seed": request.seed,
         "max_steps": request.max_steps,
         "deterministic": request.deterministic,

@@ -268,17 +268,7 @@ def aggregate(
             "policy_timeout_s": request.policy_timeout_s,
             "bootstrap": {"resamples": 2000, "seed": request.seed},
         },
-        "execution": {
-            "isolation": isolation,
-            "isolation_probe": isolation_manifest(),
-            "envs_per_sandbox": request.envs_per_sandbox,
-            "sandbox_limits": sandbox_limits(request).as_dict() if isolation != "inprocess" else None,
-            "concurrency": request.concurrency,
-            # ``--workers`` sizes a local cluster only: an external one has the workers it has.
-            "workers": None if request.dask_address else request.workers,
-            "dask_address": request.dask_address,
-            "device": request.device,
-        },
+        "execution": execution_manifest(request, isolation),
     }
     return EvalReport(
         request_id=request.request_id,
@@ -313,6 +303,21 @@ def aggregate(
         outputs={},
         manifest=manifest,
     )
+
+
+def execution_manifest(request: EvalRequest, isolation: str) -> dict[str, Any]:
+    """How ``request`` runs its episodes: the manifest's ``execution`` (this machine's probe too)."""
+    return {
+        "isolation": isolation,
+        "isolation_probe": isolation_manifest(),
+        "envs_per_sandbox": request.envs_per_sandbox,
+        "sandbox_limits": sandbox_limits(request).as_dict() if isolation != "inprocess" else None,
+        "concurrency": request.concurrency,
+        # ``--workers`` sizes a local cluster only: an external one has the workers it has.
+        "workers": None if request.dask_address else request.workers,
+        "dask_address": request.dask_address,
+        "device": request.device,
+    }
 
 
 def throughput(ran: pa.Table, run_seconds: float) -> tuple[float | None, float | None]:

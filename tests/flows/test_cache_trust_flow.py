@@ -91,3 +91,44 @@ def test_env_errors_raised_in_sandboxes_run_again_and_report_the_same(prefect_se
     a, b = _comparable(miss), _comparable(again)
     for name in a:
         assert a[name] == b[name], name
+
+
+def test_a_hit_states_the_execution_its_episodes_ran_with(prefect_server, tmp_path, example_policy):
+    """A miss with ``workers=1, concurrency=10``, then a full hit asked with ``workers=2,
+    concurrency=4``: before, the hit's manifest and its MLflow param said 4 and 2 for episodes
+    that ran with 10 and 1 (its own episodes.parquet: 10 sandboxes, worker 0 only). Throughput
+    through the flow too: the hit ran nothing (null), a top-up only its own episodes."""
+    import json
+    from pathlib import Path
+
+    from mlflow.tracking import MlflowClient
+
+    from evalfleet.storage import read_episodes
+
+    base = {"policy": example_policy, "episodes": 20, "seed": 3, "output": tmp_path / "out"}
+    miss = evaluate(EvalRequest.build(**base, workers=1, concurrency=10))
+    hit = evaluate(EvalRequest.build(**base, workers=2, concurrency=4))
+    assert (miss.cache["status"], hit.cache["status"]) == ("miss", "hit")
+    execution = hit.manifest["execution"]
+    assert (execution["concurrency"], execution["workers"]) == (10, 1)
+    assert execution == miss.manifest["execution"]
+    assert hit.manifest["computed_by"] == miss.manifest["computed_by"]
+    [run] = hit.manifest["computed_by"]
+    assert (run["request_id"], run["episodes"], run["execution"]) == (miss.request_id, 20, execution)
+    assert run["computed_at"].endswith("Z")
+    on_disk = json.loads(Path(hit.outputs["report"]).read_text())
+    assert on_disk["manifest"]["execution"]["concurrency"] == 10
+    assert on_disk["manifest"]["computed_by"][0]["request_id"] == miss.request_id
+    params = MlflowClient(hit.outputs["mlflow_uri"]).get_run(hit.outputs["mlflow_run_id"]).data.params
+    assert params["concurrency"] == "10"
+    assert hit.steps_per_second is None and on_disk["steps_per_second"] is None
+
+    top = evaluate(EvalRequest.build(**dict(base, episodes=30), workers=1, concurrency=4))
+    assert (top.cache["status"], top.cache["reused"], top.cache["computed"]) == ("partial", 20, 10)
+    assert top.manifest["execution"]["concurrency"] == 4
+    assert [(r["request_id"], r["episodes"]) for r in top.manifest["computed_by"]] == [
+        (miss.request_id, 20), (top.request_id, 10)]
+    rows = read_episodes(top.outputs["episodes"]).to_pydict()
+    ran = sum(n for i, n in zip(rows["episode_index"], rows["length"], strict=True) if i >= 20)
+    assert top.steps_per_second == ran / top.timings["run_episodes"]
+    assert top.episodes_per_second == 10 / top.timings["run_episodes"]
