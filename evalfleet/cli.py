@@ -435,13 +435,49 @@ def check_report_path(path: str | None, inputs: Sequence[tuple[str, str | None]]
         target.unlink()
 
 
-def write_report(path: str | None, report: Any) -> None:
-    """Write ``report`` (a pydantic model) as JSON to ``--report``'s path, when one was given."""
-    if path:  # strict JSON, as report.json: NaN statistics (nothing scored) are null
-        from evalfleet.storage import write_json
+#: How long writing ``--report`` waits for a queued MLflow run another process is logging.
+REPORT_COPY_WAIT_S = 120.0
 
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        write_json(report.model_dump(mode="json"), Path(path))
+
+def write_report(path: str | None, report: Any) -> Any:
+    """Write ``report`` (a pydantic model) as JSON to ``--report``'s path, when one was given.
+
+    Returns the report written. One whose MLflow run is queued is named in the queue entry, so
+    the flush that logs the run updates this copy as it does report.json
+    (``tracking.note_report_copy``); one logged meanwhile is written with that run, as report.json
+    records it (``pipeline.with_late_run``).
+    """
+    if not path:
+        return report
+    from evalfleet.storage import report_lock, write_json
+
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+
+    def write() -> None:  # strict JSON, as report.json: NaN statistics (nothing scored) are null
+        write_json(report.model_dump(mode="json"), target)
+
+    queued = report.outputs.get("mlflow_queued") if isinstance(report, EvalReport) else None
+    if not queued:
+        write()
+        return report
+    from evalfleet.pipeline import with_late_run
+    from evalfleet.tracking import note_report_copy
+
+    if note_report_copy(Path(queued), target, write, REPORT_COPY_WAIT_S):
+        return report
+    report_json = report.outputs.get("report")
+    if report_json and Path(report_json).exists():
+        with report_lock(Path(report_json)):  # what the flush recorded there, read as it writes it
+            report = with_late_run(report, Path(report_json))
+            write()
+    else:
+        write()
+    if report.outputs.get("mlflow_queued") and Path(queued).exists():
+        print(f"evalfleet: --report {path} says the MLflow run is queued; another process was "
+              f"logging it and took longer than {REPORT_COPY_WAIT_S:.0f} s: {report_json} names "
+              "the run once logged", file=sys.stderr)
+    return report
 
 
 #: ``flows.suite.evaluate_suite``'s shape: (suite, base request) -> suite report.
@@ -573,7 +609,7 @@ def _run_eval(evaluate: Callable[[EvalRequest], EvalReport], args: argparse.Name
             traceback.print_exc()
         print(failure_paragraph(err, verbose), file=sys.stderr)
         return EXIT_FAILED
-    write_report(args.report, report)
+    report = write_report(args.report, report)
     print(summary_text(report))
     # A recording asked for and not written is a missing output, never waived: --allow-failures
     # is about coverage. It exited 0 with 0 of 2 videos, as the hint below once suggested.

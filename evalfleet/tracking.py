@@ -7,7 +7,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -585,7 +585,8 @@ def flush_pending(output: Path, tracking_uri: str | None = None, *,
     """Log every queued run of ``output`` once; returns one outcome per pending file.
 
     A run that logs is removed from the queue, and its report.json (when still there) gets its
-    ``mlflow_run_id``; one that fails again stays queued. ``tracking_uri`` overrides the URI a
+    ``mlflow_run_id``, as do the ``--report`` copies the entry names (``note_report_copy``); one
+    that fails again stays queued. ``tracking_uri`` overrides the URI a
     run was queued with (a store that moved). The run is logged from that report.json as it is
     then (``_final_report``), not as it was queued.
 
@@ -620,6 +621,8 @@ def flush_pending(output: Path, tracking_uri: str | None = None, *,
                     path.unlink(missing_ok=True)  # before the locks are released: no one logs it again
                     if report_json:
                         _note_logged(report_json, uri, run_id)
+                    for copy in entry.get("report_copies") or []:  # the CLI's --report, the same way
+                        _note_logged(Path(copy), uri, run_id, str(entry["report"]["request_id"]))
             except Exception as err:  # noqa: BLE001 - stays queued for the next flush
                 results.append({"pending": str(path),
                                 "error": f"{type(err).__name__}: {err}"[:500]})
@@ -692,10 +695,42 @@ def _final_report(entry: dict[str, Any], report_json: Path | None) -> dict[str, 
     return final
 
 
-def _note_logged(path: Path, uri: str, run_id: str) -> None:
-    """Record the late MLflow run in the evaluation's report.json; the caller holds its lock."""
+def note_report_copy(queued: Path, copy: Path, write: Callable[[], object], wait_s: float) -> bool:
+    """Write a ``--report`` copy of a report whose MLflow run is queued, and name it in the entry.
+
+    The flush that logs the run later records it in the copy as in report.json: before, the copy
+    kept ``mlflow_error`` and ``mlflow_queued`` (naming a queue file gone) for good. ``write``
+    writes the copy, under the entry's lock (``flush_pending``'s): a flush cannot come between the
+    write and the entry naming it. False, and nothing written, when the entry is gone (logged
+    meanwhile: report.json names the run) or another process still logs it after ``wait_s``.
+    """
+    with _locked(queued, wait_s) as held:
+        if not held:
+            return False
+        entry = json.loads(queued.read_text())
+        write()
+        named = str(copy.resolve())
+        entry["report_copies"] = [*[c for c in entry.get("report_copies") or [] if c != named], named]
+        tmp = queued.with_name(f".{queued.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(entry, default=str))
+        # A new file under the name: one reading it unlocked (``queued_checkpoints``) never sees half
+        # of it. A flush waiting on the old one's lock then finds it replaced and leaves it to the
+        # next flush (``_locked``); one taking the new one's lock reads it with the copy named.
+        os.replace(tmp, queued)
+        return True
+
+
+def _note_logged(path: Path, uri: str, run_id: str, request_id: str | None = None) -> None:
+    """Record the late MLflow run in the evaluation's report.json; the caller holds its lock.
+
+    ``request_id``: only if the file is still that evaluation's report (a ``--report`` copy's path
+    may hold a later evaluation's by now), else it is left as it is.
+    """
     try:
         report = json.loads(path.read_text())
+        if request_id is not None and (not isinstance(report, dict)
+                                       or report.get("request_id") != request_id):
+            return
         outputs = dict(report.get("outputs") or {})
         outputs.pop("mlflow_queued", None)
         error = outputs.pop("mlflow_error", None)  # what queued it, kept as such
@@ -704,7 +739,7 @@ def _note_logged(path: Path, uri: str, run_id: str) -> None:
         outputs.update(mlflow_uri=uri, mlflow_run_id=run_id,
                        mlflow_logged_late=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
         report["outputs"] = outputs
-        tmp = path.with_name(".report.json.tmp")
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         tmp.write_text(json.dumps(report, indent=2, sort_keys=True, default=str) + "\n")
         os.replace(tmp, path)
     except (OSError, ValueError) as err:

@@ -306,3 +306,56 @@ def test_a_run_flushed_after_stage_7_carries_the_final_reports_alarms_and_tags(
     assert run.data.metrics["eval/alarm_count"] == len(on_disk["alarms"]) > 0
     assert history_tags(on_disk).items() <= tags.items()
     assert tags["evalfleet.harness_fault"] == str(on_disk["harness_fault"]).lower()
+
+
+@pytest.mark.parametrize("flushed", ["after the CLI exited", "before --report was written"])
+def test_the_report_copy_names_the_run_a_flush_logs_later(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, late_store: str, flushed: str) -> None:
+    """Planted: the CLI's evaluation queues its MLflow run (the store fails) and writes --report;
+    'evalfleet mlflow flush' logs the run later (or while the CLI was about to write the copy).
+    Before, report.json named the run and the --report copy still said 'mlflow_error' and
+    'mlflow_queued' (a queue file then gone), with no run id, for good."""
+    from evalfleet.cli import build_parser, run_eval
+
+    request_id = "copied-" + flushed.split()[0]
+    final = stage_7_queued(tmp_path, request_id, monkeypatch, callback=None, flush_during="never",
+                           store=late_store)
+    queued = Path(final.outputs["mlflow_queued"])  # type: ignore[attr-defined]
+    assert queued.exists()
+    copy = tmp_path / "copies" / "rq.json"
+
+    def evaluate(request: object) -> object:
+        if flushed.startswith("before"):
+            assert [r["request_id"] for r in flush_pending(tmp_path, late_store)] == [request_id]
+        return final
+
+    args = build_parser().parse_args(["--policy", "tests.core.courier:careless",
+                                      "--output", str(tmp_path), "--report", str(copy)])
+    run_eval(evaluate, args)  # type: ignore[arg-type]
+    if flushed.startswith("after"):
+        assert "mlflow_queued" in json.loads(copy.read_text())["outputs"]  # as it was at exit
+        [done] = flush_pending(tmp_path, late_store)
+        assert done["request_id"] == request_id
+    on_disk = json.loads((tmp_path / "runs" / request_id / "report.json").read_text())
+    outputs = json.loads(copy.read_text())["outputs"]
+    assert outputs.get("mlflow_run_id") == on_disk["outputs"]["mlflow_run_id"]
+    assert outputs == on_disk["outputs"]
+    assert "mlflow_queued" not in outputs and "mlflow_error" not in outputs
+    assert outputs["mlflow_queued_after"].startswith("FileExistsError") and outputs["mlflow_logged_late"]
+    assert not queued.exists() and flush_pending(tmp_path, late_store) == []
+
+
+def test_a_flush_leaves_a_report_copy_path_that_holds_another_evaluation_alone(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, late_store: str) -> None:
+    """The --report path was reused by a later evaluation before the flush: that one's report is
+    not this run's to update."""
+    from evalfleet.cli import write_report
+
+    final = stage_7_queued(tmp_path, "copy-reused", monkeypatch, callback=None, flush_during="never",
+                           store=late_store)
+    copy = tmp_path / "rq.json"
+    write_report(str(copy), final)
+    later = {"request_id": "a-later-one", "outputs": {"mlflow_error": "its own", "mlflow_queued": "x"}}
+    copy.write_text(json.dumps(later))
+    [done] = flush_pending(tmp_path, late_store)
+    assert done["request_id"] == "copy-reused" and json.loads(copy.read_text()) == later
