@@ -474,9 +474,10 @@ def write_report(path: str | None, report: Any) -> Any:
     else:
         write()
     if report.outputs.get("mlflow_queued") and Path(queued).exists():
-        print(f"evalfleet: --report {path} says the MLflow run is queued; another process was "
-              f"logging it and took longer than {REPORT_COPY_WAIT_S:.0f} s: {report_json} names "
-              "the run once logged", file=sys.stderr)
+        print(f"evalfleet: --report {path} says the MLflow run is queued, and its queue entry "
+              f"{queued} could not name it (another process still logging the run after "
+              f"{REPORT_COPY_WAIT_S:.0f} s, or the entry unreadable): a flush will not update it; "
+              f"{report_json} names the run once logged", file=sys.stderr)
     return report
 
 

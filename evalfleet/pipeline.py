@@ -786,12 +786,14 @@ def computed_by(manifest: dict[str, Any], request: EvalRequest, received: Receiv
         return out
     if len(runs) == 1 and runs[0]["execution"] is not None:
         out["execution"] = runs[0]["execution"]
+    elif len(runs) == 1:
+        out["execution"] = None
+        out["execution_unknown"] = (f"the run that computed these episodes (request "
+                                    f"{runs[0]['request_id']}): {EXECUTION_NOT_KEPT}")
     else:
         out["execution"] = None
-        out["execution_unknown"] = (
-            f"the run that computed these episodes (request {runs[0]['request_id']}): "
-            f"{EXECUTION_NOT_KEPT}" if len(runs) == 1 else
-            f"{len(runs)} runs computed these episodes, each with its own settings: see computed_by")
+        out["execution_unknown"] = (f"{len(runs)} runs computed these episodes, each with its own "
+                                    "settings: see computed_by")
     return out
 
 

@@ -707,7 +707,11 @@ def note_report_copy(queued: Path, copy: Path, write: Callable[[], object], wait
     with _locked(queued, wait_s) as held:
         if not held:
             return False
-        entry = json.loads(queued.read_text())
+        try:
+            entry = json.loads(queued.read_text())
+        except (OSError, ValueError) as err:  # the flush will not read it either
+            logger.warning("queue entry %s does not read (%s): %s is not named in it", queued, err, copy)
+            return False
         write()
         named = str(copy.resolve())
         entry["report_copies"] = [*[c for c in entry.get("report_copies") or [] if c != named], named]
