@@ -220,11 +220,24 @@ class FeedBackLane:
             _waiting[request.request_id] = (request, received, report, collected)
         # The thread must see this caller's Prefect settings (API URL), not the process defaults.
         context = contextvars.copy_context()
-        future = self._pool.submit(context.run, recorded_feed_back, request)
+        future = self._pool.submit(context.run, self._run_and_check, request, report)
         self._futures[request.request_id] = future
-        future.add_done_callback(lambda f: self._check(request, report, f))
         future.add_done_callback(lambda f: release_history_claim(request))  # cancelled, too
         return future
+
+    def _run_and_check(self, request: EvalRequest, returned: EvalReport) -> EvalReport:
+        """Run stage 7 of ``request``, noting what it lacked before its future completes.
+
+        Not a done-callback: ``concurrent.futures`` wakes the waiters of ``drain()`` before it
+        runs those, so a failure noted there could be missed by the drain that waited on it.
+        """
+        try:
+            final = recorded_feed_back(request)
+        except BaseException as err:  # what the future would carry
+            self._check(request, returned, None, err)
+            raise
+        self._check(request, returned, final, None)
+        return final
 
     def result(self, request_id: str) -> Future[EvalReport] | None:
         """The future final report of ``request_id`` (None if it never went through the lane)."""
@@ -260,14 +273,14 @@ class FeedBackLane:
         finally:
             self._pool.shutdown(wait=True)
 
-    def _check(self, request: EvalRequest, returned: EvalReport, future: Future[EvalReport]) -> None:
-        """Note what the next ``drain()`` raises: a failed stage 7, or what its result lacked.
+    def _check(self, request: EvalRequest, returned: EvalReport, final: EvalReport | None,
+               err: BaseException | None) -> None:
+        """Note what the next ``drain()`` raises: a failed stage 7 (``err``), or what ``final`` lacked.
 
         An output it could not produce, an alarm or a harness fault it found that the
         ``returned`` result did not carry. Stage 7 replays episodes: ``recording_incomplete``
         (a harness fault) and ``replay_nondeterminism`` come from there, after the numbers.
         """
-        err = future.exception()
         folder = Path(run_dir(request.output, request.request_id))
         if err is not None:
             logger.error("feed back of %s failed: %s; the episodes are in %s", request.request_id,
@@ -275,7 +288,7 @@ class FeedBackLane:
             problems = [f"stage 7 failed ({type(err).__name__}: {err}; the episodes are in "
                         f"{folder})"]
         else:
-            final = future.result()
+            assert final is not None
             problems = list(final.missing_outputs)
             had = {a.split(":", 1)[0] for a in returned.alarms}
             late = [a for a in final.alarms if a.split(":", 1)[0] not in had
