@@ -4,8 +4,8 @@ The Prefect server watches an evaluation; it never holds its result. Episodes, s
 Parquet, the cache, report.json and MLflow do not depend on it. So:
 
 - every call this package makes to the API for the UI alone (the progress artifact, the summary
-  and report artifacts) is best-effort (``best_effort``): one that fails is recorded here, and
-  the evaluation goes on;
+  and report artifacts) is best-effort (``best_effort``): one that fails, the API down or the
+  call refused, is recorded here, and the evaluation goes on;
 - a flow whose body returned but whose final state could not be recorded (Prefect's client
   retries for about a minute, enough for a restart) still hands back its result
   (``run_recorded``), and the state it should have ended in is queued under
@@ -123,12 +123,19 @@ def api_error(err: BaseException) -> bool:
 
 @contextmanager
 def best_effort(what: str) -> Iterator[None]:
-    """Run a call made for the UI alone: when the API fails, record ``what`` and go on."""
+    """Run a call made for the UI alone: when it fails, record ``what`` and go on.
+
+    Any error, not only the API's: Prefect's client refusing a call (an artifact key, a value
+    its schema rejects) costs the UI as much, and the evaluation's result is no less complete.
+    So the block holds the Prefect call alone; what it is given is computed before, where an
+    error of ours is raised.
+    """
     try:
         yield
     except Exception as err:
-        if not api_error(err):
-            raise
+        if not api_error(err):  # not the API down: say what refused it, once each
+            logger.warning("%s was not recorded by Prefect (%s: %s); the evaluation goes on",
+                           what, type(err).__name__, err)
         current_ledger().record(what, err)
 
 

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import contextvars
 import datetime
+import hashlib
 import logging
 import math
 import os
+import re
 import sys
 import threading
 from collections.abc import Iterator
@@ -28,6 +30,19 @@ logger = logging.getLogger(__name__)
 UPDATE_EVERY_S = 1.0
 
 
+def progress_key(request_id: str) -> str:
+    """The key of an evaluation's progress artifact: ``progress-<request id>``.
+
+    A key allows lowercase letters, digits and dashes; a request id may also hold capitals,
+    ``.`` and ``_`` (``my_run.1``, refused as a key after the cluster had started). Such an id
+    gets a hash of itself after its slug, so two ids (``My-Run``, ``my-run``) never share a key.
+    """
+    slug = re.sub(r"[^a-z0-9-]+", "-", request_id.lower())
+    if slug != request_id:
+        slug = f"{slug}-{hashlib.sha256(request_id.encode()).hexdigest()[:8]}"
+    return f"progress-{slug}"
+
+
 @contextmanager
 def watch(request: EvalRequest, address: str | None) -> Iterator[ProgressTracker]:
     """Follow the workers' progress events until the block ends."""
@@ -39,10 +54,10 @@ def watch(request: EvalRequest, address: str | None) -> Iterator[ProgressTracker
     name = topic(request.request_id)
     client.subscribe_topic(name, tracker.handle)
     artifact_id = None
+    key = progress_key(request.request_id)
     with best_effort("the progress artifact"):  # the UI's, never the evaluation's
         artifact_id = create_progress_artifact(
-            0.0, key=f"progress-{request.request_id}".lower(),
-            description=f"episodes of {request.env} done (of {tracker.total})",
+            0.0, key=key, description=f"episodes of {request.env} done (of {tracker.total})",
         )
 
     def show(snap: dict[str, float]) -> None:

@@ -194,9 +194,9 @@ def aggregate_suite(suite: Suite, base: EvalRequest, reports: list[EvalReport], 
     report = build_suite_report(suite, base, reports, tables, baseline_tables, seconds, aggregated=done,
                                 baseline_reports=baseline_reports or [])
     final = suite_feed_back(report, base, done)
+    markdown = suite_markdown(final, pictures=True)
     with best_effort("the suite's artifact"):  # the UI's copy: the result is written above
-        create_markdown_artifact(suite_markdown(final, pictures=True),
-                                 key=f"suite-{final.policy_sha256[:12]}",
+        create_markdown_artifact(markdown, key=f"suite-{final.policy_sha256[:12]}",
                                  description=f"evalfleet suite {suite.name}")
     return final
 

@@ -28,10 +28,11 @@ def feed_back(
     """Parquet, cache, report.json and MLflow, then the Prefect artifacts the UI shows."""
     final = write_results(request, received, report, collected)
     key = artifact_key(final)
+    rows, markdown = summary_rows(final), report_markdown(final, final.failure_clusters)
     with best_effort("the summary artifact"):  # the UI's copy: the result is written above
-        create_table_artifact(summary_rows(final), key=key, description=f"evalfleet {final.env_id}")
+        create_table_artifact(rows, key=key, description=f"evalfleet {final.env_id}")
     with best_effort("the report artifact"):
-        create_markdown_artifact(report_markdown(final, final.failure_clusters), key=f"{key}-report")
+        create_markdown_artifact(markdown, key=f"{key}-report")
     return final
 
 

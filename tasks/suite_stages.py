@@ -91,10 +91,11 @@ def feed_back_all(requests: Sequence[EvalRequest], received: Sequence[Received],
 def publish(final: EvalReport) -> None:
     """A task's Prefect artifacts, as a single evaluation's stage 7 makes them."""
     key = artifact_key(final)  # the task's own: one key per task keeps each task's summary
+    rows, markdown = summary_rows(final), report_markdown(final, final.failure_clusters)
     with best_effort(f"{final.request_id}'s summary artifact"):
-        create_table_artifact(summary_rows(final), key=key, description=f"evalfleet {final.env_id}")
+        create_table_artifact(rows, key=key, description=f"evalfleet {final.env_id}")
     with best_effort(f"{final.request_id}'s report artifact"):
-        create_markdown_artifact(report_markdown(final, final.failure_clusters), key=f"{key}-report")
+        create_markdown_artifact(markdown, key=f"{key}-report")
 
 
 def tables_of(collected: Sequence[Collected]) -> list[pa.Table]:
