@@ -29,6 +29,7 @@ from evalfleet.storage import run_dir, write_json
 from evalfleet.suite import (
     Suite,
     SuiteReport,
+    alarm_names,
     improvement,
     suite_aggregates,
     task_row,
@@ -365,6 +366,7 @@ def suite_feed_back(report: SuiteReport, base: EvalRequest, pictures: Aggregated
     outputs = {"folder": str(folder.resolve())}
     files: list[Path] = []
     missing: list[str] = []  # outputs asked for and not produced: alarms, and a failed run
+    plots: dict[str, Path] = {}
     try:
         if pictures is not None and pictures.error:
             raise RuntimeError(pictures.error)
@@ -396,17 +398,55 @@ def suite_feed_back(report: SuiteReport, base: EvalRequest, pictures: Aggregated
         missing.append(f"the suite's MLflow parent run: {outputs['mlflow_error']}")
     final = report.model_copy(update={"outputs": outputs, "alarms": with_missing(report.alarms, missing),
                                       "seconds": report.seconds + time.perf_counter() - t0})
+    if missing and "report_html" in outputs:  # the parent run's alarm, after the page: shown there too
+        suite_page(final, plots, folder / "report.html")
     write_json(final.model_dump(mode="json"), path)
     if base.callback_url:  # last, so the trainer gets the MLflow run id; never raises
         from evalfleet.callback import send_report_callback
 
+        logged = len(final.alarms)  # what the MLflow parent run holds
         outcome = send_report_callback(base.callback_url, final.model_dump(mode="json"))
         alarms = final.alarms if outcome.startswith("delivered") else with_missing(
             final.alarms, [f"the callback to the trainer: {outcome}"])
         final = final.model_copy(update={"outputs": {**final.outputs, "callback": outcome},
                                          "alarms": alarms})
         write_json(final.model_dump(mode="json"), path)
+        if len(final.alarms) > logged:  # the page and the parent run show it too, as a task's do
+            shown = [suite_page(final, plots, folder / "report.html")] if "report_html" in outputs else []
+            if "mlflow_run_id" in final.outputs:
+                final = suite_late_alarms_logged(final, final.alarms[logged:], [path, *shown])
+                write_json(final.model_dump(mode="json"), path)
     return final
+
+
+def suite_late_alarms_logged(report: SuiteReport, late: list[str],
+                             artifacts: Sequence[Path]) -> SuiteReport:
+    """The suite once the alarms raised after its MLflow parent run was logged are logged there too.
+
+    As ``pipeline.late_alarms_logged`` for an evaluation: the run gets their alarm tags and
+    ``suite/alarm_count`` again (a later timestamp, so its latest value agrees with
+    suite_report.json), and ``artifacts`` (suite_report.json and report.html, written with
+    them) replace its copies. A store gone since is stated in ``outputs['mlflow_alarms_error']``.
+    """
+    from mlflow.entities import Metric, RunTag
+
+    from evalfleet.tracking import _bound_http, _log_files, alarm_tag, mlflow_client
+
+    run_id = report.outputs["mlflow_run_id"]
+    try:
+        _bound_http()
+        client = mlflow_client(report.outputs["mlflow_uri"])
+        run = client.get_run(run_id)
+        timestamp = max(int(time.time() * 1000), int(run.info.start_time) + 1)
+        count = float(len(report.alarms))
+        tags = [RunTag(alarm_tag(name), "true") for name in alarm_names(late, report.request_id)]
+        client.log_batch(run_id, metrics=[Metric("suite/alarm_count", count, timestamp, 0)], tags=tags)
+        _log_files(client, run, list(artifacts))
+    except Exception as err:  # the store went away since: logged and stated, never fatal
+        logger.error("could not log the late alarms into the suite's MLflow run %s: %s", run_id, err)
+        return report.model_copy(update={"outputs": {
+            **report.outputs, "mlflow_alarms_error": f"{type(err).__name__}: {err}"[:1000]}})
+    return report
 
 
 def _write_pictures(pictures: Mapping[str, bytes], out_dir: Path) -> dict[str, Path]:

@@ -85,8 +85,76 @@ def test_suite_outputs_not_produced_are_alarms_and_exit_5(tmp_path, monkeypatch,
     assert [m.split(":")[1].strip() for m in missing] == [
         "the suite's MLflow parent run", "the callback to the trainer"]
     assert final.outputs["callback"].startswith("failed after 1 attempt")
+    html = Path(final.outputs["report_html"]).read_text()  # both alarms came after the page
+    assert "output_missing: the suite&#39;s MLflow parent run" in html
+    assert "output_missing: the callback to the trainer" in html
     suite = Path(__file__).resolve().parents[2] / "examples" / "suite.toml"
     args = build_parser().parse_args(["--suite", str(suite), "--output", str(tmp_path / "cli")])
     assert run_suite(lambda suite, request: final, args) == EXIT_OUTPUT_MISSING
     err = capsys.readouterr().err
     assert "r1: the MLflow run (x)" in err and "the suite's MLflow parent run" in err
+
+
+def test_a_failed_suite_callback_reaches_the_parent_run_and_the_page(tmp_path, monkeypatch) -> None:
+    """A callback answered 500 is an output_missing alarm on every sink, not in suite_report.json alone.
+
+    The page and the MLflow parent run were written before the callback: they said one alarm
+    (``suite/alarm_count`` 1, no ``evalfleet.alarm.output_missing`` tag, no output_missing in
+    report.html nor in the run's copy of suite_report.json) where suite_report.json said two.
+    """
+    import json
+    import threading
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+    from pathlib import Path
+
+    from mlflow.tracking import MlflowClient
+
+    from evalfleet.models import EvalRequest
+    from evalfleet.suite_report import suite_feed_back
+
+    posts: list[dict] = []
+
+    class Refusing(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            posts.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+            self.send_response(500)
+            self.end_headers()
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = HTTPServer(("127.0.0.1", 0), Refusing)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    port = server.server_address[1]
+    monkeypatch.setenv("EVALFLEET_CALLBACK_SECRET", "k")
+    monkeypatch.setenv("EVALFLEET_ALLOWED_HOSTS", f"127.0.0.1:{port}")
+    monkeypatch.setenv("EVALFLEET_CALLBACK_ATTEMPTS", "1")
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    base = EvalRequest.build(env="CartPole-v1", policy="p.pt", output=tmp_path / "out", mlflow_uri=uri,
+                             callback_url=f"http://127.0.0.1:{port}/cb")
+    report = _report().model_copy(update={"alarms": ["aggregate_intervals_unreliable: few episodes"]})
+    try:
+        final = suite_feed_back(report, base)
+    finally:
+        server.shutdown()
+        server.server_close()
+
+    assert len(posts) == 1 and posts[0]["alarms"] == ["aggregate_intervals_unreliable: few episodes"]
+    assert [a.split(":")[0] for a in final.alarms] == ["aggregate_intervals_unreliable", "output_missing"]
+    assert final.alarms[1].startswith("output_missing: the callback to the trainer: failed after 1 attempt")
+    assert "mlflow_alarms_error" not in final.outputs
+    saved = json.loads(Path(final.outputs["report"]).read_text())
+    assert saved["alarms"] == final.alarms
+    html = Path(final.outputs["report_html"]).read_text()
+    assert "output_missing: the callback to the trainer" in html and "aggregate_intervals_unreliable" in html
+
+    client = MlflowClient(tracking_uri=uri)
+    run = client.get_run(final.outputs["mlflow_run_id"])
+    assert run.data.tags["evalfleet.alarm.output_missing"] == "true"
+    assert run.data.tags["evalfleet.alarm.aggregate_intervals_unreliable"] == "true"
+    assert run.data.metrics["suite/alarm_count"] == 2.0  # the latest value
+    assert [m.value for m in client.get_metric_history(run.info.run_id, "suite/alarm_count")] == [1.0, 2.0]
+    logged = Path(client.download_artifacts(run.info.run_id, "suite_report.json", str(tmp_path / "dl")))
+    assert json.loads(logged.read_text())["alarms"] == final.alarms
+    page = Path(client.download_artifacts(run.info.run_id, "report.html", str(tmp_path / "dl")))
+    assert "output_missing: the callback to the trainer" in page.read_text()
