@@ -145,13 +145,17 @@ def kept(result: R) -> R:
     The flow run ends in the state ``final_state`` gives it; its caller gets ``result`` as is.
     """
     slot = _SLOT.get()
+    state = final_state(result)
     if slot is not None:
         from prefect.context import FlowRunContext
 
         ctx = FlowRunContext.get()
         slot["result"] = result
         slot["flow_run_id"] = str(ctx.flow_run.id) if ctx and ctx.flow_run else None
-    return final_state(result)
+        if state is not result:  # a named Completed: queued as such if it cannot be recorded now
+            named = cast(Any, state)
+            slot["state_name"], slot["state_message"] = named.name, named.message
+    return state
 
 
 def final_state(result: R) -> R:
@@ -194,9 +198,11 @@ def run_recorded(call: Callable[[], R], name: str) -> R:
         if "result" not in slot or not api_error(err):
             raise
         run_id = slot.get("flow_run_id")
-        queued = queue_final_state(run_id, name) if run_id else None
+        state_name = slot.get("state_name") or "Completed"
+        queued = (queue_final_state(run_id, name, state_name, slot.get("state_message"))
+                  if run_id else None)
         current_ledger().record(
-            f"{name}'s final state (Completed"
+            f"{name}'s final state ({state_name}"
             + (f"; queued in {queued} for the next evaluation to record)" if queued else ")"), err)
         return slot["result"]  # type: ignore[no-any-return]
     finally:
@@ -208,9 +214,16 @@ def pending_dir() -> Path:
     return evalfleet_home() / "prefect-pending"
 
 
-def queue_final_state(flow_run_id: str, name: str) -> Path | None:
-    """Queue 'flow run ``flow_run_id`` ended Completed' for ``replay_pending``; None on failure."""
+def queue_final_state(flow_run_id: str, name: str, state_name: str = "Completed",
+                      state_message: str | None = None) -> Path | None:
+    """Queue 'flow run ``flow_run_id`` ended Completed' for ``replay_pending``; None on failure.
+
+    ``state_name`` and ``state_message``: those ``final_state`` gave it ("Outputs missing" and
+    what was not produced, "Harness fault"), replayed with it: a plain "Completed" recorded late
+    hid from the UI and the webhook a run the CLI would have exited non-zero on.
+    """
     entry = {"flow_run_id": flow_run_id, "name": name, "state": "COMPLETED",
+             "state_name": state_name, "state_message": state_message,
              "ended": time.time(), "api_url": os.environ.get("PREFECT_API_URL")}
     try:
         return write_json(entry, pending_dir() / f"{flow_run_id}.json")
@@ -222,8 +235,9 @@ def queue_final_state(flow_run_id: str, name: str) -> Path | None:
 def replay_pending(client: Any) -> list[str]:
     """Record the queued final states with ``client`` (a sync Prefect client); their run ids.
 
-    Each flow run still Running or Pending is set Completed, with its task runs still Running
-    (their closing events never arrived): its body returned, so each of them had finished. A run
+    Each flow run still Running or Pending is set Completed, under the name and with the message
+    it was queued with, and its task runs still Running (their closing events never arrived):
+    its body returned, so each of them had finished. A run
     this server does not know stays queued (another server) until it is a week old.
     """
     from prefect.client.schemas.objects import StateType
@@ -239,7 +253,9 @@ def replay_pending(client: Any) -> list[str]:
             entry = json.loads(path.read_text())
             run_id = str(entry["flow_run_id"])
             ended = _clock(float(entry["ended"]))
-        except (OSError, ValueError, KeyError, TypeError):
+            state_name = str(entry.get("state_name") or "Completed")  # older entries: plain
+            what = entry.get("state_message")
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
             path.unlink(missing_ok=True)  # unreadable: nothing to replay
             continue
         try:
@@ -248,10 +264,12 @@ def replay_pending(client: Any) -> list[str]:
             if time.time() - path.stat().st_mtime > PENDING_MAX_AGE_S:
                 path.unlink(missing_ok=True)
             continue
-        message = (f"ended Completed at {ended} UTC; recorded late by the next evaluation (the "
+        message = (f"ended {state_name} at {ended} UTC; recorded late by the next evaluation (the "
                    "Prefect API was unreachable when the run ended)")
+        if what:  # what failed first, as on a state recorded in time
+            message = f"{str(what)[:2000]}; {message}"
         if run.state is not None and run.state.type in live:
-            end_run(client, run.id, Completed, message)
+            end_run(client, run.id, Completed, message, name=state_name)
             logger.info("flow run %s (%s): %s", run.name, run.id, message)
         path.unlink(missing_ok=True)
         done.append(run_id)

@@ -104,8 +104,13 @@ def reap_dead_drivers(limit: int = 200) -> list[str]:
     return reaped
 
 
-def end_run(client: Any, run_id: Any, state: Callable[..., Any], message: str) -> None:
-    """Set flow run ``run_id`` and its task runs still Running or Pending to ``state(message)``."""
+def end_run(client: Any, run_id: Any, state: Callable[..., Any], message: str,
+            name: str | None = None) -> None:
+    """Set flow run ``run_id`` and its task runs still Running or Pending to ``state(message)``.
+
+    ``name``: the flow run's state name (``Completed(name="Outputs missing")``); its task runs
+    keep the state's own.
+    """
     from prefect.client.schemas.filters import (
         FlowRunFilter,
         FlowRunFilterId,
@@ -122,7 +127,8 @@ def end_run(client: Any, run_id: Any, state: Callable[..., Any], message: str) -
     )
     for task_run in tasks:
         client.set_task_run_state(task_run.id, state(message=message), force=True)
-    client.set_flow_run_state(run_id, state(message=message), force=True)
+    named = {"name": name} if name else {}
+    client.set_flow_run_state(run_id, state(message=message, **named), force=True)
 
 
 def reap_quietly() -> list[str]:
