@@ -26,6 +26,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import pairwise
 from typing import Any
 
 import numpy as np
@@ -221,11 +222,12 @@ def audit_sample(indices: list[int], seed: int, reused: Sequence[int] = ()) -> l
     """The episodes the determinism audit re-runs: ``audit_size`` of them, seeded.
 
     ``reused``: episodes that ran on an env instance an earlier episode of their shard had used
-    (``reused_instances``). At least one of them is among those re-run, each on a fresh instance:
-    an env that carries state from one episode to the next (a ``NormalizeObservation`` wrapper's
-    running statistics) gives returns that depend on which episodes shared its instance, so on
-    the concurrency and worker count, and that audit pair tells. A sample drawn from all indices
-    alone missed them with a probability of up to 1 in 20.
+    (``reused_instances``; for rows no shard of this run holds, ``reused_in_rows``). At least one
+    of them is among those re-run, each on a fresh instance: an env that carries state from one
+    episode to the next (a ``NormalizeObservation`` wrapper's running statistics) gives returns
+    that depend on which episodes shared its instance, so on the concurrency and worker count,
+    and that audit pair tells. A sample drawn from all indices alone missed them with a
+    probability of up to 1 in 20.
     """
     if not indices:
         return []
@@ -247,6 +249,33 @@ def reused_instances(shards: Sequence[Shard]) -> list[int]:
     too, so every episode listed here did.)
     """
     return [i for shard in shards for i in shard.episode_indices[shard.slots:]]
+
+
+def reused_in_rows(table: pa.Table, per_sandbox: int = 1) -> list[int]:
+    """Episodes of ``table`` that started on an env instance an earlier row's episode used.
+
+    For rows whose shards are unknown here: rows an interrupted run persisted in shard files, or
+    an entry stored with no audit. Rows of one ``(request_id, worker, sandbox)`` ran on the same
+    instances (an in-process slot's ``inproc-N``, which ``worker.KeptSlots`` hands on to the
+    request's next shard; a sandbox process's ``per_sandbox`` instances), each taking the next
+    index as the one before it ended: every episode after the group's first (first
+    ``per_sandbox`` for a sandbox) reset an instance an earlier one had used. A failure may have
+    discarded the instance (an env error rebuilds the slot's env), so only episodes whose
+    predecessor in the group ended normally are listed, and none whose own ending depends on the
+    clock (the audit cannot compare it).
+    """
+    groups: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
+    for row in table.select(["request_id", "worker", "sandbox", "isolation", "episode_index",
+                             "end_reason"]).to_pylist():
+        groups.setdefault((row["request_id"], row["worker"], row["sandbox"]), []).append(row)
+    out = []
+    for rows in groups.values():
+        rows.sort(key=lambda r: r["episode_index"])
+        fresh = 1 if rows[0]["isolation"] == "inprocess" else max(1, per_sandbox)
+        out += [row["episode_index"] for before, row in pairwise(rows[fresh - 1:])
+                if not EndReason(before["end_reason"]).is_failure
+                and not _timing_dependent(row["end_reason"])]
+    return sorted(out)
 
 
 def _timing_dependent(reason: str) -> bool:

@@ -29,6 +29,7 @@ from evalfleet.audit import (
     audit_size,
     compare_with_baseline,
     determinism_audit,
+    reused_in_rows,
     reused_instances,
     reward_integrity,
     step_rewards,
@@ -513,8 +514,8 @@ def plan(
     round_indices = sorted(set(found.missing) | set(found.stored.column("episode_index").to_pylist()))
     # Audit rounds that run something, and rows no audit covered (``unaudited``); a full hit
     # of an audited entry was audited when it was stored.
-    audited = (audit_size(len(round_indices))
-               if request.audit and (found.missing or unaudited(request, found)) else 0)
+    stale = unaudited(request, found)
+    audited = audit_size(len(round_indices)) if request.audit and (found.missing or stale) else 0
     work = len(found.missing) + audited
     slots = cluster.worker_slots(address) if work and address else 1
     slots = min(slots, max_shards) if max_shards else slots
@@ -525,8 +526,13 @@ def plan(
         total_episodes=episodes,
     ), request)
     shards = list(shard_plan.shards)
-    audit = (audit_sample(round_indices, request.seed, reused=reused_instances(shards))
-             if audited else [])
+    # Rows no audit covered bring no shards: which of their episodes started on a used instance
+    # is read from the rows themselves. With only this run's shards, a resumed run's sample was
+    # drawn from all indices and missed an env carrying state across episodes (mean 30.46,
+    # "0 mismatches", cached, where each episode on a fresh instance gives 22.19).
+    reused = reused_instances(shards) + (
+        reused_in_rows(found.stored, request.envs_per_sandbox) if stale else [])
+    audit = audit_sample(round_indices, request.seed, reused=reused) if audited else []
     if audit:
         ledger = SeedLedger(request.seed)
         shards.append(Shard(shard_id=len(shards), episode_indices=audit,

@@ -80,8 +80,27 @@ class ArrayInfo(_Blank):
         return np.zeros(2, np.float32), 1.0, True, False, info
 
 
+class CarriedOver(_Blank):
+    """An instance carries state from one episode to the next (as a ``NormalizeObservation``
+    wrapper's statistics do): 3 to 7 steps drawn from the seed, each worth 1, and 1 more on an
+    instance that served an episode before. Reproducible only on a fresh instance per episode."""
+
+    def __init__(self) -> None:
+        self.served = 0
+
+    def reset(self, *, seed: int | None = None, options: Any = None) -> tuple[np.ndarray, dict[str, Any]]:
+        obs, info = super().reset(seed=seed, options=options)
+        self.bonus, self.served = float(self.served > 0), self.served + 1
+        self.left = int(self.np_random.integers(3, 8))
+        return obs, info
+
+    def step(self, action: int) -> tuple[np.ndarray, float, bool, bool, dict[str, Any]]:
+        self.left -= 1
+        return np.zeros(2, np.float32), 1.0 + self.bonus, self.left <= 0, False, {}
+
+
 for _name, _steps in (("CoinFlip", STEPS), ("GlobalNoise", 5), ("NoisyBeyond", 5), ("IntegerBox", 5),
-                      ("ArrayInfo", 5)):
+                      ("ArrayInfo", 5), ("CarriedOver", 10)):
     gym.register(id=f"evalfleet-test/{_name}-v0", entry_point=f"{__name__}:{_name}",
                  max_episode_steps=_steps)
 
@@ -89,6 +108,11 @@ for _name, _steps in (("CoinFlip", STEPS), ("GlobalNoise", 5), ("NoisyBeyond", 5
 def uniform_logits(obs: np.ndarray) -> np.ndarray:
     """Logits of a coin: sampled, it matches an independent coin half the time."""
     return np.zeros((len(obs), 2), np.float32)
+
+
+def first_action(obs: np.ndarray) -> np.ndarray:
+    """Action 0 for every row of a ``Discrete`` space."""
+    return np.zeros(len(obs), np.int64)
 
 
 def fractional(obs: np.ndarray) -> np.ndarray:

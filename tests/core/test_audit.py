@@ -12,6 +12,7 @@ from evalfleet.audit import (
     clipped_reward_alarm,
     compare_with_baseline,
     determinism_audit,
+    reused_in_rows,
     reward_integrity,
     scored_returns,
     step_rewards,
@@ -24,6 +25,7 @@ from evalfleet.runner import EpisodeContext, run_shard
 from evalfleet.sandbox.base import InProcessSlots
 from evalfleet.seeds import SeedLedger
 from evalfleet.stats import mean_ci
+from tests.core.episodes import run_in_process
 
 ENV = "tests.flows.user_envs:Warehouse-v0"
 
@@ -66,6 +68,38 @@ def test_audit_sample_is_two_percent_at_least_two_and_seeded():
 def _row(i, ret, length, reason="terminated"):
     return EpisodeRecord("r", "p", "e", "s", i, 100 + i, ret, length, reason, None, None, 0.0, "w",
                          "x", "inprocess")
+
+
+def test_rows_tell_which_episodes_started_on_a_used_instance():
+    """Rows from shard files bring no shards: 8 episodes on 4 in-process slots, 4..7 each took the
+    instance an ended episode freed, and only there does an env carrying state across episodes
+    (CarriedOver: +1 per step on a used instance) differ from a fresh instance's."""
+    env, policy = "tests.core.rng_envs:evalfleet-test/CarriedOver-v0", "tests.core.rng_envs:first_action"
+    shared = run_in_process(env, policy, 8, slots=4)
+    fresh = run_in_process(env, policy, 8, slots=8)
+    assert reused_in_rows(shared) == [4, 5, 6, 7]
+    assert reused_in_rows(fresh) == []
+    differ = [i for i, (a, b) in enumerate(zip(shared.column("return").to_pylist(),
+                                               fresh.column("return").to_pylist(), strict=True))
+              if a != b]
+    assert differ == [4, 5, 6, 7]
+
+
+def test_rows_after_an_env_failure_or_of_another_run_are_no_used_instance():
+    def row(i, sandbox, reason="terminated", request="r", isolation="inprocess"):
+        return EpisodeRecord(request, "p", "e", "s", i, 100 + i, 1.0, 3, reason, None, None, 0.0,
+                             "w", sandbox, isolation)
+
+    table = records_to_table([
+        row(0, "inproc-0"), row(1, "inproc-0", "env_error"),  # discarded: 2 gets a new instance
+        row(2, "inproc-0"), row(3, "inproc-0", "crashed"), row(4, "inproc-0"),
+        row(5, "inproc-0", request="other"),  # another run's instance, first there
+        row(6, "proc0-pid9", isolation="process"), row(7, "proc0-pid9", isolation="process"),
+        row(8, "proc0-pid9", isolation="process"),
+    ])
+    # 1 took a used instance; 3's ending depends on the clock (no comparison); 4 follows a crash.
+    assert reused_in_rows(table) == [1, 7, 8]
+    assert reused_in_rows(table, per_sandbox=2) == [1, 8]  # 6 and 7 started on two fresh ones
 
 
 def test_determinism_audit_reports_mismatched_seeds():

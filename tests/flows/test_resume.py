@@ -24,6 +24,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from evalfleet.audit import reused_in_rows
 from evalfleet.cache import EpisodeCache
 from evalfleet.cluster import fleet_cluster
 from evalfleet.models import EvalRequest
@@ -184,3 +185,73 @@ def test_a_run_answered_by_shard_files_alone_is_audited(prefect_server: str, tmp
     assert not [a for a in resumed.alarms if a.startswith("determinism_audit")], resumed.alarms
     again = evaluate(request)  # the entry now, with the audit that passed
     assert again.cache["status"] == "hit" and again.audit == resumed.audit
+
+
+#: An env whose instance carries state from one episode to the next (+1 per step once it served
+#: one): 8 episodes on 4 in-process slots, 4..7 start on a used instance. Seed 6's audit sample
+#: drawn from all indices is [0, 3], each first on its instance: the same on a fresh one.
+STATEFUL: dict[str, Any] = {
+    "env": "tests.core.rng_envs:evalfleet-test/CarriedOver-v0",
+    "policy": "tests.core.rng_envs:first_action",
+    "episodes": 8, "concurrency": 4, "workers": 1, "isolation": "inprocess", "seed": 6,
+}
+
+
+@pytest.fixture(scope="module")
+def stateful_rows(prefect_server: str, tmp_path_factory: pytest.TempPathFactory
+                  ) -> tuple[pa.Table, str]:
+    """The rows an interrupted run of ``STATEFUL`` leaves in its shard file, and its cache key."""
+    from flows.eval import evaluate
+
+    out = tmp_path_factory.mktemp("stateful") / "out"
+    report = evaluate(EvalRequest.build(**STATEFUL, output=out, cache="off", audit=False,
+                                        review=False))
+    table = read_episodes(report.outputs["episodes"])
+    assert reused_in_rows(table) == [4, 5, 6, 7]
+    return table, report.cache["key"]
+
+
+def killed_run_left(rows: tuple[pa.Table, str], out: Path) -> EpisodeCache:
+    """The cache a run of ``STATEFUL`` killed once its (only) shard was persisted leaves."""
+    table, key = rows
+    cache = EpisodeCache(out / "cache")
+    cache.persist_shard(key, table)
+    return cache
+
+
+def test_a_resumed_run_audits_an_episode_that_ran_on_a_used_instance(
+        stateful_rows: tuple[pa.Table, str], tmp_path: Path) -> None:
+    """Rows from shard files bring no shards: the audit's sample was drawn from all indices alone
+    ([0, 3]), compared 2 with 0 mismatches and cached the table, while an undisturbed run raised
+    ``non_deterministic_env``. Which rows ran on a used instance is read from the rows now."""
+    from flows.eval import evaluate
+
+    cache = killed_run_left(stateful_rows, tmp_path / "out")
+    report = evaluate(EvalRequest.build(**STATEFUL, output=tmp_path / "out", review=False))
+    assert (report.cache["status"], report.cache["resumed"]) == ("hit", 8)
+    assert report.audit is not None and report.audit["checked"] == 2, report.audit
+    assert [m["episode_index"] for m in report.audit["mismatches"]] == [7], report.audit
+    assert [a for a in report.alarms if a.startswith("non_deterministic_env: 1 of 2")], report.alarms
+    key = stateful_rows[1]
+    assert cache.lookup(key, range(8)).status == "miss" and cache.shard_files(key) == []
+
+
+def test_rows_folded_in_unaudited_are_audited_on_the_used_instances(
+        stateful_rows: tuple[pa.Table, str], tmp_path: Path) -> None:
+    """Killed, re-run with ``--no-audit`` (its rows folded into the entry with no audit), then the
+    audited request: its audit ran against the entry with no episode of a used instance, 0
+    mismatches, and the entry was stored as audited."""
+    from flows.eval import evaluate
+
+    cache = killed_run_left(stateful_rows, tmp_path / "out")
+    folded = evaluate(EvalRequest.build(**STATEFUL, output=tmp_path / "out", audit=False,
+                                        review=False))
+    key = stateful_rows[1]
+    assert folded.cache["resumed"] == 8 and cache.shard_files(key) == []
+    assert cache.lookup(key, range(8)).status == "hit" and cache.audit(key) is None
+    report = evaluate(EvalRequest.build(**STATEFUL, output=tmp_path / "out", review=False))
+    assert (report.cache["status"], report.cache["resumed"]) == ("hit", 0)
+    assert report.audit is not None and [m["episode_index"] for m in report.audit["mismatches"]
+                                         ] == [7], report.audit
+    assert [a for a in report.alarms if a.startswith("non_deterministic_env: 1 of 2")], report.alarms
+    assert cache.lookup(key, range(8)).status == "miss"
