@@ -908,7 +908,8 @@ def review_skipped(request: EvalRequest, collected: Collected) -> str | None:
     if request.record_trajectories or request.record_video:
         return None
     # A full cache hit was reviewed when it was computed; re-plotting it costs ~1.5 s per request.
-    if collected.fresh.num_rows == 0:
+    # Rows from an interrupted run's shard files never were: their replays are the review's check.
+    if collected.fresh.num_rows == 0 and not collected.resumed:
         return "cache hit: no new episodes to review"
     if not request.review:
         return "review off for this request (review=False)"

@@ -236,6 +236,20 @@ def test_a_resumed_run_audits_an_episode_that_ran_on_a_used_instance(
     assert cache.lookup(key, range(8)).status == "miss" and cache.shard_files(key) == []
 
 
+def test_a_resumed_run_is_reviewed(stateful_rows: tuple[pa.Table, str], tmp_path: Path) -> None:
+    """The review's replays of rows from shard files (never reviewed) ran: a resumed hit skipped
+    them as 'cache hit: no new episodes to review', so ``--no-audit`` served such rows clean."""
+    from flows.eval import evaluate
+
+    cache = killed_run_left(stateful_rows, tmp_path / "out")
+    report = evaluate(EvalRequest.build(**STATEFUL, output=tmp_path / "out", audit=False))
+    assert (report.cache["status"], report.cache["resumed"]) == ("hit", 8)
+    assert "review" not in report.outputs and Path(report.outputs["report_html"]).exists()
+    assert [a for a in report.alarms if a.startswith("replay_nondeterminism: ")], report.alarms
+    key = stateful_rows[1]
+    assert cache.lookup(key, range(8)).status == "miss" and cache.shard_files(key) == []
+
+
 def test_rows_folded_in_unaudited_are_audited_on_the_used_instances(
         stateful_rows: tuple[pa.Table, str], tmp_path: Path) -> None:
     """Killed, re-run with ``--no-audit`` (its rows folded into the entry with no audit), then the
