@@ -89,6 +89,12 @@ def test_env_errors_raised_in_sandboxes_run_again_and_report_the_same(prefect_se
     assert again.cache["status"] == "partial"
     assert again.cache["reused"] == 40 - errors and again.cache["computed"] == errors, again.cache
     a, b = _comparable(miss), _comparable(again)
+    # The one difference: the partial run's episodes come from two runs, and it says which.
+    [first] = a["manifest"].pop("computed_by")
+    by = b["manifest"].pop("computed_by")
+    assert [(r["request_id"], r["episodes"]) for r in by] == [
+        (first["request_id"], 40 - errors), ("second", errors)]
+    assert by[0]["execution"] == first["execution"]
     for name in a:
         assert a[name] == b[name], name
 
