@@ -411,11 +411,12 @@ def _of(run: dict[str, Any]) -> str:
     return f", median of {len(walls)} ({', '.join(f'{w:.1f}' for w in walls)} s)" if walls else ""
 
 
-def _no_vector_lines(a: dict[str, Any], one_core: float) -> list[str]:
+def _no_vector_lines(a: dict[str, Any], one_core: float, note: str = "") -> list[str]:
     """Table rows of ``no_vector_throughput``: medians over its repetitions, then the use cases.
 
     ``one_core``: the bare loop alone in one process (the other core idle); 2 x that is the
     issue's literal yardstick, which both cores busy at once have not reached on this machine.
+    ``note``: when the section was measured, where that is not the run's own time (``--merge``).
     """
     n, reps = a["episodes"], a["reps"]
 
@@ -424,8 +425,8 @@ def _no_vector_lines(a: dict[str, Any], one_core: float) -> list[str]:
 
     yard = f"bare loop x 2 processes beside it, median {a['bare_x2_median']:,.0f} steps/s"
     lines = [
-        f"| Acrobot-v1, {n} episodes, 2 workers, cold `evaluate()` (its own cluster): run stage, "
-        f"median of {reps} ({yard}) | {a['cold']['run_stage_x_median']:.2f} x | >= 0.85 x |",
+        f"| Acrobot-v1, {n} episodes, 2 workers, cold `evaluate()` (its own cluster){note}: run "
+        f"stage, median of {reps} ({yard}) | {a['cold']['run_stage_x_median']:.2f} x | >= 0.85 x |",
         f"| same, whole evaluation (cluster start to report, {a['cold']['wall_s_median']:.1f} s) | "
         f"{a['cold']['whole_x_median']:.2f} x | >= 0.8 x |",
         f"| same, against one bare process x 2 (the other core idle: {one_core:,.0f} steps/s): run "
@@ -544,7 +545,9 @@ def markdown(result: dict[str, Any]) -> str:
             lines.append(f"| the shared fork server (the workers' parent: in the tree's figures above) | "
                          f"{c['shared_fork_server_rss_mib']:.0f} MiB | |")
     if a and "cold" in a:
-        lines += _no_vector_lines(a, cal["acrobot"]["steps_per_s"])
+        # Against the one-core yardstick of the run that measured this section (``--merge``).
+        own_a = result.get("section_runs", {}).get("acrobot", {}).get("calibration", cal)
+        lines += _no_vector_lines(a, own_a["acrobot"]["steps_per_s"], _section_note(result, "acrobot"))
     if u and u.get("uss_median_mib") is not None:
         lines.append(f"| unique memory (USS) of one `process` sandbox, median of "
                      f"{u['sandboxes_sampled']} samples (max) | {u['uss_median_mib']:.1f} MiB "
