@@ -836,53 +836,36 @@ def test_a_step_evaluated_with_two_policies_gives_no_verdict_whichever_finished_
 def test_a_failed_callback_reaches_the_mlflow_run_and_the_trainers_alarm_count(store, monkeypatch):
     # Planted: the trainer's callback answers 503. Before, report.json had the output_missing
     # alarm, while the eval run had no such tag and eval/alarm_count in both runs was one less.
-    import threading
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
     from types import SimpleNamespace
 
     from evalfleet.pipeline import feed_back
+    from tests.callback_receiver import callback_receiver
 
     uri = f"sqlite:///{store / 'mlflow.db'}"
     client = MlflowClient(uri)
     trainer = client.create_run(client.create_experiment("training-callback")).info.run_id
 
-    class Busy(BaseHTTPRequestHandler):
-        def do_POST(self) -> None:  # noqa: N802 - the http.server API
-            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-            if body["step"] == 2:  # the store loses the eval run before its late alarm is logged
-                client.delete_run(body["outputs"]["mlflow_run_id"])
-            self.send_response(503)
-            self.end_headers()
+    def busy(body: dict) -> None:  # answered 503; at step 2 the store loses the eval run first
+        if body["step"] == 2:
+            client.delete_run(body["outputs"]["mlflow_run_id"])
 
-        def log_message(self, *args: object) -> None:
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Busy)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    port = server.server_address[1]
-    monkeypatch.setenv("EVALFLEET_CALLBACK_SECRET", "history-callback-secret")
-    monkeypatch.setenv("EVALFLEET_ALLOWED_HOSTS", f"127.0.0.1:{port}")
-    monkeypatch.setenv("EVALFLEET_CALLBACK_ATTEMPTS", "1")
-
-    def stage_7(step: int) -> EvalReport:
+    def stage_7(step: int, url: str) -> EvalReport:
         table = _table("careless")
         request = EvalRequest(env=courier.ENV_ID, policy="tests.core.courier:careless",
                               episodes=table.num_rows, output=store, cache_dir=store / "cache",
                               training_run_id=trainer, step=step, mlflow_uri=uri,
-                              request_id=f"callback-{step}", callback_url=f"http://127.0.0.1:{port}/cb")
+                              request_id=f"callback-{step}", callback_url=url)
         report = aggregate(request, table, env_spec={"env_id": courier.ENV_ID}, env_spec_hash="spec",
                            policy={"sha256": "cb" * 32}, isolation="inprocess", timings={"run": 1.0},
                            cache={"status": "hit", "key": "cb" * 32}, run_seconds=1.0)
-        collected = SimpleNamespace(table=table, fresh=table.slice(0, 0), replays=None)  # no review
+        collected = SimpleNamespace(table=table, fresh=table.slice(0, 0), replays=None,  # no review
+                                    resumed=0)
         return feed_back(request, None, report, collected)  # type: ignore[arg-type]
 
-    try:
-        final = stage_7(1)
+    with callback_receiver(monkeypatch, 503, "history-callback-secret", busy) as (url, _):
+        final = stage_7(1, url)
         latest = client.get_run(trainer).data.metrics["eval/alarm_count"]  # MLflow's latest value
-        lost = stage_7(2)
-    finally:
-        server.shutdown()
-        server.server_close()
+        lost = stage_7(2, url)
     assert final.outputs["callback"].startswith("failed after 1 attempt")
     [line] = [a for a in final.alarms if a.startswith("output_missing: ")]
     assert line.startswith("output_missing: the callback to the trainer: failed after 1 attempt")

@@ -245,7 +245,7 @@ def stage_7_queued(output: Path, request_id: str, monkeypatch: pytest.MonkeyPatc
     report = aggregate(request, table, env_spec={"env_id": courier.ENV_ID}, env_spec_hash="spec",
                        policy={"sha256": "cd" * 32}, isolation="inprocess", timings={"run": 1.0},
                        cache={"status": "hit", "key": "cd" * 32}, run_seconds=1.0)
-    collected = SimpleNamespace(table=table, fresh=table.slice(0, 0), replays=None)  # no review
+    collected = SimpleNamespace(table=table, fresh=table.slice(0, 0), replays=None, resumed=0)  # no review
     return pipeline.feed_back(request, None, report, collected)  # type: ignore[arg-type]
 
 

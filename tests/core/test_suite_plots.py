@@ -103,41 +103,20 @@ def test_a_failed_suite_callback_reaches_the_parent_run_and_the_page(tmp_path, m
     report.html nor in the run's copy of suite_report.json) where suite_report.json said two.
     """
     import json
-    import threading
-    from http.server import BaseHTTPRequestHandler, HTTPServer
     from pathlib import Path
 
     from mlflow.tracking import MlflowClient
 
     from evalfleet.models import EvalRequest
     from evalfleet.suite_report import suite_feed_back
+    from tests.callback_receiver import callback_receiver
 
-    posts: list[dict] = []
-
-    class Refusing(BaseHTTPRequestHandler):
-        def do_POST(self) -> None:
-            posts.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
-            self.send_response(500)
-            self.end_headers()
-
-        def log_message(self, *args) -> None:
-            pass
-
-    server = HTTPServer(("127.0.0.1", 0), Refusing)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    port = server.server_address[1]
-    monkeypatch.setenv("EVALFLEET_CALLBACK_SECRET", "k")
-    monkeypatch.setenv("EVALFLEET_ALLOWED_HOSTS", f"127.0.0.1:{port}")
-    monkeypatch.setenv("EVALFLEET_CALLBACK_ATTEMPTS", "1")
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    base = EvalRequest.build(env="CartPole-v1", policy="p.pt", output=tmp_path / "out", mlflow_uri=uri,
-                             callback_url=f"http://127.0.0.1:{port}/cb")
     report = _report().model_copy(update={"alarms": ["aggregate_intervals_unreliable: few episodes"]})
-    try:
+    with callback_receiver(monkeypatch, 500) as (url, posts):
+        base = EvalRequest.build(env="CartPole-v1", policy="p.pt", output=tmp_path / "out",
+                                 mlflow_uri=uri, callback_url=url)
         final = suite_feed_back(report, base)
-    finally:
-        server.shutdown()
-        server.server_close()
 
     assert len(posts) == 1 and posts[0]["alarms"] == ["aggregate_intervals_unreliable: few episodes"]
     assert [a.split(":")[0] for a in final.alarms] == ["aggregate_intervals_unreliable", "output_missing"]
