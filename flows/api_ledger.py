@@ -22,9 +22,11 @@ from __future__ import annotations
 
 import contextvars
 import datetime
+import hashlib
 import json
 import logging
 import os
+import re
 import threading
 import time
 from collections import Counter
@@ -119,6 +121,18 @@ def api_error(err: BaseException) -> bool:
             return True
         seen = seen.__cause__ or seen.__context__
     return False
+
+
+def key_part(text: str) -> str:
+    """``text`` as a part of a Prefect artifact key, which allows lowercase letters, digits, dashes.
+
+    Text that must change to fit (``my_run.1``, ``connect-four[opponent_depth=2]``, or past 48
+    characters) also gets a hash of itself, so two texts (``My-Run``, ``my-run``) never share a key.
+    """
+    slug = re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")[:48]
+    if slug != text:
+        slug = "-".join(filter(None, [slug, hashlib.sha256(text.encode()).hexdigest()[:8]]))
+    return slug
 
 
 @contextmanager

@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import contextvars
 import datetime
-import hashlib
 import logging
 import math
 import os
-import re
 import sys
 import threading
 from collections.abc import Iterator
@@ -23,7 +21,7 @@ from evalfleet.cluster import client_for
 from evalfleet.console import QUIET_ENV
 from evalfleet.models import EvalRequest
 from evalfleet.progress import ProgressTracker, topic
-from flows.api_ledger import best_effort
+from flows.api_ledger import best_effort, key_part
 
 logger = logging.getLogger(__name__)
 
@@ -33,14 +31,10 @@ UPDATE_EVERY_S = 1.0
 def progress_key(request_id: str) -> str:
     """The key of an evaluation's progress artifact: ``progress-<request id>``.
 
-    A key allows lowercase letters, digits and dashes; a request id may also hold capitals,
-    ``.`` and ``_`` (``my_run.1``, refused as a key after the cluster had started). Such an id
-    gets a hash of itself after its slug, so two ids (``My-Run``, ``my-run``) never share a key.
+    A request id may hold capitals, ``.`` and ``_`` (``my_run.1`` was refused as a key after the
+    cluster had started): ``key_part`` makes it fit, hashed when it had to change.
     """
-    slug = re.sub(r"[^a-z0-9-]+", "-", request_id.lower())
-    if slug != request_id:
-        slug = f"{slug}-{hashlib.sha256(request_id.encode()).hexdigest()[:8]}"
-    return f"progress-{slug}"
+    return f"progress-{key_part(request_id)}"
 
 
 @contextmanager

@@ -1,7 +1,5 @@
 """Stage 7: feed back (and its replays, run ahead on a worker)."""
 
-import hashlib
-import re
 from dataclasses import replace
 
 import pyarrow as pa
@@ -17,7 +15,7 @@ from evalfleet.policy import PolicyArtifact
 from evalfleet.review import report_markdown
 from evalfleet.review_replays import ReviewReplays, review_replays
 from evalfleet.summary import summary_rows
-from flows.api_ledger import best_effort
+from flows.api_ledger import best_effort, key_part
 from tasks.run_episodes import release
 
 
@@ -48,10 +46,7 @@ def artifact_key(report: EvalReport) -> str:
     task = report.suite_task
     if task is None:
         return key
-    slug = re.sub(r"[^a-z0-9]+", "-", task.lower()).strip("-")[:48]
-    if slug != task:
-        slug = "-".join(filter(None, [slug, hashlib.sha256(task.encode()).hexdigest()[:8]]))
-    return f"{key}-task-{slug}"  # never a single evaluation's "-report" key
+    return f"{key}-task-{key_part(task)}"  # never a single evaluation's "-report" key
 
 
 @task(name="replay-episodes", cache_policy=NO_CACHE)
