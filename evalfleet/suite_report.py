@@ -428,20 +428,12 @@ def suite_late_alarms_logged(report: SuiteReport, late: list[str],
     suite_report.json), and ``artifacts`` (suite_report.json and report.html, written with
     them) replace its copies. A store gone since is stated in ``outputs['mlflow_alarms_error']``.
     """
-    from mlflow.entities import Metric, RunTag
-
-    from evalfleet.tracking import _bound_http, _log_files, alarm_tag, mlflow_client
+    from evalfleet.tracking import log_late_suite_alarms
 
     run_id = report.outputs["mlflow_run_id"]
     try:
-        _bound_http()
-        client = mlflow_client(report.outputs["mlflow_uri"])
-        run = client.get_run(run_id)
-        timestamp = max(int(time.time() * 1000), int(run.info.start_time) + 1)
-        count = float(len(report.alarms))
-        tags = [RunTag(alarm_tag(name), "true") for name in alarm_names(late, report.request_id)]
-        client.log_batch(run_id, metrics=[Metric("suite/alarm_count", count, timestamp, 0)], tags=tags)
-        _log_files(client, run, list(artifacts))
+        log_late_suite_alarms(report.outputs["mlflow_uri"], run_id, len(report.alarms),
+                              alarm_names(late, report.request_id), list(artifacts))
     except Exception as err:  # the store went away since: logged and stated, never fatal
         logger.error("could not log the late alarms into the suite's MLflow run %s: %s", run_id, err)
         return report.model_copy(update={"outputs": {

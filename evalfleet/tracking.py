@@ -252,18 +252,34 @@ def log_late_alarms(tracking_uri: str, mlflow_run_id: str, report: dict[str, Any
     with them) replace the run's copies, which the run was logged with before. Raises what MLflow
     raises; the caller says so.
     """
+    count = float(len(report.get("alarms") or []))
+    client, timestamp = _log_late(tracking_uri, mlflow_run_id, "eval/alarm_count", count,
+                                  int(report.get("step") or 0), late, artifacts or [])
+    log_into_trainer_run(client, report, {"eval/alarm_count": count}, timestamp)
+
+
+def log_late_suite_alarms(tracking_uri: str, mlflow_run_id: str, count: int, late: list[str],
+                          artifacts: list[Path]) -> None:
+    """``log_late_alarms`` for a suite's parent run: ``suite/alarm_count`` and ``late``'s tags."""
+    _log_late(tracking_uri, mlflow_run_id, "suite/alarm_count", float(count), 0, late, artifacts)
+
+
+def _log_late(tracking_uri: str, run_id: str, metric: str, count: float, step: int,
+              late: list[str], artifacts: list[Path]) -> tuple[Any, int]:
+    """Log ``metric`` again (a later timestamp: its latest value), tag ``late``, replace ``artifacts``.
+
+    Returns the client and the timestamp used.
+    """
     from mlflow.entities import Metric, RunTag
 
     _bound_http()
     client = mlflow_client(tracking_uri)
-    run = client.get_run(mlflow_run_id)
+    run = client.get_run(run_id)
     timestamp = max(int(time.time() * 1000), int(run.info.start_time) + 1)
-    count = float(len(report.get("alarms") or []))
-    client.log_batch(mlflow_run_id,
-                     metrics=[Metric("eval/alarm_count", count, timestamp, int(report.get("step") or 0))],
+    client.log_batch(run_id, metrics=[Metric(metric, count, timestamp, step)],
                      tags=[RunTag(alarm_tag(a), "true") for a in late])
-    _log_files(client, run, artifacts or [])
-    log_into_trainer_run(client, report, {"eval/alarm_count": count}, timestamp)
+    _log_files(client, run, artifacts)
+    return client, timestamp
 
 
 def _run_exists(client: Any, run_id: str) -> bool:
