@@ -58,31 +58,50 @@ class ApiLedger:
     """The Prefect API calls of one evaluation that failed: when, what, why."""
 
     lost: list[tuple[float, str, str]] = field(default_factory=list)
+    #: Of ``lost``, the calls Prefect answered with a refusal (a 4xx, a value its client rejects).
+    refused: set[int] = field(default_factory=set)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def record(self, what: str, err: BaseException) -> None:
         """Note that ``what`` was not recorded by the API because of ``err``."""
-        first = not self.lost
+        down = api_error(err)
         with self._lock:
+            first = not any(i not in self.refused for i in range(len(self.lost)))
+            if not down:
+                self.refused.add(len(self.lost))
             self.lost.append((time.time(), what, f"{type(err).__name__}: {err}"[:300]))
-        if first:  # one line in the log; the report says the rest
+        if down and first:  # one line in the log; the report says the rest
             logger.warning("the Prefect API did not answer (%s: %s); the evaluation goes on and "
                            "its report will say what the UI lacks", type(err).__name__, err)
 
     def summary(self) -> str | None:
         """One line for the report: what was not recorded, and when the API failed."""
         with self._lock:
-            lost = list(self.lost)
-        if not lost:
+            down = [e for i, e in enumerate(self.lost) if i not in self.refused]
+            refused = [e for i, e in enumerate(self.lost) if i in self.refused]
+        parts = []
+        if down:
+            parts.append(f"the Prefect API failed ({down[-1][2]}) at {_when(down)} UTC; not recorded "
+                         f"there: {_items(down)}")
+        if refused:  # it answered: nothing is re-sent later
+            parts.append(f"Prefect refused {_items(refused)} ({refused[-1][2]}) at {_when(refused)} "
+                         "UTC; those are not in the UI")
+        if not parts:
             return None
-        counts = Counter(what for _, what, _ in lost)
-        items = [f"{n} {what}" if n > 1 else what for what, n in counts.items()]
-        first, last = _clock(lost[0][0]), _clock(lost[-1][0])
-        when = first if first == last else f"{first} to {last}"
-        return (f"the Prefect API failed ({lost[-1][2]}) at {when} UTC; not recorded there: "
-                + "; ".join(items) + ". The results (Parquet, cache, report.json, MLflow) are "
-                "complete; task-run states sent meanwhile are re-sent by Prefect when it "
-                "reconnects, those of the last moments may be missing")
+        tail = (". The results (Parquet, cache, report.json, MLflow) are complete"
+                + ("; task-run states sent meanwhile are re-sent by Prefect when it reconnects, "
+                   "those of the last moments may be missing" if down else ""))
+        return "; ".join(parts) + tail
+
+
+def _items(lost: list[tuple[float, str, str]]) -> str:
+    counts = Counter(what for _, what, _ in lost)
+    return "; ".join(f"{n} {what}" if n > 1 else what for what, n in counts.items())
+
+
+def _when(lost: list[tuple[float, str, str]]) -> str:
+    first, last = _clock(lost[0][0]), _clock(lost[-1][0])
+    return first if first == last else f"{first} to {last}"
 
 
 def _clock(t: float) -> str:

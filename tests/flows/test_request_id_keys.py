@@ -40,6 +40,26 @@ def test_a_ui_call_prefect_refuses_is_recorded_and_a_flow_error_is_still_raised(
     assert ledger.lost == [] and isinstance(ledger, ApiLedger)
 
 
+def test_the_report_line_tells_a_refused_call_from_an_api_that_did_not_answer():
+    with api_ledger() as ledger:
+        with best_effort("the progress artifact"):
+            raise ValueError("Artifact key must only contain lowercase letters, numbers, and dashes")
+    line = ledger.summary()
+    assert line is not None and line.startswith("Prefect refused the progress artifact (ValueError: ")
+    assert "API failed" not in line and "reconnects" not in line  # it answered: nothing is re-sent
+
+    with api_ledger() as ledger:
+        for what in ("a task-run state", "a task-run state"):
+            with best_effort(what):
+                raise httpx.ConnectError("connection refused")
+        with best_effort("the summary artifact"):
+            raise ValueError("a value the schema rejects")
+    line = ledger.summary()
+    assert line is not None and line.startswith("the Prefect API failed (ConnectError: connection refused)")
+    assert "not recorded there: 2 a task-run state;" in line and "reconnects" in line
+    assert "Prefect refused the summary artifact (ValueError: a value the schema rejects)" in line
+
+
 @pytest.mark.slow
 def test_a_request_id_with_a_dot_and_an_underscore_completes_with_its_report(prefect_server, tmp_path):
     request = EvalRequest.build(policy=POLICY, episodes=8, concurrency=8, workers=1,
