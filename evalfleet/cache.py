@@ -337,6 +337,11 @@ def _sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
+#: Why a request id's rows have no one execution: two runs under that id stored rows with other settings.
+REUSED_REQUEST_ID = ("unknown: two runs with this request id computed these episodes, each with its own "
+                     "settings (give each evaluation its own request id)")
+
+
 class EpisodeCache:
     """Episodes stored by cache key under ``root``."""
 
@@ -572,7 +577,9 @@ class EpisodeCache:
         old = None
         shards, shard_files, _ = self._read_shards(key, judge=True)
         runs = {} if replace else self.executions(key)
+        earlier = None
         if execution is not None:
+            earlier = runs.get(str(execution["request_id"]))
             runs[str(execution["request_id"])] = execution
         if not replace:
             try:
@@ -582,6 +589,11 @@ class EpisodeCache:
                 old = None
             # episodes persisted by shards (this or an interrupted run), ranked as lookups do
             old, _ = _precedence(old, shards)
+        # A request id used again with other settings: the entry held rows of the earlier run, which
+        # ``table`` carries on (taken from the cache) under the same id as this run's own rows.
+        reused = (earlier is not None and execution is not None and old is not None
+                  and earlier.get("execution") != execution.get("execution")
+                  and bool(pc.any(pc.equal(old.column("request_id"), str(execution["request_id"]))).as_py()))
         if old is not None and old.num_rows:
             new_idx = pa.array(keep.column("episode_index").to_numpy())
             old = old.filter(pc.invert(pc.is_in(old.column("episode_index"), value_set=new_idx)))
@@ -591,6 +603,10 @@ class EpisodeCache:
         # rows are left go.
         present = set(pc.unique(keep.column("request_id")).to_pylist())
         runs = {rid: run for rid, run in runs.items() if rid in present}
+        if reused and execution is not None:
+            rid = str(execution["request_id"])
+            runs[rid] = {"request_id": rid, "computed_at": None, "execution": None,
+                         "unknown": REUSED_REQUEST_ID}
         folder = self.entry(key)
         folder.mkdir(parents=True, exist_ok=True)
         _sweep_tmp(folder)

@@ -779,9 +779,9 @@ def computed_by(manifest: dict[str, Any], request: EvalRequest, received: Receiv
     runs: list[dict[str, Any]] = []
     for rid, n in cached.items():
         run = kept.get(rid)
-        if run is None:
+        if run is None or run.get("execution") is None:
             runs.append({"request_id": rid, "computed_at": None, "episodes": n, "execution": None,
-                         "unknown": EXECUTION_NOT_KEPT})
+                         "unknown": str((run or {}).get("unknown") or EXECUTION_NOT_KEPT)})
         else:
             runs.append({"request_id": rid, "computed_at": run.get("computed_at"), "episodes": n,
                          "execution": run.get("execution")})
@@ -795,7 +795,7 @@ def computed_by(manifest: dict[str, Any], request: EvalRequest, received: Receiv
     elif len(runs) == 1:
         out["execution"] = None
         out["execution_unknown"] = (f"the run that computed these episodes (request "
-                                    f"{runs[0]['request_id']}): {EXECUTION_NOT_KEPT}")
+                                    f"{runs[0]['request_id']}): {runs[0]['unknown']}")
     else:
         out["execution"] = None
         out["execution_unknown"] = (f"{len(runs)} runs computed these episodes, each with its own "

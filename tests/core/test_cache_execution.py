@@ -124,3 +124,26 @@ def test_a_hit_of_an_entry_stored_without_the_runs_settings_says_it_does_not_kno
     assert (run["request_id"], run["episodes"], run["execution"]) == ("computing-run", 20, None)
     assert run["unknown"].startswith("not kept")
     assert mlflow_params(hit_request, hit)["concurrency"] is None  # never this request's 4
+
+
+def test_a_request_id_used_again_with_other_settings_does_not_claim_the_first_runs_episodes(tmp_path):
+    """Before, the second run's record replaced the first's under their one request id: a later hit
+    over both runs' episodes stated concurrency 4 on 2 workers for 20 episodes that ran with 10 on 1."""
+    _evaluate(_request(tmp_path, "delivery-7", 20, workers=1, concurrency=10))
+    top = _evaluate(_request(tmp_path, "delivery-7", 30, workers=2, concurrency=4))
+    assert top.cache["status"] == "partial"
+    hit = _evaluate(_request(tmp_path, "hit-run", 30, workers=3, concurrency=7))
+    assert hit.cache["status"] == "hit" and hit.manifest["execution"] is None
+    [run] = hit.manifest["computed_by"]
+    assert (run["request_id"], run["episodes"], run["execution"]) == ("delivery-7", 30, None)
+    assert run["unknown"].startswith("unknown: two runs with this request id computed these episodes")
+    assert hit.manifest["execution_unknown"].startswith(
+        "the run that computed these episodes (request delivery-7): unknown: two runs")
+    assert mlflow_params(_request(tmp_path, "hit-run", 30, 3, 7), hit)["concurrency"] is None
+
+    # The same id again with the same settings is one run's settings, as stored.
+    again = tmp_path / "again"
+    _evaluate(_request(again, "delivery-8", 20, workers=1, concurrency=10))
+    _evaluate(_request(again, "delivery-8", 30, workers=1, concurrency=10))
+    same = _evaluate(_request(again, "hit-run", 30, workers=3, concurrency=7))
+    assert (same.manifest["execution"]["concurrency"], same.manifest["execution"]["workers"]) == (10, 1)
