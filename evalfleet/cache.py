@@ -151,6 +151,11 @@ def env_environment(isolation: str, granted: Iterable[str],
             "write": sorted({os.path.normpath(path) for path in write})}
 
 
+def environment_digest(environment: dict[str, Any]) -> str:
+    """16 hex digits of sha256 over ``env_environment``'s value: the history's protocol has it."""
+    return cache_key(environment)[:16]
+
+
 def cache_key(ingredients: dict[str, Any]) -> str:
     """sha256 (hex) over the canonical JSON of ``ingredients``."""
     blob = json.dumps(ingredients, sort_keys=True, separators=(",", ":"), default=str).encode()

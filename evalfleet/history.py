@@ -2,8 +2,9 @@
 
 Every evaluation with a ``training_run_id`` and a ``step`` is an MLflow run tagged with both
 (``evalfleet.tracking``), with the cache key of its episodes and a protocol id (env spec, seed,
-step cap, deterministic flag): evaluations with the same protocol ran on the same seeds. Read
-back with MLflow's client (``checkpoints``), they give:
+step cap, deterministic flag, and what the env sees of the environment: the cache key's
+``environment`` ingredient): evaluations with the same protocol ran on the same seeds under the
+same env inputs. Read back with MLflow's client (``checkpoints``), they give:
 
 - **The verdict** of a new evaluation against the *best earlier checkpoint* of the run (the
   latest earlier one whose own verdict made it best, ``first`` or ``new_best``): both policies'
@@ -140,17 +141,30 @@ class HistoryError(EvalfleetError):
     """The history of a training run cannot be read (bad run id, unreachable store)."""
 
 
-def protocol_id(env_spec_hash: str, seed: int, max_steps: int | None, deterministic: bool) -> str:
-    """What makes two evaluations' episodes pairable: same env spec, seeds and step cap."""
-    blob = f"{env_spec_hash}|{seed}|{max_steps}|{deterministic}".encode()
-    return hashlib.sha256(blob).hexdigest()[:16]
+def protocol_id(env_spec_hash: str, seed: int, max_steps: int | None, deterministic: bool,
+                environment: str | None = None) -> str:
+    """What makes two evaluations' episodes pairable: same env spec, seeds, step cap and env inputs.
+
+    ``environment``: the digest of what the env sees of the process environment
+    (``cache.environment_digest``: the ``--sandbox-env`` grants by value hash, the
+    ``--sandbox-read`` contents, the isolation class). Without it a worse checkpoint run with
+    ``HUNT_GAIN=3`` granted was paired with one run at 1, became ``new_best`` and passed ``--gate``.
+    None for a report written before the manifest recorded it: its id is the one it was tagged
+    with then, which no report recording it has (the history calls that a changed protocol).
+    """
+    blob = f"{env_spec_hash}|{seed}|{max_steps}|{deterministic}"
+    if environment is not None:
+        blob += f"|{environment}"
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
 def report_protocol(report: dict[str, Any]) -> str:
     """``protocol_id`` of a report (as JSON): its env spec hash and manifest protocol."""
     proto = (report.get("manifest") or {}).get("protocol") or {}
+    environment = proto.get("environment_sha256")
     return protocol_id(str(report.get("env_spec_hash")), int(proto.get("seed", 0)),
-                       proto.get("max_steps"), bool(proto.get("deterministic", True)))
+                       proto.get("max_steps"), bool(proto.get("deterministic", True)),
+                       None if environment is None else str(environment))
 
 
 @dataclass(frozen=True)
@@ -754,7 +768,9 @@ def assess(
                     compared_with=None, comparison=None, alarms=[], other_protocol_steps=before,
                     note=(f"{len(before)} earlier checkpoints of this training run (steps "
                           f"{_steps(before)}) were evaluated under another protocol (env code or "
-                          "spec, seed, step cap or determinism): this one is not compared with them"))
+                          "spec, seed, step cap, determinism, or what the env sees of the "
+                          "environment: isolation, --sandbox-env values, --sandbox-read "
+                          "contents): this one is not compared with them"))
     if not earlier:
         return dict(out, verdict="first", best_step=None if later else step,
                     best_policy_sha256=None if later else policy_sha256,

@@ -676,6 +676,7 @@ def summarize(
                "resumed": collected.resumed},
         run_seconds=collected.run_seconds,
         ran=collected.fresh,  # run_seconds timed these rows only
+        environment=received.cache_ingredients.get("environment"),
     )
     alarms = list(report.alarms) + reward_integrity(collected.table)
     audit = determinism_audit(collected.table, collected.audit_rows) if request.audit else None

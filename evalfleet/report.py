@@ -12,6 +12,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from evalfleet import stats
+from evalfleet.cache import environment_digest
 from evalfleet.models import FAILURE_ALARM_RATE, EndReason, EvalReport, EvalRequest
 from evalfleet.sandbox.isolation import isolation_manifest
 from evalfleet.sandbox.limits import sandbox_limits
@@ -147,11 +148,14 @@ def aggregate(
     cache: dict[str, Any],
     run_seconds: float,
     ran: pa.Table | None = None,
+    environment: dict[str, Any] | None = None,
 ) -> EvalReport:
     """Statistics, failure accounting, alarms and the reproducibility manifest.
 
     ``ran``: the rows that ran within ``run_seconds`` (``Collected.fresh``; None: all of
     ``table``); throughput is theirs, and None when none ran (a full cache hit).
+    ``environment``: the cache key's ``environment`` ingredient (``cache.env_environment``); its
+    digest is the manifest protocol's ``environment_sha256``, part of the history's protocol.
 
     Every headline figure (mean, var/std/stderr, CI, IQM, percentiles, min/max, episode lengths,
     success rate) is computed over the *scored* episodes of ``evalfleet.scoring``: completed ones
@@ -267,6 +271,9 @@ def aggregate(
             "step_timeout_s": request.step_timeout_s,
             "policy_timeout_s": request.policy_timeout_s,
             "bootstrap": {"resamples": 2000, "seed": request.seed},
+            # What the env saw (isolation class, --sandbox-env values, --sandbox-read contents),
+            # as the cache key has it: the history pairs only evaluations under the same.
+            **({} if environment is None else {"environment_sha256": environment_digest(environment)}),
         },
         "execution": execution_manifest(request, isolation),
     }

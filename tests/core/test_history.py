@@ -77,15 +77,19 @@ def _table(policy_name: str, seed: int = 0):
 
 def evaluate_checkpoint(tmp: Path, policy_name: str, step: int, *, seed: int = 0,
                         outcome_metric: str | None = None, run: str, table=None,
-                        uri: str | None = None, request_id: str | None = None) -> EvalReport:
+                        uri: str | None = None, request_id: str | None = None,
+                        environment: dict | None = None) -> EvalReport:
     """Stage 6 and 7 of one evaluation of ``policy_name`` (or ``table``) at ``step``, on the real
     stores. ``uri``: the MLflow store, logged to as stage 7 does (queued when it does not answer);
     by default ``tmp``'s SQLite store, logged to directly. ``request_id``: another evaluation of
-    the same weights and step (by default the request id is made of them)."""
+    the same weights and step (by default the request id is made of them). ``environment``: the
+    cache key's ``environment`` ingredient, as stage 6 passes it (None: a report of an evalfleet
+    that did not record it)."""
     table = _table(policy_name, seed) if table is None else table
     request = checkpoint_request(tmp, policy_name, step, seed=seed, outcome_metric=outcome_metric,
                                  run=run, episodes=table.num_rows, uri=uri, request_id=request_id)
-    return log_checkpoint(tmp, request, judge_checkpoint(tmp, request, policy_name, table), table)
+    return log_checkpoint(tmp, request, judge_checkpoint(tmp, request, policy_name, table,
+                                                         environment=environment), table)
 
 
 def checkpoint_request(tmp: Path, policy_name: str, step: int, *, seed: int = 0,
@@ -99,15 +103,18 @@ def checkpoint_request(tmp: Path, policy_name: str, step: int, *, seed: int = 0,
                        mlflow_uri=uri)
 
 
-def judge_checkpoint(tmp: Path, request: EvalRequest, policy_name: str, table) -> EvalReport:
+def judge_checkpoint(tmp: Path, request: EvalRequest, policy_name: str, table,
+                     environment: dict | None = None) -> EvalReport:
     """``evaluate_checkpoint``'s stage 6 and history read (the verdict), nothing logged yet."""
     step, seed, run = request.step, request.seed, request.training_run_id
     sha = f"{policy_name}-{step}".encode().hex().ljust(64, "0")[:64]  # same weights, same hash
-    key = hashlib.sha256(f"{run}/{policy_name}/{step}/{seed}".encode()).hexdigest()
+    where = "" if environment is None else "/" + json.dumps(environment, sort_keys=True)
+    key = hashlib.sha256(f"{run}/{policy_name}/{step}/{seed}{where}".encode()).hexdigest()
     EpisodeCache(tmp / "cache").store(key, table, {"policy": {"sha256": sha}})
+    extra = {} if environment is None else {"environment": environment}
     report = aggregate(request, table, env_spec={"env_id": courier.ENV_ID}, env_spec_hash="spec",
                        policy={"sha256": sha}, isolation="inprocess", timings={"run": 1.0},
-                       cache={"status": "miss", "key": key}, run_seconds=1.0)
+                       cache={"status": "miss", "key": key}, run_seconds=1.0, **extra)
     return with_history(request, report, table)
 
 
@@ -239,6 +246,80 @@ def test_other_seeds_are_another_protocol_never_paired_nor_passed_as_first(store
     after = evaluate_checkpoint(store, "careful", 30, seed=1, run="seeds")
     assert after.verdict == "new_best" and after.history["compared_with"]["step"] == 20
     assert "no best checkpoint under this protocol" in summary_text(other)
+
+
+def _gain(table, gain: float):
+    """``table`` as an env reading its reward scale from a variable (``HUNT_GAIN``) returns it."""
+    import pyarrow as pa
+
+    scaled = pa.array([r * gain for r in table.column("return").to_pylist()], pa.float64())
+    return table.set_column(table.schema.get_field_index("return"), "return", scaled)
+
+
+@pytest.mark.parametrize("change", ["granted_value", "isolation", "read_contents"])
+def test_other_env_inputs_are_another_protocol_never_a_new_best_nor_passed(store, tmp_path, change):
+    """Planted (audit finding: history protocol): the protocol id was env spec, seed, step cap and
+    determinism only. Step 2, a worse policy run where its env saw ``HUNT_GAIN=3`` (granted by
+    ``--sandbox-env``, inherited in-process, or read from a ``--sandbox-read`` folder), was paired
+    with step 1 (gain 1): ``new_best`` +16.55, tagged best, ``--gate`` exit 0; step 3, step 1's
+    policy again, was then a ``regression`` (exit 4). The env's inputs (the cache key's
+    ``environment`` ingredient) are now part of the protocol."""
+    from evalfleet.cache import env_environment
+    from evalfleet.history import report_protocol
+
+    data = tmp_path / "calib"
+    data.mkdir()
+    (data / "gain.txt").write_text("1")
+    one = {"granted_value": env_environment("process", ["HUNT_GAIN"], {"HUNT_GAIN": "1"}),
+           "isolation": env_environment("process", [], {"HUNT_GAIN": "3"}),
+           "read_contents": env_environment("process", [], {}, read=[str(data)])}[change]
+    (data / "gain.txt").write_text("3")
+    three = {"granted_value": env_environment("process", ["HUNT_GAIN"], {"HUNT_GAIN": "3"}),
+             "isolation": env_environment("inprocess", [], {"HUNT_GAIN": "3"}),
+             "read_contents": env_environment("process", [], {}, read=[str(data)])}[change]
+    assert one != three
+    run = f"env-inputs-{change}"
+    first = evaluate_checkpoint(store, "careful", 1, run=run, environment=one)
+    assert first.verdict == "first"
+    worse = _gain(_table("careless"), 3.0)
+    assert np.mean(worse.column("return").to_pylist()) > first.mean  # by return, the "best"
+    step2 = evaluate_checkpoint(store, "careless", 2, run=run, table=worse, environment=three)
+    assert step2.verdict == "protocol_changed", step2.history
+    assert step2.history["best_step"] is None and step2.history["other_protocol_steps"] == [1]
+    assert "what the env sees of the environment" in step2.history["note"]
+    assert gate(step2) == EXIT_GATE_UNDECIDED
+    assert step2.manifest["protocol"]["environment_sha256"] != first.manifest["protocol"][
+        "environment_sha256"]
+    assert report_protocol(step2.model_dump(mode="json")) != report_protocol(first.model_dump(mode="json"))
+    # Step 3, step 1's policy under step 1's inputs, is compared with step 1, not step 2.
+    step3 = evaluate_checkpoint(store, "careful", 3, run=run, environment=one)
+    assert step3.verdict == "not_distinguishable" and step3.history["compared_with"]["step"] == 1
+    assert step3.history["comparison"]["mean_diff"] == 0.0 and gate(step3) == EXIT_OK
+    runs = {c.step: c for c in checkpoints(f"sqlite:///{store / 'mlflow.db'}", run)}
+    assert (runs[2].verdict, runs[2].best) == ("protocol_changed", False)
+
+
+def test_a_checkpoint_logged_before_the_protocol_had_the_env_inputs_is_another_protocol(store):
+    """A row an older evalfleet logged has no ``environment_sha256`` in its report: its protocol
+    tag is the id it was given then, and re-reading its report.json gives the same id (no
+    crash, no error). Under which env inputs it ran is unknown, so the next checkpoint that
+    records them is ``protocol_changed`` (gate exit 6, once), never paired with it: pairing on
+    an unknown would let the hole through at the upgrade. The checkpoint after it is compared."""
+    from evalfleet.cache import env_environment
+    from evalfleet.history import protocol_id, report_protocol
+
+    old = evaluate_checkpoint(store, "careful", 1, run="before-env-inputs")  # no environment
+    assert "environment_sha256" not in old.manifest["protocol"]
+    saved = json.loads(old.model_dump_json())
+    assert report_protocol(saved) == protocol_id("spec", 0, None, True)  # the id it was tagged with
+    [row] = checkpoints(f"sqlite:///{store / 'mlflow.db'}", "before-env-inputs")
+    assert (row.protocol, row.verdict, row.best) == (report_protocol(saved), "first", True)
+    inputs = env_environment("inprocess", [], {})
+    new = evaluate_checkpoint(store, "careless", 2, run="before-env-inputs", environment=inputs)
+    assert new.verdict == "protocol_changed" and new.history["other_protocol_steps"] == [1]
+    assert gate(new) == EXIT_GATE_UNDECIDED
+    after = evaluate_checkpoint(store, "careful", 3, run="before-env-inputs", environment=inputs)
+    assert after.verdict == "new_best" and after.history["compared_with"]["step"] == 2
 
 
 def test_earlier_episodes_come_from_mlflow_when_the_cache_lost_them(store):

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from mlflow.tracking import MlflowClient
 
-from evalfleet.cli import EXIT_OK, EXIT_REGRESSION, run_cli
+from evalfleet.cli import EXIT_GATE_UNDECIDED, EXIT_OK, EXIT_REGRESSION, run_cli
 from evalfleet.models import EvalRequest
 from flows.eval import evaluate
 from tests.core.courier import ENV_ID
@@ -126,3 +126,34 @@ def test_one_step_cap_spelled_three_ways_is_one_cache_entry_and_one_protocol(
     assert len({r["returns"]["mean"] for r in reports}) == 1
     assert reports[0]["lengths"]["max"] == cap  # the cap shapes these episodes
     assert not any(a.startswith("history_protocol_changed") for r in reports for a in r["alarms"])
+
+
+def test_a_checkpoint_run_under_other_env_inputs_is_protocol_changed_and_gates_closed(
+    prefect_server, tmp_path, monkeypatch
+):
+    """Planted (audit finding: history protocol): one policy, three checkpoints; step 2's env was
+    granted ``EVALFLEET_TEST_GAIN=3`` (``--sandbox-env``), steps 1 and 3 were granted 1. The
+    cache keyed them apart, but the history's protocol id left the env's inputs out: step 2 was
+    paired with step 1 and passed ``--gate`` (exit 0; the audit's env read the gain: a worse policy
+    became ``new_best``), and step 3 was compared with step 2. Now step 2 is ``protocol_changed``
+    (exit 6) and step 3 is compared with step 1."""
+    out = tmp_path / "out"
+
+    def step(n: int, gain: str) -> int:
+        monkeypatch.setenv("EVALFLEET_TEST_GAIN", gain)
+        return run_cli(evaluate, [*_args(tmp_path, "careful", n), "--isolation", "process",
+                                  "--sandbox-env", "EVALFLEET_TEST_GAIN", "--training-run-id", "gain-run"])
+
+    assert step(1, "1") == EXIT_OK
+    assert step(2, "3") == EXIT_GATE_UNDECIDED
+    assert step(3, "1") == EXIT_OK
+    reports = sorted((json.loads(p.read_text()) for p in out.glob("runs/*/report.json")),
+                     key=lambda r: r["step"])
+    assert [r["history"]["verdict"] for r in reports] == ["first", "protocol_changed",
+                                                         "not_distinguishable"]
+    assert reports[2]["history"]["compared_with"]["step"] == 1
+    digests = [r["manifest"]["protocol"]["environment_sha256"] for r in reports]
+    assert digests[0] == digests[2] != digests[1]
+    assert reports[0]["history"]["protocol"] == reports[2]["history"]["protocol"] != reports[1][
+        "history"]["protocol"]
+    assert any(a.startswith("history_protocol_changed") for a in reports[1]["alarms"])
