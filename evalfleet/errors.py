@@ -12,7 +12,8 @@ Hierarchy::
     ├── CacheCorruptError     a stored cache entry failed verification
     ├── CacheLockTimeout      a cache key stayed locked by another evaluation for too long
     ├── ServerError           the shared local Prefect server could not be started or stopped
-    └── ClusterLost           the Dask scheduler went away during the run stage
+    ├── ClusterLost           the Dask scheduler went away during the run stage
+    └── BaselineUnavailable   the baseline's episodes, found at stage 1, could not be had after the run
 
     Stopped (a BaseException, like KeyboardInterrupt: no ``except Exception`` swallows it)
                               the process was asked to stop (SIGTERM) while it worked or waited
@@ -88,6 +89,15 @@ class Stopped(BaseException):
 
         self.signum = signum
         super().__init__(f"stopped by {signal.Signals(signum).name}")
+
+
+class BaselineUnavailable(EvalfleetError):
+    """The baseline's episodes could not be had once the evaluation had run.
+
+    Stage 1 found them (``pipeline.check_hash_baseline``, the baseline's own stage 1); what
+    changed meanwhile (the cache, the baseline's file) is no fault of the request, and the
+    evaluated policy's episodes ran: not ``RequestError``'s "nothing was spawned".
+    """
 
 
 class StaleWorkerCode(EvalfleetError):

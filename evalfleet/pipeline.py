@@ -54,7 +54,7 @@ from evalfleet.claims import (
     wait_s,
 )
 from evalfleet.envspec import named_files, named_paths, resolve_env_for, resolved_here
-from evalfleet.errors import RequestError, StaleWorkerCode
+from evalfleet.errors import BaselineUnavailable, IsolationUnavailable, RequestError, StaleWorkerCode
 from evalfleet.mlflow_logger import log_or_queue
 from evalfleet.models import (
     INPUTS_CHANGED,
@@ -1435,20 +1435,62 @@ def shard_persister(request: EvalRequest, received: Received, planned: Planned
     return lambda position, table: persist_shard(request, received, planned.shards[position], table)
 
 
+def names_own_hash(request: EvalRequest, received: Received) -> bool:
+    """True when the baseline is 'sha256:HEX' with HEX a prefix of the evaluated policy's hash."""
+    ref = request.baseline
+    return bool(ref and ref.startswith("sha256:")
+                and received.artifact.sha256.startswith(ref.removeprefix("sha256:").lower()))
+
+
 def same_policy(request: EvalRequest, received: Received) -> bool:
-    """True when the baseline is the evaluated policy under the same key (same episodes)."""
+    """True when the baseline is the evaluated policy under the same key (same episodes).
+
+    A 'sha256:' baseline naming the evaluated policy's own hash is itself only when every
+    cached evaluation of that hash under this protocol has this evaluation's cache key: the hash
+    of a callable covers its module only, and a helper module it imports (a factory's network)
+    is keyed apart. Taken for itself, a cached evaluation with other imported code (CartPole
+    500) read as a difference of exactly 0 from a policy scoring 9.6. Such a baseline is refused.
+    """
     ref = request.baseline
     if ref is None:
         return False
     if ref.startswith("sha256:"):
-        if not received.artifact.sha256.startswith(ref.removeprefix("sha256:").lower()):
+        if not names_own_hash(request, received):
             return False
+        own = received.artifact.sha256
+        found = _hash_entries(request, received)
+        other = [key for key in found.get(own, []) if key != received.cache_key]
+        if other:
+            raise RequestError(_not_itself(request, received, other))
         # Another cached policy under this protocol with the prefix: the baseline may be that one.
-        _one_hash_match(request, received, also=received.artifact.sha256)
+        _one_hash_match(request, received, also=own, found=found)
         return True
     if (ref, request.baseline_factory) == (request.policy, request.policy_factory):
         return True
     return receive(baseline_request(request, request.episodes)).cache_key == received.cache_key
+
+
+def _not_itself(request: EvalRequest, received: Received, keys: list[str]) -> str:
+    """``same_policy``'s refusal: the evaluated policy's hash is cached under another key."""
+    cache = episode_cache(request)
+    mine = (received.cache_ingredients.get("policy") or {}).get("code") or {}
+    modules: set[str] = set()
+    for key in keys:
+        theirs = ((cache.ingredients(key) or {}).get("policy") or {}).get("code") or {}
+        modules |= {m for m in set(mine) | set(theirs) if mine.get(m) != theirs.get(m)}
+    what = (f"the code of {', '.join(repr(m) for m in sorted(modules))} differs"
+            if modules else "the code it imports differs")
+    n = len(keys)
+    return (
+        f"baseline {request.baseline!r} names the evaluated policy's own hash "
+        f"({received.artifact.sha256[:16]}), but the cache holds {n} evaluation{'s' if n > 1 else ''} "
+        f"of that hash under this protocol with another cache key ({', '.join(k[:12] for k in keys)}; "
+        f"this evaluation's is {received.cache_key[:12]}): {what}, so "
+        f"{'they are' if n > 1 else 'it is'} not this policy, and reading the baseline as this "
+        "evaluation itself would report a difference of exactly 0. To compare with that "
+        "evaluation, pass the baseline policy with the code it had (file or module:function, "
+        "--baseline-factory) to run it on the same seeds; to evaluate the policy alone, drop "
+        "--baseline. 'evalfleet cache ls' lists the cached entries.")
 
 
 def scrubbed(report: EvalReport) -> EvalReport:
@@ -1496,6 +1538,25 @@ def check_hash_baseline(request: EvalRequest, received: Received) -> None:
         cached_baseline(request, received, request.max_episodes or request.episodes)
 
 
+@contextmanager
+def baseline_after_run() -> Iterator[None]:
+    """Finding the baseline's episodes once the evaluation ran: no error says nothing was spawned.
+
+    Stage 1 found them (``check_hash_baseline``, the baseline's own stage 1); a ``RequestError``
+    now (a cache entry of the hash removed or added meanwhile, the baseline's file edited) exited 2,
+    "bad request, nothing was spawned", after every episode ran, with no report. It is
+    ``BaselineUnavailable`` (exit 7), saying that the evaluation ran and what to do.
+    """
+    try:
+        yield
+    except (RequestError, IsolationUnavailable) as err:
+        raise BaselineUnavailable(
+            f"the evaluation ran, but its baseline's episodes could not be had afterwards: {err} "
+            "Stage 1 had found them: what they come from changed while the evaluation ran. This "
+            "evaluation's episodes are in the cache (unless --no-cache): run it again to compare "
+            "with the baseline as it is now.") from err
+
+
 def cached_baseline(request: EvalRequest, received: Received, episodes: int) -> tuple[pa.Table, str]:
     """Episodes of a baseline given as 'sha256:HEX', found in the cache under the same protocol.
 
@@ -1533,15 +1594,9 @@ def cached_baseline(request: EvalRequest, received: Received, episodes: int) -> 
     )
 
 
-def _one_hash_match(request: EvalRequest, received: Received, also: str | None = None
-                    ) -> dict[str, str]:
-    """The cached policies a 'sha256:' baseline names under this protocol: sha256 -> entry key.
-
-    ``also``: a policy the prefix names besides the cached ones (the evaluated policy). More
-    than one in all is refused: which one the baseline meant is the user's to say.
-    """
-    ref = str(request.baseline)
-    prefix = ref[len("sha256:"):].lower()
+def _hash_entries(request: EvalRequest, received: Received) -> dict[str, list[str]]:
+    """The cached entries a 'sha256:' baseline's prefix names under this protocol: sha256 -> keys."""
+    prefix = str(request.baseline)[len("sha256:"):].lower()
     cache = episode_cache(request)
     mine = {k: v for k, v in received.cache_ingredients.items() if k != "policy"}
     keys: dict[str, list[str]] = {}  # policy sha256 -> its entries' keys, under this protocol
@@ -1550,16 +1605,29 @@ def _one_hash_match(request: EvalRequest, received: Received, also: str | None =
         ing = cache.ingredients(str(entry["key"])) if sha.startswith(prefix) else None
         if ing is not None and {k: v for k, v in ing.items() if k != "policy"} == mine:
             keys.setdefault(sha, []).append(str(entry["key"]))
-    for sha, found in keys.items():
+    return keys
+
+
+def _one_hash_match(request: EvalRequest, received: Received, also: str | None = None,
+                    found: dict[str, list[str]] | None = None) -> dict[str, str]:
+    """The cached policies a 'sha256:' baseline names under this protocol: sha256 -> entry key.
+
+    ``also``: a policy the prefix names besides the cached ones (the evaluated policy). More
+    than one in all is refused: which one the baseline meant is the user's to say. ``found``:
+    ``_hash_entries`` read already.
+    """
+    ref = str(request.baseline)
+    keys = _hash_entries(request, received) if found is None else found
+    for sha, entries in keys.items():
         # One hash, several entries: the policy's file is the same, the code it imports was not
         # (a callable's helper module, a factory's). Which episodes were meant is not known.
-        if len(found) > 1:
+        if len(entries) > 1:
             raise RequestError(
-                f"baseline {ref!r}: the cache holds {len(found)} evaluations of policy "
+                f"baseline {ref!r}: the cache holds {len(entries)} evaluations of policy "
                 f"{sha[:16]} under this protocol, run with different versions of the code it "
                 "imports; a hash cannot say which one is meant. Pass the baseline policy itself "
                 "(file or module:function) to evaluate it as its code is now.")
-    matches = {sha: found[0] for sha, found in keys.items()}
+    matches = {sha: entries[0] for sha, entries in keys.items()}
     named = sorted(set(matches) | ({also} if also else set()))
     if len(named) > 1:
         raise RequestError(
@@ -1614,6 +1682,8 @@ __all__ = [
     "outcome_table",
     "plan",
     "receive",
+    "baseline_after_run",
+    "names_own_hash",
     "same_policy",
     "spawn",
     "store_in_cache",

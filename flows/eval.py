@@ -14,11 +14,13 @@ from evalfleet.models import EvalReport, EvalRequest
 from evalfleet.pipeline import (
     Collected,
     Received,
+    baseline_after_run,
     baseline_request,
     cached_baseline,
     check_hash_baseline,
     history_claim,
     key_held,
+    names_own_hash,
     receive_baseline,
     received_before_flow,
     same_policy,
@@ -89,19 +91,28 @@ def gpu(received: Received) -> dict[str, int]:
 def baseline_episodes(
     request: EvalRequest, received: Received, collected: Collected | None, address: str | None
 ) -> tuple[pa.Table, str] | None:
-    """The baseline's episodes on the same seeds: from the cache by hash, or a nested evaluation."""
+    """The baseline's episodes on the same seeds: from the cache by hash, or a nested evaluation.
+
+    The evaluation ran: an error here is ``BaselineUnavailable`` (exit 7), never a refused request.
+    """
     if request.baseline is None or collected is None:
         return None
     episodes = collected.table.num_rows
-    if same_policy(request, received):  # the same key: its episodes are these, nothing to wait for
-        return collected.table, request.baseline
-    if request.baseline.startswith("sha256:"):
-        return cached_baseline(request, received, episodes)
-    flow_run = eval_flow.with_options(task_runner=task_runner(address))
-    with tags(driver_tag()):
-        report = run_recorded(lambda: flow_run(baseline_request(request, episodes), address),
-                              "the baseline's flow run")
-    return read_episodes(report.outputs["episodes"]), request.baseline
+    with baseline_after_run():
+        if request.baseline.startswith("sha256:"):
+            # Stage 1 (check_hash_baseline) decided: its own hash is itself only where the cache
+            # held no other key of that hash. Not read again: an entry of the hash another run
+            # stored meanwhile would fail an evaluation whose episodes all ran.
+            if names_own_hash(request, received):
+                return collected.table, request.baseline
+            return cached_baseline(request, received, episodes)
+        if same_policy(request, received):  # the same key: its episodes are these, nothing to wait for
+            return collected.table, request.baseline
+        flow_run = eval_flow.with_options(task_runner=task_runner(address))
+        with tags(driver_tag()):
+            report = run_recorded(lambda: flow_run(baseline_request(request, episodes), address),
+                                  "the baseline's flow run")
+        return read_episodes(report.outputs["episodes"]), request.baseline
 
 
 def evaluate(request: EvalRequest) -> EvalReport:

@@ -687,6 +687,51 @@ def test_a_sha256_baseline_that_also_names_the_evaluated_policy_is_refused(store
     assert not same_policy(other, received)  # type: ignore[arg-type]
 
 
+def test_a_sha256_baseline_of_its_own_hash_cached_with_other_imported_code_is_refused_at_stage_1(
+        tmp_path):
+    """Planted (audit finding: sha256 self-baseline): a callable's hash is its module's source; the
+    helper module it imports (``THRESH``) is keyed apart. The cache held that hash's evaluation with
+    ``THRESH = 0.0`` (CartPole 500); with ``THRESH = 5.0`` the baseline ``sha256:`` of its own hash
+    was taken for itself: a difference of exactly 0 against a policy scoring 9.6, exit 0. It is
+    itself only when every cached entry of the hash under this protocol has its cache key."""
+    from types import SimpleNamespace
+
+    from evalfleet.errors import RequestError
+    from evalfleet.pipeline import check_hash_baseline, same_policy
+
+    ing = {"env": {"x": 1}, "protocol": {"seed": 0}}
+    sha = "5d" * 32
+    before = {"sha256": sha, "code": {"huntcall": "source-sha256:aa", "huntcfg": "source-sha256:00"}}
+    now = dict(before, code={"huntcall": "source-sha256:aa", "huntcfg": "source-sha256:50"})
+    old_key, new_key = (hashlib.sha256(json.dumps(p, sort_keys=True).encode()).hexdigest()
+                        for p in (before, now))
+    cache = EpisodeCache(tmp_path / "cache")
+    cache.store(old_key, _broken_on(range(0), name=sha), dict(ing, policy=before))
+    received = SimpleNamespace(cache_ingredients=dict(ing, policy=now), cache_key=new_key,
+                               artifact=SimpleNamespace(sha256=sha))
+    request = EvalRequest(env=courier.ENV_ID, policy="huntcall:act", baseline="sha256:" + sha[:16],
+                          cache_dir=tmp_path / "cache", output=tmp_path, episodes=30)
+    for check in (same_policy, check_hash_baseline):
+        with pytest.raises(RequestError) as err:
+            check(request, received)  # type: ignore[arg-type]
+        text = str(err.value)
+        assert text.startswith(
+            f"baseline 'sha256:{sha[:16]}' names the evaluated policy's own hash ({sha[:16]}), but "
+            f"the cache holds 1 evaluation of that hash under this protocol with another cache key "
+            f"({old_key[:12]}; this evaluation's is {new_key[:12]}): the code of 'huntcfg' differs")
+        assert "difference of exactly 0" in text and "drop --baseline" in text
+    # The entry of its own key (the same code, evaluated before): itself, its episodes reused.
+    cache.remove(old_key)
+    cache.store(new_key, _broken_on(range(0), name=sha), dict(ing, policy=now))
+    assert same_policy(request, received)  # type: ignore[arg-type]
+    check_hash_baseline(request, received)  # type: ignore[arg-type]
+    # Both: one of them is not this policy, whichever the prefix was meant for.
+    cache.store(old_key, _broken_on(range(0), name=sha), dict(ing, policy=before))
+    with pytest.raises(RequestError, match=r"holds 1 evaluation of that hash under this protocol "
+                       rf"with another cache key \({old_key[:12]};"):
+        same_policy(request, received)  # type: ignore[arg-type]
+
+
 def test_earlier_checkpoints_that_were_all_harness_faults_give_no_pass(store, capsys):
     """Step 10's evaluation lost 3 of 40 episodes to the harness (a harness fault) but its 37
     scored ones beat step 20 on every seed. Step 20 was the run's 'first' checkpoint, and the
