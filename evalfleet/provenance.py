@@ -214,6 +214,44 @@ def _install_folders() -> frozenset[str]:
     return frozenset(os.path.realpath(p) for p in found if p)
 
 
+@cache
+def _stdlib_folders() -> tuple[str, ...]:
+    """The standard library's folders of this interpreter, resolved (its zip archive included)."""
+    paths = sysconfig.get_paths()
+    found = {paths.get("stdlib"), paths.get("platstdlib"),
+             os.path.join(sys.base_prefix, "lib", f"python{sys.version_info[0]}{sys.version_info[1]}.zip")}
+    return tuple(sorted(os.path.realpath(p) for p in found if p))
+
+
+def in_stdlib(top: str) -> bool:
+    """True when top-level module ``top`` is the standard library's, as it is found here.
+
+    A stdlib name is not enough: a user's ``wave.py`` or ``calendar.py`` on ``sys.path`` ahead of
+    the standard library runs in its place, and, left out by its name, it was never keyed (an edit
+    of it was a full cache hit on the old episodes). So a stdlib name counts only when it is found
+    built in, frozen, or in the standard library's folders (not a site-packages within them); one
+    found nowhere (``winreg`` on Linux, imported under a ``try``) has nothing to key either.
+    """
+    if top not in sys.stdlib_module_names:
+        return False
+    try:
+        spec = importlib.util.find_spec(top)  # a top-level name: imports nothing
+    except (ImportError, ValueError):
+        return True
+    if spec is None or spec.origin in ("built-in", "frozen"):
+        return True
+    where = [w for w in [*(spec.submodule_search_locations or []), spec.origin] if w]
+    if not where:
+        return True
+    for location in where:
+        real = os.path.realpath(location)
+        parts = set(Path(real).parts)
+        if "site-packages" in parts or "dist-packages" in parts or not any(
+                real.startswith(folder + os.sep) for folder in _stdlib_folders()):
+            return False
+    return True
+
+
 def _install_folder(folder: Path) -> bool:
     """True for the standard library's folder and a site-packages (or Debian dist-packages) one."""
     real = os.path.realpath(folder)
@@ -543,7 +581,7 @@ def _walk_imports(start: str, within: str | None, limit: int) -> tuple[int, list
 
     Follows the imports read from the source of ``start``, its parent packages and every module
     they reach inside top-level package ``within`` (None: ``start``'s own); reads at most
-    ``limit`` modules. The standard library is left out.
+    ``limit`` modules. Standard-library names are among the modules reached.
     """
     within = within or start.split(".", 1)[0]
     queued: set[str] = set()
@@ -552,7 +590,10 @@ def _walk_imports(start: str, within: str | None, limit: int) -> tuple[int, list
 
     def reach(name: str) -> None:
         top = name.split(".", 1)[0]
-        if not top or top in sys.stdlib_module_names or top == "__main__":
+        # Standard-library names stay in the answer: whether one is the standard library's or a
+        # user's module of that name depends on ``sys.path``, not on the code walked, and the
+        # answer is stored (``foreign_imports``); ``imported_code`` decides with ``in_stdlib``.
+        if not top or top == "__main__":
             return
         if top != within:
             outside[top] = None
@@ -589,7 +630,8 @@ def foreign_imports(module: str, version: str) -> list[str]:
     s) is kept in ``evalfleet_home()`` under the module, the version and the interpreter.
     """
     top = module.split(".", 1)[0]
-    key = hashlib.sha256(json.dumps([module, version, sys.version]).encode()).hexdigest()
+    # "stdlib-kept": answers stored before they kept standard-library names are not read.
+    key = hashlib.sha256(json.dumps([module, version, sys.version, "stdlib-kept"]).encode()).hexdigest()
     path = _imports_file(key)
     try:
         stored = json.loads(path.read_text())
@@ -626,7 +668,7 @@ def imported_code(modules: Iterable[str], limit: int = MAX_IMPORTED_MODULES, *,
     with ``versioned_imports`` (an env's code): then it adds the versions of the other packages
     its code reaches from the module reached in it (``foreign_imports``: a MuJoCo env of
     gymnasium reaches ``mujoco``), not further, and not for ``NOT_WALKED`` frameworks. The
-    standard library is left out. Imports the
+    standard library is left out (``in_stdlib``: found there, not only named like it). Imports the
     source does not spell (``importlib.import_module`` of a computed name) are not seen. Sorted
     by module name.
     """
@@ -634,10 +676,13 @@ def imported_code(modules: Iterable[str], limit: int = MAX_IMPORTED_MODULES, *,
     queued: set[str] = set()
     queue: deque[str] = deque()
     walked: set[str] = set()  # modules of version-identified packages whose imports were added
+    stdlib: dict[str, bool] = {}  # top-level names met: whether they are left out (``in_stdlib``)
 
     def reach(name: str, follow_versioned: bool = True) -> None:
         top = name.split(".", 1)[0]
-        if not top or top in sys.stdlib_module_names or top == "__main__":
+        if top not in stdlib:
+            stdlib[top] = not top or top == "__main__" or in_stdlib(top)
+        if stdlib[top]:
             return
         if top not in versions:
             try:
