@@ -78,7 +78,7 @@ from evalfleet.policy import (
     inference_device,
     read_policy,
 )
-from evalfleet.provenance import DATA_MARK, SOURCE_PREFIX, code_version
+from evalfleet.provenance import DATA_MARK, RECORD_MARK, SOURCE_PREFIX, code_version
 from evalfleet.records import (
     EPISODE_SCHEMA,
     OUTCOME_COLUMNS,
@@ -440,15 +440,19 @@ def received_before_flow(
 
 
 def harness_versions() -> dict[str, str]:
-    """``report.versions()``, with evalfleet's own code version when it is not a built install.
+    """``report.versions()``, with evalfleet's own code version after its version number.
 
     A development checkout keeps its version number while its code changes; its source then
-    identifies it (``evalfleet.provenance``), so an edited runner never reuses stale episodes.
+    identifies it (``evalfleet.provenance``), so an edited runner never reuses stale episodes. A
+    built install is identified by its installed-file record likewise (a wheel rebuilt under
+    the same version).
     """
     out = versions()
     _, code = code_version("evalfleet")
-    if SOURCE_PREFIX in code:
-        out["evalfleet"] = f"{out['evalfleet']}+{code.split('+')[-1]}"
+    for mark in (f"+{SOURCE_PREFIX}", RECORD_MARK):
+        if mark in code:
+            out["evalfleet"] = f"{out['evalfleet']}{code[code.index(mark):]}"
+            break
     return out
 
 

@@ -1,13 +1,14 @@
 """Which code a module runs: the version of the distribution that installed it, or its source.
 
 A version identifies code only when the files were installed from a built distribution (a wheel
-or sdist copied into site-packages). An editable install (``pip install -e``), a path install
-(``pip install ./dir``, PEP 610 ``direct_url.json`` with ``dir_info``), a module imported from a
-folder on ``sys.path`` that no distribution installed (this repository's ``envs/``, a user's
-``my_envs.py``), or a module that shadows the installed copy all keep their version while their
-code changes. Those are identified by the sha256 of every file of their top-level package instead
-(a single-file module: its own file and the data files beside it), so an edit to any helper module
-or data file changes the answer.
+or sdist copied into site-packages), and then with the digest of the installed-file record that
+distribution wrote (``record_digest``): a wheel rebuilt under the same version is other code. An
+editable install (``pip install -e``), a path install (``pip install ./dir``, PEP 610
+``direct_url.json`` with ``dir_info``), a module imported from a folder on ``sys.path`` that no
+distribution installed (this repository's ``envs/``, a user's ``my_envs.py``), or a module that
+shadows the installed copy all keep their version while their code changes. Those are identified
+by the sha256 of every file of their top-level package instead (a single-file module: its own file
+and the data files beside it), so an edit to any helper module or data file changes the answer.
 
 Code reaches other packages through its imports (a factory's ``from netlib import Net``, a
 callable's ``import helpers``): ``imported_code`` follows them through the source of every package
@@ -38,6 +39,8 @@ logger = logging.getLogger(__name__)
 
 #: Prefix of a code version given by source rather than by a distribution's version.
 SOURCE_PREFIX = "source-sha256:"
+#: Between a built install's version and the digest of its installed-file record (``record_digest``).
+RECORD_MARK = "+record-sha256:"
 #: Between a single-file module's code digest and that of the data files beside it.
 DATA_MARK = "+data-sha256:"
 #: Most modules whose source ``imported_code`` reads: a bound on the walk (it is logged when hit).
@@ -396,13 +399,66 @@ def _imported_from(dist: importlib.metadata.Distribution, top: str) -> bool:
     return any(Path(o).resolve().is_relative_to(base) for o in origins)
 
 
+#: Dist-info files that a reinstall of the same build rewrites: who installed it, whether it was
+#: asked for, where from (a wheel's path or URL), and the record itself.
+_RECORD_IGNORED = frozenset({"INSTALLER", "REQUESTED", "direct_url.json", "RECORD"})
+#: ``{RECORD path: ((mtime_ns, size, inode), digest)}``: each record is read once per version of it.
+_records: dict[str, tuple[tuple[int, int, int], str | None]] = {}
+#: ``{top-level module: RECORD path}`` of the built installs ``code_version`` identified by it.
+_record_files: dict[str, Path] = {}
+
+
+def _record_path(dist: importlib.metadata.Distribution) -> Path | None:
+    """The ``RECORD`` file of ``dist``'s metadata folder; None for a distribution without one."""
+    folder = getattr(dist, "_path", None)
+    return Path(str(folder)) / "RECORD" if folder is not None else None
+
+
+def record_digest(path: Path) -> str | None:
+    """sha256 (hex, first 16) of an installed-file record, less what a reinstall changes alone.
+
+    ``RECORD`` lists the sha256 of every file the distribution installed: a wheel rebuilt or
+    re-fetched under the same version (a local build, ``git+...@<new commit>``, an index
+    overwritten) installs other files and so another record. Left out: compiled caches (written
+    at install, they carry times), files installed outside the install folder (``../../../bin``
+    scripts: their first line names this interpreter) and the dist-info files in
+    ``_RECORD_IGNORED``. Read once per process and version of the file (its stat); None when
+    there is none.
+    """
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    stamp = (st.st_mtime_ns, st.st_size, st.st_ino)
+    seen = _records.get(str(path))
+    if seen is not None and seen[0] == stamp:
+        return seen[1]
+    try:
+        text = path.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return None
+    kept = []
+    for line in text.splitlines():
+        # A path holding a comma is quoted (CSV); the others are the text before the first comma.
+        name = next(csv.reader([line]), [""])[0] if line.startswith('"') else line.split(",", 1)[0]
+        parts = name.replace("\\", "/").split("/")
+        if (not name or parts[0] == ".." or "__pycache__" in parts or name.endswith(COMPILED_SUFFIXES)
+                or (len(parts) == 2 and parts[0].endswith(".dist-info") and parts[1] in _RECORD_IGNORED)):
+            continue
+        kept.append(line)
+    digest = hashlib.sha256("\n".join(sorted(kept)).encode()).hexdigest()[:16]
+    _records[str(path)] = (stamp, digest)
+    return digest
+
+
 def code_version(module: str) -> tuple[str, str]:
     """``(package, version)`` identifying the code of ``module``'s top-level package.
 
     A distribution installed from a built archive and actually imported from its files: its name
-    and version (the fast path: no file is read). Otherwise the version is the source digest:
-    ``"1.2.0+source-sha256:…"`` for an editable/path install, ``"source-sha256:…"`` for code no
-    distribution installed.
+    and version, with the digest of its installed-file record (``"1.4.0+record-sha256:…"``,
+    ``record_digest``: one small file read per process and install). Otherwise the version is
+    the source digest: ``"1.2.0+source-sha256:…"`` for an editable/path install,
+    ``"source-sha256:…"`` for code no distribution installed.
     """
     top = module.split(".", 1)[0]
     dists = distribution_named_like(top) or _distributions().get(top, [])
@@ -413,7 +469,12 @@ def code_version(module: str) -> tuple[str, str]:
         except importlib.metadata.PackageNotFoundError:
             continue
         if not _installed_from_directory(dist) and _imported_from(dist, top):
-            return name, version
+            record = _record_path(dist)
+            digest = record_digest(record) if record is not None else None
+            if record is None or digest is None:
+                return name, version
+            _record_files[top] = record
+            return name, f"{version}{RECORD_MARK}{digest}"
         digest = source_digest(top)
         return name, f"{version}+{SOURCE_PREFIX}{digest}" if digest else version
     digest = source_digest(top)
@@ -768,6 +829,20 @@ def _edited_since_import(top: str) -> bool:
     return False
 
 
+def _installed_since_import(top: str) -> bool:
+    """True when the built install ``top`` came from was written after this process imported it.
+
+    A reinstall rewrites the distribution's ``RECORD`` (``_record_files``): one ``stat``.
+    """
+    at, record = _imported_at.get(top), _record_files.get(top)
+    if at is None or record is None:
+        return False
+    try:
+        return record.stat().st_mtime > at
+    except OSError:  # uninstalled since: the code imported is not what is installed either
+        return True
+
+
 def stale_code(expected: Mapping[str, str]) -> dict[str, tuple[str, str]]:
     """``{module: (version this process runs, version expected)}`` where they differ.
 
@@ -777,7 +852,8 @@ def stale_code(expected: Mapping[str, str]) -> dict[str, tuple[str, str]]:
     since, or it may have another install than the driver's. A module identified by its source
     is stale too when one of its files was modified after this process imported it
     (``watch_imports``, started by ``evalfleet.worker``): a worker that imported it for an earlier
-    evaluation and is first asked about it after an edit. Modules not imported here yet (they
+    evaluation and is first asked about it after an edit; a built install, when it was installed
+    again after that import. Modules not imported here yet (they
     will be imported from the files as they are now) and ``"unknown"`` versions are not judged.
     """
     out: dict[str, tuple[str, str]] = {}
@@ -801,4 +877,7 @@ def stale_code(expected: Mapping[str, str]) -> dict[str, tuple[str, str]]:
             # Imported before its files changed, first checked after: the version read then is
             # the edited files', not the code running here.
             out[top] = ("the code imported before its files were last modified", want)
+        elif RECORD_MARK in want and _installed_since_import(top):
+            # The same for a wheel reinstalled (rebuilt under its version) after the import.
+            out[top] = ("the code imported before its distribution was last installed", want)
     return out

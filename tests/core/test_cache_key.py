@@ -30,7 +30,7 @@ from evalfleet.cache import cache_key
 from evalfleet.errors import EnvSpecError, RequestError
 from evalfleet.models import EvalRequest
 from evalfleet.pipeline import Received, receive
-from evalfleet.provenance import SOURCE_PREFIX, code_version
+from evalfleet.provenance import RECORD_MARK, SOURCE_PREFIX, code_version
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -217,7 +217,8 @@ def test_the_packages_a_factory_imports_are_in_the_key(tmp_path, request):
     fields, net = _sibling_factory(tmp_path, request)
     code = _received(**fields, output=tmp_path / "out").cache_ingredients["policy"]["code"]
     assert code[net.stem].startswith(SOURCE_PREFIX)  # not installed: keyed by its source
-    assert code["torch"] == importlib.metadata.version("torch")  # a wheel: by its version
+    # A wheel: by its version and its installed-file record.
+    assert code["torch"].startswith(f"{importlib.metadata.version('torch')}{RECORD_MARK}")
     assert list(code) == sorted(code)
 
 
@@ -326,7 +327,9 @@ def test_an_editable_install_is_keyed_by_source_a_wheel_by_version():
     name, version = code_version("envs.inventory")
     assert name == "evalfleet"
     assert version.startswith(f"{importlib.metadata.version('evalfleet')}+{SOURCE_PREFIX}")
-    assert code_version("gymnasium.envs.classic_control.cartpole") == ("gymnasium", gymnasium.__version__)
+    name, version = code_version("gymnasium.envs.classic_control.cartpole")
+    assert (name, version.split(RECORD_MARK)[0]) == ("gymnasium", gymnasium.__version__)
+    assert re.fullmatch(r"[0-9a-f]{16}", version.split(RECORD_MARK)[1])  # its installed files
 
 
 def test_this_repositorys_envs_are_keyed_by_their_source(tmp_path, monkeypatch):
@@ -908,24 +911,40 @@ def test_code_the_envs_module_imports_from_another_module_is_in_the_key(base, tm
         gymnasium.registry.pop(env_id, None)
 
 
-def _wheel(site: Path, name: str, version: str, files: dict[str, str]) -> None:
-    """``name`` as a wheel installs it into ``site``: its files, a dist-info naming an archive."""
+def _wheel(site: Path, name: str, version: str, files: dict[str, str], *,
+           installer: str = "pip", url: str | None = None) -> None:
+    """``name`` as a wheel installs it into ``site``: its files, a dist-info naming an archive, and
+    a ``RECORD`` as pip writes it (every file's sha256 and size, a compiled cache's too, a script)."""
+    import base64
     import json
     import shutil
+
+    def row(path: Path) -> str:
+        blob = path.read_bytes()
+        digest = base64.urlsafe_b64encode(hashlib.sha256(blob).digest()).rstrip(b"=").decode()
+        return f"{path.relative_to(site).as_posix()},sha256={digest},{len(blob)}\n"
 
     for old in site.glob(f"{name}-*.dist-info"):
         shutil.rmtree(old)
     shutil.rmtree(site / name, ignore_errors=True)
-    (site / name).mkdir(parents=True)
+    (site / name / "__pycache__").mkdir(parents=True)
     for file, text in files.items():
         (site / name / file).write_text(textwrap.dedent(text))
+        # A compiled cache as an install writes it: its bytes carry the time it was written.
+        (site / name / "__pycache__" / f"{Path(file).stem}.cpython-311.pyc").write_bytes(
+            uuid.uuid4().bytes)
     info = site / f"{name}-{version}.dist-info"
     info.mkdir()
     (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
     (info / "top_level.txt").write_text(f"{name}\n")
+    (info / "INSTALLER").write_text(f"{installer}\n")
+    (info / "REQUESTED").write_text("")
     (info / "direct_url.json").write_text(json.dumps(
-        {"url": f"file:///wheels/{name}-{version}-py3-none-any.whl", "archive_info": {}}))
-    (info / "RECORD").write_text("".join(f"{name}/{f},,\n" for f in files))
+        {"url": url or f"file:///wheels/{name}-{version}-py3-none-any.whl", "archive_info": {}}))
+    installed = sorted(p for p in [*(site / name).rglob("*"), *info.iterdir()] if p.is_file())
+    script = f"../../../bin/{name},sha256={uuid.uuid4().hex},120\n"  # its first line: this python
+    (info / "RECORD").write_text(script + "".join(row(p) for p in installed)
+                                 + f"{info.name}/RECORD,,\n")
 
 
 def test_a_simulator_an_installed_env_package_imports_is_keyed_by_its_version(tmp_path):
@@ -965,9 +984,67 @@ def test_a_simulator_an_installed_env_package_imports_is_keyed_by_its_version(tm
         out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
                              timeout=120, cwd=tmp_path, env=env, check=True).stdout
         seen.append(__import__("json").loads(out.strip().splitlines()[-1]))
-    assert [s[:2] for s in seen] == [["simenv", "1.0"], ["simenv", "1.0"]]  # a wheel: by version
-    assert [s[2].get("physlib") for s in seen] == ["1.0", "2.0"]
+    # A wheel: by its version (and its installed-file record, the same: simenv is not rebuilt).
+    assert [s[:2] for s in seen] == [["simenv", seen[0][1]]] * 2
+    assert seen[0][1].startswith(f"1.0{RECORD_MARK}")
+    assert [s[2].get("physlib", "").split("+")[0] for s in seen] == ["1.0", "2.0"]
     assert seen[0][3] != seen[1][3]
+
+
+SIM_ENV = """
+    import gymnasium as gym
+    import numpy as np
+    from {physics} import GRAVITY
+
+    class Fall(gym.Env):
+        observation_space = gym.spaces.Box(-1e9, 1e9, (1,), np.float32)
+        action_space = gym.spaces.Discrete(2)
+
+        def reset(self, *, seed=None, options=None):
+            super().reset(seed=seed)
+            self.h = 100.0
+            return np.array([self.h], np.float32), {{}}
+
+        def step(self, action):
+            self.h -= GRAVITY * 0.1
+            return np.array([self.h], np.float32), 1.0, self.h <= 0, False, {{}}
+
+    gym.register("rebuilt/Fall-v0", entry_point="rebuilt:Fall", max_episode_steps=1000)
+"""
+
+
+def test_a_wheel_rebuilt_under_its_version_is_other_code(tmp_path):
+    """A wheel rebuilt (or re-fetched: ``git+...@<new commit>``, an index overwritten) under the
+    same version was keyed by that version alone: its old episodes were served for the new build
+    (mean 5.0, truth 15.0), and the packages the new build imports were the old build's stored
+    ``foreign_imports`` answer. Its installed-file record tells the builds apart; a reinstall of
+    the same build (another installer, archive path, compiled caches) is the same code."""
+    import json
+    import subprocess
+
+    site = tmp_path / "site"
+    for physics, gravity in (("physlib", 9.8), ("physlib2", 24.0)):
+        _wheel(site, physics, "1.0", {"__init__.py": f"GRAVITY = {gravity}\n"})
+    probe = ("import json; from evalfleet.envspec import resolve_env; "
+             "fp = resolve_env('rebuilt:rebuilt/Fall-v0', {}, None).fingerprint; "
+             "print(json.dumps([fp.package_version, fp.code, fp.spec_hash]))")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(site), str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    seen = []
+    for physics, installer, url in (("physlib", "pip", None), ("physlib", "uv", "https://idx/r.whl"),
+                                    ("physlib2", "pip", None)):
+        _wheel(site, "rebuilt", "1.0", {"__init__.py": SIM_ENV.format(physics=physics)},
+               installer=installer, url=url)
+        out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                             timeout=120, cwd=tmp_path, env=env, check=True).stdout
+        seen.append(json.loads(out.strip().splitlines()[-1]))
+    first, reinstalled, rebuilt = seen
+    assert reinstalled == first  # the same build installed again: the same key, no miss
+    assert rebuilt[2] != first[2]  # the rebuilt wheel: another env spec and cache key
+    assert rebuilt[0] != first[0]  # other code under version 1.0
+    assert first[0].startswith(f"1.0{RECORD_MARK}") and rebuilt[0].startswith(f"1.0{RECORD_MARK}")
+    assert ("physlib" in first[1], "physlib2" in first[1]) == (True, False)
+    assert ("physlib" in rebuilt[1], "physlib2" in rebuilt[1]) == (False, True)  # what it imports now
 
 
 def test_a_step_cap_spelled_out_as_the_registered_one_is_the_same_key_and_protocol(base):

@@ -60,3 +60,25 @@ def test_a_module_edited_before_its_import_is_not_stale(tmp_path, monkeypatch):
 def test_installed_distributions_are_judged_by_their_version_only(installed):
     version = code_version(installed)[1]
     assert stale_code({installed: version}) == {}
+
+
+def test_a_wheel_installed_again_after_its_import_is_stale_at_its_first_check(tmp_path, monkeypatch):
+    """A wheel rebuilt under its version and installed after this process imported it: the version
+    and installed-file record read at the first check are the new build's, not the code running."""
+    from tests.core.test_cache_key import _wheel
+
+    name = f"plantedwheel_{uuid.uuid4().hex[:10]}"
+    _wheel(tmp_path, name, "1.0", {"__init__.py": "REWARD = 1.0\n"})
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        assert importlib.import_module(name).REWARD == 1.0
+        _wheel(tmp_path, name, "1.0", {"__init__.py": "REWARD = 2.0\n"})
+        later = time.time() + 5  # past any file-system timestamp granularity
+        record = next(tmp_path.glob(f"{name}-*.dist-info")) / "RECORD"
+        os.utime(record, (later, later))
+        want = code_version(name)[1]  # what the driver's key names: the new build
+        assert stale_code({name: want}) == {
+            name: ("the code imported before its distribution was last installed", want)}
+        assert sys.modules[name].REWARD == 1.0
+    finally:
+        sys.modules.pop(name, None)
