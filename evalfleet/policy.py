@@ -134,14 +134,16 @@ def code_versions(ref: str, what: str) -> tuple[tuple[str, str], ...]:
 
     The module named by ``ref``, the module that defines the function, and every package their
     source imports (``evalfleet.provenance.imported_code``): a factory's network class from a
-    module beside it, a callable's helper module.
+    module beside it, a callable's helper module; and, as for an env's code, the packages an
+    installed package reaches from the module imported of it (a policy library on top of another
+    distribution: upgrading that one changes the actions under the same library version).
     """
     fn = import_object(ref, what)
     modules = [ref.split(":")[0]]
     defined_in = getattr(fn, "__module__", None)
     if isinstance(defined_in, str) and defined_in not in modules:
         modules.append(defined_in)
-    return tuple(imported_code(modules).items())
+    return tuple(imported_code(modules, versioned_imports=True).items())
 
 
 def inference_device(device: str, fmt: str) -> str:

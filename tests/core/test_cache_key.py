@@ -991,6 +991,44 @@ def test_a_simulator_an_installed_env_package_imports_is_keyed_by_its_version(tm
     assert seen[0][3] != seen[1][3]
 
 
+def test_what_a_callables_installed_library_imports_is_keyed_by_its_version(tmp_path):
+    """A callable policy calling ``polwrap.act`` (a wheel) that returns ``polcore.ACTION`` (another
+    wheel): upgrading polcore 1.0 -> 2.0 changed every action under the same key (mean 5.0 served,
+    truth 15.0). The policy's code was keyed as ``{module, numpy, polwrap}``; an env's imports were
+    followed into the wheels they reach, a callable's and a factory's were not."""
+    import json
+    import subprocess
+
+    site, mods = tmp_path / "site", tmp_path / "mods"
+    _wheel(site, "polwrap", "1.0", {"__init__.py": """
+        import numpy as np
+        import polcore
+
+        def act(obs):
+            return np.full(len(obs), polcore.ACTION, dtype=np.int64)
+    """})
+    policy = _unique("keypolw")
+    _write(mods, {f"{policy}.py": """
+        import polwrap
+
+        def act(obs):
+            return polwrap.act(obs)
+    """})
+    probe = ("import json, sys; from evalfleet.policy import code_versions; "
+             "print(json.dumps(dict(code_versions(sys.argv[1], 'callable policy'))))")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(mods), str(site), str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    seen = []
+    for version, action in (("1.0", 0), ("2.0", 1)):
+        _wheel(site, "polcore", version, {"__init__.py": f"ACTION = {action}\n"})
+        out = subprocess.run([sys.executable, "-c", probe, f"{policy}:act"], capture_output=True,
+                             text=True, timeout=120, cwd=tmp_path, env=env, check=True).stdout
+        seen.append(json.loads(out.strip().splitlines()[-1]))
+    assert seen[0] != seen[1]  # another policy code: another key
+    assert [s.get("polcore", "").split("+")[0] for s in seen] == ["1.0", "2.0"]
+    assert seen[0]["polwrap"] == seen[1]["polwrap"] and seen[0][policy].startswith(SOURCE_PREFIX)
+
+
 SIM_ENV = """
     import gymnasium as gym
     import numpy as np
