@@ -18,12 +18,14 @@ Key = sha256 over canonical JSON of:
   files), there with the values of the allowed variables that can change an episode, each
   ``--sandbox-env`` grant by name and sha256 of its value, and the ``--sandbox-read`` /
   ``--sandbox-write`` paths;
-- versions: evalfleet, gymnasium, numpy, torch, and the episode table's schema.
+- versions: evalfleet, gymnasium, numpy, torch, Python (version and implementation), and the
+  episode table's schema.
 
 A *code version* (``evalfleet.provenance``) is a distribution's version when it was installed from
-a built archive, and otherwise carries the sha256 of every ``.py`` file of the top-level package:
-an editable (``pip install -e``) or path install, or a package no distribution installed (this
-repository's ``envs/``), changes its key with any edit of its code. evalfleet itself is keyed the
+a built archive (with the digest of its installed-file record), and otherwise carries the sha256
+of every ``.py`` file of the top-level package: an editable (``pip install -e``) or path install,
+or a package no distribution installed (this repository's ``envs/``), changes its key with any
+edit of its code. evalfleet itself is keyed the
 same way: a development checkout's edits change the key too.
 
 The episode count is not in the key: an entry holds episodes by index, so a request for 3,000
@@ -181,7 +183,10 @@ def key_ingredients(
         # All of it: the forward's block layout changes a torch policy's last bits.
         "inference": dict(inference),
         **({} if environment is None else {"environment": environment}),
-        "versions": {k: versions[k] for k in ("evalfleet", "gymnasium", "numpy", "torch")},
+        # Python too: 3.12's float sum() is compensated (sum([0.1] * 10) is 1.0, not 0.9999999999999999):
+        # a cache shared by two interpreters must not serve one's returns for the other.
+        "versions": {k: versions[k] for k in ("evalfleet", "gymnasium", "numpy", "torch", "python",
+                                              "python_implementation")},
         "episode_schema": SCHEMA_VERSION,
     }
 

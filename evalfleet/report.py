@@ -98,6 +98,7 @@ def versions() -> dict[str, str]:
         "gymnasium": gymnasium.__version__,
         "numpy": numpy.__version__,
         "python": platform.python_version(),
+        "python_implementation": platform.python_implementation(),
     }
     out["torch"] = torch_version()
     return out

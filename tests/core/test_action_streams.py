@@ -63,7 +63,8 @@ def test_the_action_stream_is_apart_from_gymnasiums_and_fixed_by_the_seed():
 def test_a_stochastic_key_names_its_sampler_and_a_deterministic_key_is_unchanged():
     def protocol(deterministic: bool) -> dict[str, Any]:
         policy = dict.fromkeys(("sha256", "format", "factory", "output_kind", "factory_sha256", "code"))
-        versions = dict.fromkeys(("evalfleet", "gymnasium", "numpy", "torch"), "1")
+        versions = dict.fromkeys(("evalfleet", "gymnasium", "numpy", "torch", "python",
+                                  "python_implementation"), "1")
         return key_ingredients(policy, {}, 0, None, deterministic, versions,
                                {"device": "cpu", "dtype": "float32"})["protocol"]
 

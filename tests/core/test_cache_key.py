@@ -581,7 +581,8 @@ PLANTED: dict[str, list[str]] = {
     "what the env sees of the environment": ["isolation_class", "granted_variable",
                                              "granted_value", "read_grant", "read_grant_contents",
                                              "write_grant", "bwrap_jail", "keyed_variable", "keyed_locale"],
-    "evalfleet": ["evalfleet_version", "gymnasium_version", "numpy_version", "torch_version"],
+    "evalfleet": ["evalfleet_version", "gymnasium_version", "numpy_version", "torch_version",
+                  "python_version", "python_implementation"],
     "episode table schema": ["schema"],
 }
 
@@ -732,6 +733,12 @@ def test_each_planted_change_is_a_miss(change, base, tmp_path, monkeypatch, requ
         flipped = not torch.cuda.is_available()
         monkeypatch.setattr(torch.cuda, "is_available", lambda: flipped)
         monkeypatch.setattr(evalfleet.cluster, "gpu_count", lambda: int(flipped))
+    elif change in ("python_version", "python_implementation"):
+        # Another interpreter sharing the cache: 3.12's compensated float sum() gives env returns
+        # of its own (sum([0.1] * 10): 1.0 against 3.11's 0.9999999999999999).
+        import platform
+
+        monkeypatch.setattr(platform, change, lambda: "3.12.0" if change == "python_version" else "PyPy")
     elif change.endswith("_version"):
         module = {"evalfleet": evalfleet, "gymnasium": gymnasium, "numpy": numpy, "torch": torch}[
             change.removesuffix("_version")]
