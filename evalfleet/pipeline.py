@@ -78,7 +78,7 @@ from evalfleet.policy import (
     inference_device,
     read_policy,
 )
-from evalfleet.provenance import DATA_MARK, RECORD_MARK, SOURCE_PREFIX, code_version
+from evalfleet.provenance import DATA_MARK, code_version
 from evalfleet.records import (
     EPISODE_SCHEMA,
     OUTCOME_COLUMNS,
@@ -92,7 +92,7 @@ from evalfleet.replay import (
     probe_encoder,
     probe_rendering,
 )
-from evalfleet.report import aggregate, curve_so_far, execution_manifest, versions
+from evalfleet.report import aggregate, curve_so_far, execution_manifest, harness_versions
 from evalfleet.review import cluster_failures, report_page
 from evalfleet.review_replays import ReviewReplays, replay_sandbox, review_replays
 from evalfleet.sandbox.isolation import resolve_isolation
@@ -437,23 +437,6 @@ def received_before_flow(
         cluster.stop_idle_fork_server()
         raise
     return checked, hit
-
-
-def harness_versions() -> dict[str, str]:
-    """``report.versions()``, with evalfleet's own code version after its version number.
-
-    A development checkout keeps its version number while its code changes; its source then
-    identifies it (``evalfleet.provenance``), so an edited runner never reuses stale episodes. A
-    built install is identified by its installed-file record likewise (a wheel rebuilt under
-    the same version).
-    """
-    out = versions()
-    _, code = code_version("evalfleet")
-    for mark in (f"+{SOURCE_PREFIX}", RECORD_MARK):
-        if mark in code:
-            out["evalfleet"] = f"{out['evalfleet']}{code[code.index(mark):]}"
-            break
-    return out
 
 
 def episode_cache(request: EvalRequest) -> EpisodeCache:

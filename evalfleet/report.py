@@ -14,6 +14,7 @@ import pyarrow.compute as pc
 from evalfleet import stats
 from evalfleet.cache import environment_digest
 from evalfleet.models import FAILURE_ALARM_RATE, EndReason, EvalReport, EvalRequest
+from evalfleet.provenance import RECORD_MARK, SOURCE_PREFIX, code_version
 from evalfleet.sandbox.isolation import isolation_manifest
 from evalfleet.sandbox.limits import sandbox_limits
 from evalfleet.sandbox.slots import UNREADABLE_FLAG
@@ -101,6 +102,24 @@ def versions() -> dict[str, str]:
         "python_implementation": platform.python_implementation(),
     }
     out["torch"] = torch_version()
+    return out
+
+
+def harness_versions() -> dict[str, str]:
+    """``versions()``, with evalfleet's own code version after its version number.
+
+    A development checkout keeps its version number while its code changes; its source then
+    identifies it (``evalfleet.provenance``), so an edited runner never reuses stale episodes. A
+    built install is identified by its installed-file record likewise (a wheel rebuilt under
+    the same version). What the cache key names, and what the report's manifest states: it
+    stated ``0.1.0`` for every checkout, whatever code computed its numbers.
+    """
+    out = versions()
+    _, code = code_version("evalfleet")
+    for mark in (f"+{SOURCE_PREFIX}", RECORD_MARK):
+        if mark in code:
+            out["evalfleet"] = f"{out['evalfleet']}{code[code.index(mark):]}"
+            break
     return out
 
 
@@ -256,7 +275,7 @@ def aggregate(
     steps_per_second, episodes_per_second = throughput(table if ran is None else ran, run_seconds)
     endings = _endings(reasons, lengths, env_spec.get("max_episode_steps"))
     manifest = {
-        "versions": versions(),
+        "versions": harness_versions(),
         "env": env_spec,
         "policy": policy,
         "protocol": {

@@ -805,6 +805,25 @@ def test_every_ingredient_is_in_the_key(base):
     assert re.fullmatch(r"[0-9a-f]{64}", key)
 
 
+def test_the_reports_manifest_states_the_harness_code_the_key_names(base):
+    """Two development checkouts of evalfleet 0.1.0 computed different numbers under different
+    keys, and both reports' manifests said ``evalfleet: 0.1.0``: the key's source digest is stated."""
+    from evalfleet.report import aggregate
+    from tests.core.episodes import run_in_process
+
+    received = _received(**base)
+    keyed = received.cache_ingredients["versions"]
+    assert keyed["evalfleet"].startswith(f"{evalfleet.__version__}+{SOURCE_PREFIX}")  # -e install
+    table = run_in_process("CartPole-v1", base["policy"], 2, cap=20, slots=2)
+    report = aggregate(EvalRequest.build(**{**base, "episodes": 2, "max_steps": 20}), table,
+                       env_spec=received.env_spec, env_spec_hash="spec",
+                       policy={"sha256": received.artifact.sha256}, isolation="inprocess",
+                       timings={"run": 1.0}, cache={"status": "miss"}, run_seconds=1.0)
+    stated = report.model_dump(mode="json")["manifest"]["versions"]
+    assert stated["evalfleet"] == keyed["evalfleet"]
+    assert {k: stated[k] for k in keyed} == keyed
+
+
 # --- the key is fixed before the policy is loaded ---------------------------------------------
 
 def test_the_key_is_fixed_before_the_policy_is_loaded(base, state_dict_policy, monkeypatch):
