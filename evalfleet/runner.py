@@ -98,7 +98,7 @@ def _invalid_actions(space: spaces.Space[Any], actions: npt.NDArray[Any]) -> npt
             return np.ones(len(a), dtype=bool)
         return np.asarray((a < space.start) | (a >= space.start + space.n), dtype=bool)
     if isinstance(space, spaces.Box):
-        a = np.asarray(actions, dtype=np.float64)
+        a = _box_check_dtype(space, actions)
         if a.shape[1:] != space.shape:
             return np.ones(a.shape[0], dtype=bool)
         flat = a.reshape(a.shape[0], -1)
@@ -108,6 +108,23 @@ def _invalid_actions(space: spaces.Space[Any], actions: npt.NDArray[Any]) -> npt
             ok &= (flat == np.round(flat)).all(axis=1)
         return np.asarray(~ok, dtype=bool)
     return np.array([not space.contains(x) for x in actions], dtype=bool)
+
+
+def _box_check_dtype(space: spaces.Box, actions: npt.NDArray[Any]) -> npt.NDArray[Any]:
+    """``actions`` in the dtype a Box's bounds are checked in: a float Box's own, else float64.
+
+    A float32 or float16 Box's action is checked as the env gets it (``_in_bounds`` casts it):
+    checked in float64 first, a callable's 0.7 lay above the Box(-0.7, 0.7) bound float32 stores
+    (0.699999988) and ended its episode as ``invalid_action``, though the env got exactly its
+    bound; and a finite 1e39 passed, to reach a float32 env as inf (blamed on the env).
+    """
+    if space.dtype.kind != "f" or space.dtype == np.float64:
+        return np.asarray(actions, dtype=np.float64)
+    a = np.asarray(actions)
+    if a.dtype == space.dtype:  # a torch policy's float32 rows for a float32 Box: no copy
+        return a
+    with np.errstate(over="ignore"):  # past the dtype's range: inf, refused by the caller
+        return a.astype(space.dtype)
 
 
 def _accepted_bounds(space: spaces.Box) -> tuple[npt.NDArray[Any], npt.NDArray[Any]]:
