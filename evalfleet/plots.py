@@ -229,11 +229,11 @@ def _actions_discrete(ax: Axes, actions: Mapping[str, Any]) -> None:
 
 def _actions_box(ax: Axes, actions: Mapping[str, Any]) -> None:
     samples = np.asarray(actions["samples"], dtype=np.float64)
-    samples = samples.reshape(samples.shape[0], -1) if samples.ndim != 1 else samples[:, None]
-    dims = samples.shape[1]
-    if samples.shape[0] == 0 or dims == 0:
+    if samples.size == 0:  # before the reshape: numpy cannot size the -1 of an empty (0, dims)
         _empty(ax, "no steps replayed")
         return
+    samples = samples.reshape(samples.shape[0], -1) if samples.ndim != 1 else samples[:, None]
+    dims = samples.shape[1]
     positions = np.arange(dims)
     columns = [samples[:, d][np.isfinite(samples[:, d])] for d in range(dims)]
     if dims <= _MAX_VIOLIN_DIMS and all(c.size > 1 and np.ptp(c) > 0 for c in columns):
