@@ -493,11 +493,12 @@ def _replay_one(
         try:
             next_obs, raw_reward, raw_terminated, raw_truncated, info = env.step(action)
             reward = float(raw_reward)
+            terminated, truncated = bool(raw_terminated), bool(raw_truncated)  # as the runner's
         except Exception as err:
             ep.reason, ep.error = EndReason.ENV_ERROR.value, error_text(err)
             return None
         items = list(scalar_info(info).items()) if isinstance(info, dict) else []
-        return next_obs, reward, bool(raw_terminated), bool(raw_truncated), items, None
+        return next_obs, reward, terminated, truncated, items, None
 
     space_shape = env.observation_space.shape
     _replay_loop(ep, policy, keep_rows, sink, reset, step, lambda: render_frame(env),

@@ -150,6 +150,8 @@ class InProcessSlots:
             try:
                 obs, reward, terminated, truncated, info = step(action)
                 reward = float(reward)
+                # In the try: an array of 2 has no truth value, and that is the env's error
+                terminated, truncated = bool(terminated), bool(truncated)
             except Exception as err:
                 self._discard(slot)
                 out.append(_env_failure(err))
@@ -162,8 +164,8 @@ class InProcessSlots:
                 SlotOutcome(
                     obs=obs.copy() if isinstance(obs, np.ndarray) else obs,  # as ``reset``'s
                     reward=reward,
-                    terminated=bool(terminated),
-                    truncated=bool(truncated),
+                    terminated=terminated,
+                    truncated=truncated,
                     info=scalar_info(info) if (terminated or truncated) else {},
                 )
             )
@@ -196,6 +198,12 @@ class InProcessSlots:
             try:
                 obs, reward, terminated, truncated, info = step(env_actions[pos])
                 reward = rewards[pos] = float(reward)
+                # Truth values in the try: an array of 2 has none, and that is the env's error (it
+                # failed the whole evaluation here, and was an env_error row in a sandbox).
+                if terminated or truncated:
+                    terminated, truncated, done = bool(terminated), bool(truncated), True
+                else:
+                    done = False
             except Exception as err:
                 self._discard(slot)
                 ended[pos] = _env_failure(err)
@@ -203,10 +211,10 @@ class InProcessSlots:
             count = elapsed[slot] = elapsed[slot] + 1
             limit = limits[slot]
             if limit is not None and count >= limit:
-                truncated = True
-            if terminated or truncated:
+                truncated = done = True
+            if done:
                 ended[pos] = SlotOutcome(reward=reward, terminated=bool(terminated),
-                                         truncated=bool(truncated), info=scalar_info(info))
+                                         truncated=truncated, info=scalar_info(info))
                 continue
             try:
                 # Exactly the row's shape: assigned, numpy broadcast a (1,) observation into every
