@@ -39,7 +39,7 @@ from evalfleet.policy import LoadedPolicy
 from evalfleet.runner import _invalid_actions, _to_env_action, nan_text, return_text
 from evalfleet.sandbox.base import EnvSlots, SlotOutcome, error_text, open_slots, scalar_info
 from evalfleet.sandbox.limits import SandboxLimits
-from evalfleet.sandbox.slots import obs_shape_error
+from evalfleet.sandbox.slots import obs_shape_error, overflow_text
 from evalfleet.seeds import action_rng
 from evalfleet.stats import MAX_ABS_VALUE
 
@@ -378,7 +378,7 @@ def _replay_loop(
     # The runner's checks, at the same steps: replayed on, a NaN observation or a return past
     # MAX_ABS_VALUE went on where its row ended, and a deterministic env was reported as
     # irreproducible (replay_nondeterminism), its table dropped.
-    nan = nan_text(row, "at reset")
+    nan = nan_text(row, "at reset") or overflow_text(row, obs, "at reset")
     if nan is not None:
         ep.reason, ep.error = EndReason.ENV_ERROR.value, nan
         return
@@ -417,6 +417,10 @@ def _replay_loop(
                 row[...] = next_obs  # as the runner's buffer does: a misfit is an env_error
             except Exception as err:
                 ep.reason, ep.error = EndReason.ENV_ERROR.value, error_text(err)
+                return
+            over = overflow_text(row, next_obs, f"at step {ep.length + 1}")  # not counted, as there
+            if over is not None:
+                ep.reason, ep.error = EndReason.ENV_ERROR.value, over
                 return
         ep.length += 1
         ep.actions.append(taken)

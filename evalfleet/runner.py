@@ -35,7 +35,9 @@ from evalfleet.sandbox.slots import (
     SlotOutcome,
     error_text,
     is_finite,
+    may_overflow,
     obs_shape_error,
+    overflow_text,
 )
 from evalfleet.seeds import action_rng
 from evalfleet.stats import MAX_ABS_VALUE
@@ -212,6 +214,10 @@ def _step_via_many(
                             shape, row_shape, f"at step {int(lengths[slot]) + 1}"))
                         continue
                     obs_out[slot] = out.obs
+                    if may_overflow(out.obs):
+                        text = overflow_text(obs_out[slot], out.obs, f"at step {int(lengths[slot]) + 1}")
+                        if text is not None:
+                            ended[pos] = SlotOutcome(failure=EndReason.ENV_ERROR.value, error=text)
                 except Exception as err:
                     ended[pos] = SlotOutcome(failure=EndReason.ENV_ERROR.value,
                                              error=_obs_error(out.obs, obs_out, err))
@@ -661,7 +667,9 @@ class ShardRun:
             self.obs[slot] = obs
         except Exception as err:
             return _obs_error(obs, self.obs, err)
-        return nan_text(self.obs[slot], "at reset")
+        row = self.obs[slot]
+        nan = nan_text(row, "at reset")
+        return overflow_text(row, obs, "at reset") if nan is None and may_overflow(obs) else nan
 
     # -- one step of every live slot -------------------------------------------------------------
 

@@ -19,11 +19,13 @@ from evalfleet.sandbox.limits import SandboxLimits
 from evalfleet.sandbox.native_cartpole import NativeCartPoles
 from evalfleet.sandbox.process import ProcessSlots
 from evalfleet.sandbox.slots import (
+    WIDE_FLOATS,
     EnvSlots,
     SlotOutcome,
     error_text,
     is_finite,
     obs_shape_error,
+    overflow_text,
     scalar_info,
 )
 
@@ -189,7 +191,8 @@ class InProcessSlots:
         ended: dict[int, SlotOutcome] = {}
         steps, limits, elapsed = self._steps, self._limits, self._elapsed
         row_shape = obs_out.shape[1:]
-        ndarray = np.ndarray
+        ndarray, wide_floats = np.ndarray, WIDE_FLOATS
+        wide: list[tuple[int, int, Any]] = []  # rows written from values float32 may not hold
         for pos, slot in enumerate(slots.tolist()):
             step = steps[slot]
             if step is None:
@@ -219,17 +222,26 @@ class InProcessSlots:
             try:
                 # Exactly the row's shape: assigned, numpy broadcast a (1,) observation into every
                 # element of a (4,) row. The common case costs one attribute and a tuple compare.
-                if (obs.shape if type(obs) is ndarray else np.shape(obs)) != row_shape:
+                array = type(obs) is ndarray
+                if (obs.shape if array else np.shape(obs)) != row_shape:
                     ended[pos] = SlotOutcome(failure="env_error", error=obs_shape_error(
                         np.shape(obs), row_shape, f"at step {count}"))
                     continue
                 obs_out[slot] = obs
+                if (obs.dtype in wide_floats) if array else type(obs) is not int:  # ``may_overflow``
+                    wide.append((pos, slot, obs))
             except Exception as err:
                 shape = getattr(obs, "shape", type(obs).__name__)
                 ended[pos] = SlotOutcome(
                     failure="env_error",
                     error=f"observation {shape} does not fit the observation rows of shape "
                     f"{obs_out.shape[1:]}: {error_text(err)}"[:500])
+        # One look over the rows a float64 observation was written to; row by row only at an inf.
+        if wide and np.isinf(obs_out[[slot for _, slot, _ in wide]]).any():
+            for pos, slot, obs in wide:
+                text = overflow_text(obs_out[slot], obs, f"at step {elapsed[slot]}")
+                if text is not None:
+                    ended[pos] = SlotOutcome(failure="env_error", error=text)
         return np.array(rewards, dtype=np.float64), ended
 
     def _discard(self, slot: int) -> None:

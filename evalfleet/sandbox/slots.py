@@ -110,6 +110,44 @@ def obs_shape_error(shape: tuple[int, ...], expected: tuple[int, ...], when: str
             "reshaped to fit it")
 
 
+#: Dtypes with finite values past float32's range (written into a float32 row they become inf).
+WIDE_FLOATS = frozenset({np.dtype(np.float64), np.dtype(np.longdouble)})
+
+
+def may_overflow(obs: Any) -> bool:
+    """Whether ``obs`` may hold a finite value float32 cannot (a float64 array, a float, a list).
+
+    Cheap, for the step path: a float32 or integer array never does, nor an ``int`` (a Discrete
+    observation; one past 3.4e38 is no state of any env).
+    """
+    if type(obs) is np.ndarray:
+        return obs.dtype in WIDE_FLOATS
+    return type(obs) is not int
+
+
+def overflow_text(row: npt.NDArray[np.float32], obs: Any, at: str) -> str | None:
+    """Why an observation with finite elements past float32's range cannot be acted on, or None.
+
+    ``row``: ``obs`` as written into the policy's float32 row (same shape). Such an element is
+    inf there: fed on, a torch policy's logits had no finite maximum and the env's value was
+    counted as the policy's error. An element the env gave as inf is left alone (a Box may allow it).
+    """
+    inf = np.isinf(row.ravel())
+    if not inf.any():
+        return None
+    try:
+        src = np.asarray(obs)
+        src = (src if src.dtype.kind in "fiub" else src.astype(np.float64)).ravel()
+        over = np.flatnonzero(inf & np.isfinite(src))
+    except (TypeError, ValueError, OverflowError):
+        return None
+    if not over.size:
+        return None
+    values = ", ".join(f"{float(v):g}" for v in src[over[:3]])
+    return (f"observation exceeds float32's range {at} (element(s) {over[:8].tolist()} of {inf.size}: "
+            f"{values}): finite, past +-3.4e38, they would reach the policy as inf")
+
+
 #: Most characters of an error text in a row.
 ERROR_CHARS = 500
 
