@@ -973,32 +973,36 @@ def _wheel(site: Path, name: str, version: str, files: dict[str, str], *,
                                  + f"{info.name}/RECORD,,\n")
 
 
+#: An installed env package whose dynamics come from another package (``physics``).
+SIM_ENV = """
+    import gymnasium as gym
+    import numpy as np
+    from {physics} import GRAVITY
+
+    class Fall(gym.Env):
+        observation_space = gym.spaces.Box(-1e9, 1e9, (1,), np.float32)
+        action_space = gym.spaces.Discrete(2)
+
+        def reset(self, *, seed=None, options=None):
+            super().reset(seed=seed)
+            self.h = 100.0
+            return np.array([self.h], np.float32), {{}}
+
+        def step(self, action):
+            self.h -= GRAVITY * 0.1
+            return np.array([self.h], np.float32), 1.0, self.h <= 0, False, {{}}
+
+    gym.register("{name}/Fall-v0", entry_point="{name}:Fall", max_episode_steps=1000)
+"""
+
+
 def test_a_simulator_an_installed_env_package_imports_is_keyed_by_its_version(tmp_path):
     """An env from an installed wheel whose dynamics come from another wheel (gymnasium's MuJoCo
     envs and ``mujoco``): upgrading that one changed every return under the same key before."""
     import subprocess
 
     site = tmp_path / "site"
-    _wheel(site, "simenv", "1.0", {"__init__.py": """
-        import gymnasium as gym
-        import numpy as np
-        from physlib import GRAVITY
-
-        class Fall(gym.Env):
-            observation_space = gym.spaces.Box(-1e9, 1e9, (1,), np.float32)
-            action_space = gym.spaces.Discrete(2)
-
-            def reset(self, *, seed=None, options=None):
-                super().reset(seed=seed)
-                self.h = 100.0
-                return np.array([self.h], np.float32), {}
-
-            def step(self, action):
-                self.h -= GRAVITY * 0.1
-                return np.array([self.h], np.float32), 1.0, self.h <= 0, False, {}
-
-        gym.register("simenv/Fall-v0", entry_point="simenv:Fall", max_episode_steps=1000)
-    """})
+    _wheel(site, "simenv", "1.0", {"__init__.py": SIM_ENV.format(physics="physlib", name="simenv")})
     probe = ("import json; from evalfleet.envspec import resolve_env; "
              "fp = resolve_env('simenv:simenv/Fall-v0', {}, None).fingerprint; "
              "print(json.dumps([fp.package, fp.package_version, fp.code, fp.spec_hash]))")
@@ -1055,26 +1059,6 @@ def test_what_a_callables_installed_library_imports_is_keyed_by_its_version(tmp_
     assert seen[0]["polwrap"] == seen[1]["polwrap"] and seen[0][policy].startswith(SOURCE_PREFIX)
 
 
-SIM_ENV = """
-    import gymnasium as gym
-    import numpy as np
-    from {physics} import GRAVITY
-
-    class Fall(gym.Env):
-        observation_space = gym.spaces.Box(-1e9, 1e9, (1,), np.float32)
-        action_space = gym.spaces.Discrete(2)
-
-        def reset(self, *, seed=None, options=None):
-            super().reset(seed=seed)
-            self.h = 100.0
-            return np.array([self.h], np.float32), {{}}
-
-        def step(self, action):
-            self.h -= GRAVITY * 0.1
-            return np.array([self.h], np.float32), 1.0, self.h <= 0, False, {{}}
-
-    gym.register("rebuilt/Fall-v0", entry_point="rebuilt:Fall", max_episode_steps=1000)
-"""
 
 
 def test_a_wheel_rebuilt_under_its_version_is_other_code(tmp_path):
@@ -1097,7 +1081,7 @@ def test_a_wheel_rebuilt_under_its_version_is_other_code(tmp_path):
     seen = []
     for physics, installer, url in (("physlib", "pip", None), ("physlib", "uv", "https://idx/r.whl"),
                                     ("physlib2", "pip", None)):
-        _wheel(site, "rebuilt", "1.0", {"__init__.py": SIM_ENV.format(physics=physics)},
+        _wheel(site, "rebuilt", "1.0", {"__init__.py": SIM_ENV.format(physics=physics, name="rebuilt")},
                installer=installer, url=url)
         out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
                              timeout=120, cwd=tmp_path, env=env, check=True).stdout

@@ -8,38 +8,28 @@ third element is inf on every seed: a value the env gives, which is left alone.
 
 from __future__ import annotations
 
-from typing import Any
-
 import gymnasium as gym
 import numpy as np
 import torch
+
+from tests.core.nan_envs import SensorEnv, first_action
 
 ENV_ID = "tests.core.wide_obs_envs:Wide-v0"
 BAD_STEP = 5
 
 
-class WideEnv(gym.Env[np.ndarray, int]):
+class WideEnv(SensorEnv):
     """+1 per step for 20 steps; half the seeds' observations leave float32's range."""
 
     observation_space = gym.spaces.Box(-np.inf, np.inf, (3,), np.float64)
-    action_space = gym.spaces.Discrete(2)
 
     def __init__(self, at_reset: bool = False, inf_elem: bool = False) -> None:
-        self.at_reset, self.inf_elem = at_reset, inf_elem
-        self.broken, self.t = False, 0
+        super().__init__(at_reset)
+        self.inf_elem = inf_elem
 
     def _obs(self) -> np.ndarray:
         big = self.broken and (self.at_reset or self.t >= BAD_STEP)
         return np.array([1.0, 1e39 if big else 0.5, np.inf if self.inf_elem else -0.5], np.float64)
-
-    def reset(self, *, seed: int | None = None, options: Any = None) -> tuple[np.ndarray, dict[str, Any]]:
-        super().reset(seed=seed)
-        self.broken, self.t = bool(self.np_random.integers(2)), 0
-        return self._obs(), {}
-
-    def step(self, action: int) -> tuple[np.ndarray, float, bool, bool, dict[str, Any]]:
-        self.t += 1
-        return self._obs(), 1.0, self.t >= 20, False, {}
 
 
 if "Wide-v0" not in gym.registry:
@@ -54,6 +44,5 @@ class Tiny(torch.nn.Module):
         return obs @ w.T
 
 
-def first_element(obs: np.ndarray) -> np.ndarray:
-    """A callable that acts on the first element only: an inf elsewhere goes unnoticed."""
-    return (np.asarray(obs)[:, 0] > 2).astype(np.int64)
+#: A callable that acts on the first element only: an inf elsewhere goes unnoticed.
+first_element = first_action
