@@ -11,20 +11,22 @@ and :func:`unpack` splits it again on the worker. float64 holds every float32, f
 integer observation value exactly, so the policy sees the same float32 row as in the runner.
 Packed flat, an observation would lose its shape, so one of another shape than the observation
 space's is refused here, in the sandbox, as the runner refuses it (an ``env_error``).
-This module imports only numpy, gymnasium and :mod:`evalfleet.sandbox.slots` (which the fork
-server has imported): it is what the sandbox has to import.
+This module imports only numpy, gymnasium, :mod:`evalfleet.environ` and :mod:`evalfleet.sandbox.slots`
+(which the fork server has imported): it is what the sandbox has to import.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import gymnasium as gym
 import numpy as np
 import numpy.typing as npt
 
+from evalfleet.environ import exported
 from evalfleet.sandbox.slots import obs_shape_error
 
 _HEADER = 3
@@ -67,7 +69,8 @@ class FramedEnv(gym.Wrapper[Any, Any, Any, Any]):
         frame = None
         if self._render:
             try:
-                frame = rgb_frame(self.env.render())
+                with offscreen():
+                    frame = rgb_frame(self.env.render())
             except Exception as err:
                 raise RenderFailed(f"{type(err).__name__}: {err}") from err
             if frame is None:
@@ -93,18 +96,40 @@ class FramedEnv(gym.Wrapper[Any, Any, Any, Any]):
         return self._pack(obs), reward, terminated, truncated, info
 
 
+#: What SDL (pygame, the classic-control renderer) is told while evalfleet makes or renders an env
+#: for frames: draw off-screen, make no sound (a worker or sandbox has no display).
+OFFSCREEN = {"SDL_VIDEODRIVER": "dummy", "SDL_AUDIODRIVER": "dummy"}
+
+
+@contextmanager
+def offscreen() -> Iterator[None]:
+    """``OFFSCREEN``'s variables not set already, within the block; the environment as it was after.
+
+    Set for good, they stayed in the long-lived driver and workers after one video: the cache
+    key's and the history protocol's environment (``SDL_VIDEODRIVER`` is keyed, an env may read
+    it) then changed for every later sandboxed evaluation in that process, a miss and
+    ``protocol_changed`` (gate exit 6) with nothing changed by the user, and the sandboxes saw it.
+    """
+    unset = {k: v for k, v in OFFSCREEN.items() if k not in os.environ}
+    if not unset:
+        yield
+        return
+    with exported(unset):
+        yield
+
+
 def framed_thunk(make: Callable[..., gym.Env[Any, Any]], render: bool) -> Callable[[], gym.Env[Any, Any]]:
     """A maker for the sandbox: ``make(render_mode=...)`` wrapped in ``FramedEnv``.
 
     ``make`` takes the render mode as its only keyword. SDL (pygame, the classic-control
-    renderer) is told to draw off-screen: a sandbox has no display.
+    renderer) is told to draw off-screen while it makes and renders (``offscreen``).
     """
 
     def thunk() -> gym.Env[Any, Any]:
-        if render:
-            os.environ.setdefault("SDL_VIDEODRIVER", "dummy")
-            os.environ.setdefault("SDL_AUDIODRIVER", "dummy")
-        return FramedEnv(make(render_mode="rgb_array" if render else None), render)
+        if not render:
+            return FramedEnv(make(render_mode=None), render)
+        with offscreen():
+            return FramedEnv(make(render_mode="rgb_array"), render)
 
     return thunk
 

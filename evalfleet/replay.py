@@ -18,7 +18,6 @@ from __future__ import annotations
 import functools
 import logging
 import math
-import os
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,7 +30,7 @@ import pyarrow as pa
 from gymnasium import spaces
 
 from evalfleet.envspec import make_env
-from evalfleet.framing import RenderFailed, framed_thunk, unpack
+from evalfleet.framing import RenderFailed, framed_thunk, offscreen, unpack
 from evalfleet.models import EndReason
 from evalfleet.policy import LoadedPolicy
 
@@ -256,10 +255,10 @@ def _flat(x: Any) -> list[float]:
 def _open_env(
     env_id: str, env_kwargs: Mapping[str, Any], max_steps: int | None, render: bool
 ) -> gym.Env[Any, Any]:
-    if render:  # pygame (the classic-control renderer) draws off-screen; there is no display
-        os.environ.setdefault("SDL_VIDEODRIVER", "dummy")
-        os.environ.setdefault("SDL_AUDIODRIVER", "dummy")
-    return make_env(env_id, dict(env_kwargs), max_steps, render_mode="rgb_array" if render else None)
+    if not render:
+        return make_env(env_id, dict(env_kwargs), max_steps, render_mode=None)
+    with offscreen():  # pygame (the classic-control renderer) draws off-screen; there is no display
+        return make_env(env_id, dict(env_kwargs), max_steps, render_mode="rgb_array")
 
 
 

@@ -16,7 +16,7 @@ import gymnasium as gym
 import numpy as np
 import numpy.typing as npt
 
-from evalfleet.framing import rgb_frame
+from evalfleet.framing import offscreen, rgb_frame
 from evalfleet.sandbox.base import error_text
 
 __all__ = [
@@ -154,7 +154,8 @@ class RenderError(Exception):
 def render_frame(env: gym.Env[Any, Any]) -> npt.NDArray[np.uint8]:
     """One ``(H, W, 3)`` uint8 frame of ``env``; raises ``RenderError`` when it renders none."""
     try:
-        frame = rgb_frame(env.render())
+        with offscreen():
+            frame = rgb_frame(env.render())
     except Exception as err:
         raise RenderError(error_text(err)) from err
     if frame is None:

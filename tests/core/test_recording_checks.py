@@ -116,3 +116,33 @@ def test_replay_in_a_sandbox_equals_the_in_process_replay(level, tmp_path):
         return sum(1 for _ in reader)
 
     assert frames(there.videos[0]) == frames(here.videos[0])
+
+
+def test_rendering_here_leaves_this_processes_environment_as_it_was(monkeypatch, tmp_path):
+    """A stage-1 render check and an in-process replay with video set SDL_VIDEODRIVER=dummy for
+    good in the driver and the kept workers: the environment a later sandboxed evaluation is keyed
+    and given (its cache key, its history protocol: ``protocol_changed``, gate exit 6) changed."""
+    import os
+
+    from evalfleet.cache import env_environment, environment_digest
+    from evalfleet.envspec import resolve_env
+    from evalfleet.policy import load_policy
+    from evalfleet.replay import record_episodes
+
+    monkeypatch.delenv("SDL_VIDEODRIVER", raising=False)
+    monkeypatch.delenv("SDL_AUDIODRIVER", raising=False)
+    before = environment_digest(env_environment("process", []))
+    receive(_request(record_video=1))  # stage 1's render check, in this process
+    env = resolve_env("CartPole-v1", {}, 40)
+    policy = load_policy("torchscript", Path(POLICY).read_bytes(), None, POLICY, env.action_space,
+                         device="cpu", deterministic=True)
+    out = record_episodes("CartPole-v1", {}, 40, policy, [(0, 11)], video_dir=tmp_path,
+                          trajectories=False, video_for=[0])
+    assert list(out.videos) == [0] and out.videos[0].stat().st_size > 0  # it rendered
+    assert "SDL_VIDEODRIVER" not in os.environ and "SDL_AUDIODRIVER" not in os.environ
+    assert environment_digest(env_environment("process", [])) == before
+    # A value the user set is theirs, before and after.
+    monkeypatch.setenv("SDL_VIDEODRIVER", "x11")
+    record_episodes("CartPole-v1", {}, 40, policy, [(0, 11)], video_dir=tmp_path / "again",
+                    trajectories=False, video_for=[0])
+    assert os.environ["SDL_VIDEODRIVER"] == "x11" and "SDL_AUDIODRIVER" not in os.environ
