@@ -1319,10 +1319,38 @@ def store_in_cache(request: EvalRequest, received: Received, collected: Collecte
         episode_cache(request).discard_shards(received.cache_key)  # persisted as shards finished
         return 0
     ran = run_record(request, received, collected) if collected.fresh.num_rows else None
+    if ran is not None and _recovered_under_own_id(request, received, collected):
+        # Rows an interrupted run under this request id persisted: its settings were not kept.
+        ran = {"request_id": request.request_id, "computed_at": None, "execution": None,
+               "unknown": RESUMED_UNDER_OWN_ID}
     return episode_cache(request).store(received.cache_key, collected.table,
                                         received.cache_ingredients,
                                         replace=request.cache == "refresh", audit=audit,
                                         execution=ran)
+
+
+#: Why a request id's rows have no one execution: some were recovered from an interrupted run under it.
+RESUMED_UNDER_OWN_ID = ("unknown: some of these episodes were recovered from an interrupted evaluation "
+                        "under the same request id, whose settings were not kept (give each "
+                        "evaluation its own request id)")
+
+
+def _recovered_under_own_id(request: EvalRequest, received: Received, collected: Collected) -> bool:
+    """True when rows under this request id that it did not run come from shard files, not a record.
+
+    Before, a re-run of an interrupted request under its id with other settings stated its own
+    settings (concurrency 4 on 2 workers) for episodes the killed run computed with 10 on 1.
+    """
+    if not collected.resumed:
+        return False
+    fresh = set(collected.fresh.column("episode_index").to_pylist())
+    ours = [i for rid, i in zip(collected.table.column("request_id").to_pylist(),
+                                collected.table.column("episode_index").to_pylist(), strict=True)
+            if rid == request.request_id and i not in fresh]
+    if not ours:
+        return False
+    kept = episode_cache(request).executions(received.cache_key).get(request.request_id)
+    return kept is None  # a kept record: the entry's rows, judged against it by ``store``
 
 
 def replays_differ(replays: ReviewReplays | None, received: Received) -> bool:

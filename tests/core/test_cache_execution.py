@@ -60,7 +60,7 @@ def _evaluate(request: EvalRequest) -> EvalReport:
         table = pa.concat_tables([found.stored, fresh]).sort_by("episode_index")
         collected = Collected(table=table, fresh=fresh, audit_rows=empty_episodes(), run_seconds=0.5,
                               seconds=0.0, plan_cached=found.stored.num_rows, plan_seconds=0.0,
-                              cache_status=found.status, cache_corrupt=False)
+                              cache_status=found.status, cache_corrupt=False, resumed=found.resumed)
         store_in_cache(request, RECEIVED, collected)  # type: ignore[arg-type]
     return summarize(request, RECEIVED, RoundSchedule(request), collected)  # type: ignore[arg-type]
 
@@ -147,3 +147,24 @@ def test_a_request_id_used_again_with_other_settings_does_not_claim_the_first_ru
     _evaluate(_request(again, "delivery-8", 30, workers=1, concurrency=10))
     same = _evaluate(_request(again, "hit-run", 30, workers=3, concurrency=7))
     assert (same.manifest["execution"]["concurrency"], same.manifest["execution"]["workers"]) == (10, 1)
+
+
+def test_a_request_id_resumed_with_other_settings_does_not_claim_the_interrupted_runs_episodes(tmp_path):
+    """An interrupted run persists shard files and no settings; re-run under its id with other
+    settings, its resumed episodes were stated as computed with the re-run's (4 on 2 workers)."""
+    interrupted = _request(tmp_path, "delivery-9", 20, workers=1, concurrency=10)
+    episode_cache(interrupted).persist_shard(KEY, _rows(range(20), "delivery-9"))  # then killed
+    rerun = _evaluate(_request(tmp_path, "delivery-9", 30, workers=2, concurrency=4))
+    assert rerun.cache["status"] == "partial"
+    hit = _evaluate(_request(tmp_path, "hit-run", 30, workers=3, concurrency=7))
+    assert hit.cache["status"] == "hit" and hit.manifest["execution"] is None
+    [run] = hit.manifest["computed_by"]
+    assert (run["request_id"], run["episodes"], run["execution"]) == ("delivery-9", 30, None)
+    assert run["unknown"].startswith("unknown: some of these episodes were recovered from an interrupted")
+
+    # Resumed under another id (the CLI's way: each run its own): each run's settings stand.
+    other = tmp_path / "other"
+    episode_cache(_request(other, "killed", 20, 1, 10)).persist_shard(KEY, _rows(range(20), "killed"))
+    _evaluate(_request(other, "resumer", 30, workers=2, concurrency=4))
+    both = _evaluate(_request(other, "hit-run", 30, workers=3, concurrency=7))
+    assert _runs(both) == [("killed", 20, None, None), ("resumer", 10, 4, 2)]
