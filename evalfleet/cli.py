@@ -708,8 +708,9 @@ def history_table(rows: Sequence[dict[str, object]]) -> str:
         return "-" if v is None else format(float(v), fmt)  # type: ignore[arg-type]
 
     head = (f"{'step':>8}  {'return':>10}  {'95% CI':<21}  {'success':>7}  {'fail':>6}  "
-            f"{'length':>7}  {'verdict':<19}  alarms")
+            f"{'length':>7}  {'verdict':<19}  {'protocol':<8}  alarms")
     lines = [head]
+    protocols = {r.get("protocol") for r in rows}
     for r in rows:
         ci = f"[{num(r.get('reward_ci_low'), '.4g')}, {num(r.get('reward_ci_high'), '.4g')}]"
         alarms = ", ".join(r.get("alarms") or []) or "-"  # type: ignore[arg-type]
@@ -719,7 +720,10 @@ def history_table(rows: Sequence[dict[str, object]]) -> str:
         lines.append(f"{r['step']!s:>8}  {num(r.get('reward'), '.4g'):>10}  {ci:<21}  "
                      f"{num(r.get('success_rate'), '.3f'):>7}  {fail:>6}  "
                      f"{num(r.get('episode_length'), '.4g'):>7}  {str(r.get('verdict') or '-') + best:<19}  "
-                     f"{alarms}")
+                     f"{str(r.get('protocol') or '-')[:8]:<8}  {alarms}")
+    if len(protocols) > 1:  # one curve, steps that were never compared with each other
+        lines.append(f"{len(protocols)} protocols on this curve (env code or spec, seed, step cap, "
+                     "determinism, env inputs): a verdict compares only steps of its own protocol")
     return "\n".join(lines)
 
 

@@ -950,7 +950,7 @@ def curve_row(cp: Checkpoint) -> dict[str, Any]:
     row: dict[str, Any] = {"step": cp.step}
     for name, key in CURVE_METRICS.items():
         row[name] = cp.metrics.get(key)
-    row.update(verdict=cp.verdict, best=cp.best, alarms=list(cp.alarms),
+    row.update(verdict=cp.verdict, best=cp.best, alarms=list(cp.alarms), protocol=cp.protocol,
                policy_sha256=cp.policy_sha256, mlflow_run_id=cp.mlflow_run_id)
     return row
 
@@ -971,6 +971,7 @@ def report_curve_row(report: dict[str, Any]) -> dict[str, Any]:
         "best": history.get("verdict") in BEST_VERDICTS and history.get("best_step") == report.get("step")
         and not history.get("best_withheld") and not report.get("harness_fault"),
         "alarms": [a["alarm"] for a in history.get("alarms") or []],
+        "protocol": report_protocol(report),
         "policy_sha256": report.get("policy_sha256"), "mlflow_run_id": None,
     }
 

@@ -411,6 +411,21 @@ def test_curve_row_and_table_of_a_checkpoint_without_success(store):
     assert text.splitlines()[1].split()[4] == "-"
 
 
+def test_the_table_names_each_steps_protocol_and_says_when_a_curve_mixes_them():
+    """A curve of steps under two protocols read as one comparable series: nothing said which
+    steps were never compared with the others (the verdict column alone showed protocol_changed)."""
+    base = {"reward": 9.5, "reward_ci_low": 9.0, "reward_ci_high": 10.0, "success_rate": None,
+            "failure_rate": 0.0, "episode_length": 20.0, "alarms": [], "best": False}
+    rows = [dict(base, step=1, verdict="first", best=True, protocol="389a35f6f22dff53"),
+            dict(base, step=2, verdict="protocol_changed", protocol="d71fa41da475fa81"),
+            dict(base, step=3, verdict="regression", protocol="389a35f6f22dff53")]
+    lines = history_table(rows).splitlines()
+    assert lines[0].split()[-2:] == ["protocol", "alarms"]
+    assert [line.split()[-2] for line in lines[1:4]] == ["389a35f6", "d71fa41d", "389a35f6"]
+    assert lines[4].startswith("2 protocols on this curve")
+    assert "2 protocols" not in history_table([rows[0], rows[2]])
+
+
 def test_report_page_shows_the_curve_so_far_verdict_and_alarm_table(store, tmp_path):
     from evalfleet.plots import render_history
     from evalfleet.report import curve_so_far
