@@ -21,16 +21,16 @@ A sandbox: a pid namespace of its own where the machine permits it (with a user 
 own unless the server is root at ``process`` level), as three processes: a host the server kills
 and reaps, the namespace's init, and the sandbox proper, whose end the host mirrors. The sandbox
 proper has its own process group, a fresh network namespace (where permitted), its own folder as
-cwd/HOME/TMPDIR, an allow-listed environment (the server itself starts with one too),
-rlimits (RLIMIT_NPROC counted for it alone under a uid or user namespace of its
-own), at the ``process`` level under a root worker a uid of its own keeping only
-CAP_DAC_READ_SEARCH, otherwise no capabilities, at the ``process`` level a Landlock ruleset
-where the kernel has one (it opens only what the bwrap jail would bind and writes only its own
-folder, ``file_rules``), at the ``bwrap`` level a mount namespace with a fresh ``/tmp`` and
-``/dev/shm`` of its own (the jail's outlive this evaluation), death with its parent, and a
-seccomp filter (sockets: AF_UNIX only; signals: its own pid namespace but never its init, or
-only itself without one; no ptrace). When an episode
-ends and no other is under way in it, it kills every other process of its namespace.
+cwd/HOME/TMPDIR, an allow-listed environment (the server itself starts with one too), an IPC
+namespace of its own (where permitted; always in the jail), rlimits (RLIMIT_NPROC counted for it
+alone under a uid or user namespace of its own), at the ``process`` level under a root worker a uid
+of its own keeping only CAP_DAC_READ_SEARCH, otherwise no capabilities, at the ``process`` level a
+Landlock ruleset where the kernel has one (it opens only what the bwrap jail would bind and writes
+only its own folder, ``file_rules``), at the ``bwrap`` level a mount namespace with a fresh
+``/tmp`` and ``/dev/shm`` of its own (the jail's outlive this evaluation), death with its parent,
+and a seccomp filter (sockets: AF_UNIX only; signals: its own pid namespace but never its init, or
+only itself without one; no ptrace). When an episode ends and no other is under way in it, it kills
+every other process of its namespace.
 
 It serves reset/step requests for ``envs_per_sandbox`` env instances until its socket closes. An
 exception in the env is answered as ``env_error`` (MemoryError as ``oom``); the broken env is
@@ -121,6 +121,10 @@ class _Server:
         # "nocap": namespaces work, but RLIMIT_NPROC does not bind (uid 0 outside is exempt).
         self.pidns_error = None if found == "nocap" else found
         self.nproc_counted = found is None and self.new_user
+        # Each sandbox's own IPC namespace: with its pid namespace, else unshared in the sandbox
+        # (a root worker's process level; in the jail, with its fresh /tmp, which it requires).
+        self.ipcns_error = (None if self.pidns_error is None or level == "bwrap"
+                            else _in_child(lambda: lim.unshare_ipc() or ""))
 
     def process_cap(self, limits: lim.SandboxLimits) -> str | None:
         """How the sandboxes' process cap holds, or None where it does not (as hello reports)."""
@@ -387,6 +391,7 @@ def serve(fd: int, level: str, parent: int, cgroup_fd: int | None = None) -> Non
     _send(control, {"pid": os.getpid(), "level": level, "netns": netns_error is None,
                     "netns_error": netns_error, "uid": os.geteuid(), "folder": server.base,
                     "pidns": server.pidns_error is None, "pidns_error": server.pidns_error,
+                    "ipcns": server.ipcns_error is None, "ipcns_error": server.ipcns_error,
                     "process_cap": server.process_cap(lim.SandboxLimits())})
     try:
         server.loop()
@@ -607,8 +612,10 @@ def _sandbox_main(fd: int, maker: Callable[[], Any], k: int, limits: lim.Sandbox
     if netns or own_user:  # a user namespace of its own may make a network namespace too
         lim.unshare_network()
     if fresh_tmp:  # raises where it cannot be had: the env never runs with the jail's /tmp
-        lim.private_tmp(folder, new_user=not own_user)
+        lim.private_tmp(folder, new_user=not own_user)  # and its IPC namespace, if not own_pidns
         own_user = True  # its capabilities over that user namespace are dropped below
+    elif not own_pidns:  # a pid namespace's host gave it an IPC namespace of its own already
+        lim.unshare_ipc()  # a root worker's (others here have no user namespace: it fails)
     os.chdir(folder)
     fresh_global_rng()  # not the server's numpy state; before Landlock and seccomp below
     sock = socket.socket(fileno=fd)

@@ -12,7 +12,8 @@ Requirements per level:
 - ``process``: seccomp and rlimits. Added where the machine permits them, and reported: a network
   namespace (``netns``), a uid of its own per sandbox (``own_uid``, root workers), a pid
   namespace per sandbox (``pidns``; with a user namespace of its own under a non-root worker),
-  file access confined by Landlock (``landlock``), and how each level caps a sandbox's
+  an IPC namespace per sandbox (``ipcns``: SysV shared memory, semaphores and message queues,
+  POSIX message queues), file access confined by Landlock (``landlock``), and how each level caps a sandbox's
   processes (``process_cap``).
 - ``bwrap``: ``process``'s requirements, plus a working bubblewrap jail (``bwrap``) whose
   sandboxes can each have a ``/tmp`` of their own (part of ``bwrap``); a pid namespace per
@@ -26,7 +27,8 @@ What each level guarantees when every mechanism holds (as on a root microVM; the
 - ``process``: a crash, hang (wall-clock limit), runaway memory (RLIMIT_AS) or CPU use (RLIMIT_CPU
   per episode) costs only the episodes of its sandbox; no network (socket() other than AF_UNIX
   fails, and the sandbox sits in an empty network namespace); signals reach only its own pid
-  namespace (never its init), ptrace is refused. Every descendant, double-forked daemons
+  namespace (never its init), ptrace is refused; SysV IPC objects and POSIX message queues
+  are its own (``ipcns``), gone with it. Every descendant, double-forked daemons
   included, dies when its episode ends (when no other episode of that sandbox is under way) and
   with the sandbox (its pid namespace's init dies). Processes and threads are capped per sandbox
   by RLIMIT_NPROC: under a uid of its own (root worker) or counted in a user namespace of its own
@@ -43,7 +45,8 @@ What each level guarantees when every mechanism holds (as on a root microVM; the
   libraries, a few /etc files, the interpreter, site-packages, the package folders of evalfleet
   and the env, see :mod:`evalfleet.sandbox.bwrap`) and a ``/tmp`` and ``/dev/shm`` of its own,
   fresh per sandbox, the only writable places (the jail's outlive an evaluation: no file one
-  sandbox writes reaches another); all namespaces are new and all capabilities dropped. Under a
+  sandbox writes reaches another), and an IPC namespace per sandbox (part of ``bwrap``); all
+  namespaces are new and all capabilities dropped. Under a
   root worker the jail's processes are uid 0 outside, which the kernel exempts from
   RLIMIT_NPROC: each sandbox gets a pids cgroup (v1) instead, where one can be made
   (``process_cap['bwrap']``; None where neither holds).
@@ -128,6 +131,12 @@ def pidns():
     from evalfleet.sandbox.forkserver import _check_sandbox_namespaces
     return _check_sandbox_namespaces(os.geteuid() != 0) or "ok"
 
+def ipcns():
+    # As a sandbox gets it: a root worker's unshares it, others' come with their user namespace.
+    if os.geteuid() == 0:
+        return lim.unshare_ipc() or ""
+    return lim.enter_sandbox_namespaces(new_user=True) or ""
+
 def landlock():
     import tempfile
     gone = tempfile.mkdtemp()
@@ -143,7 +152,8 @@ def landlock():
 
 print(json.dumps({name: attempt(fn) for name, fn in
                   [("seccomp", seccomp), ("rlimits", rlimits), ("netns", netns),
-                   ("own_uid", own_uid), ("pidns", pidns), ("landlock", landlock)]}))
+                   ("own_uid", own_uid), ("pidns", pidns), ("ipcns", ipcns),
+                   ("landlock", landlock)]}))
 """
 
 # Runs inside the jail: the root must be read-only, no network, no capabilities.
@@ -317,7 +327,7 @@ def _probe_children() -> dict[str, Any]:
     if not mechanisms:
         reason = f"probe process failed ({code}): {text}"
         mechanisms = {"seccomp": reason, "rlimits": reason, "netns": reason, "own_uid": reason,
-                      "pidns": reason, "landlock": reason}
+                      "pidns": reason, "ipcns": reason, "landlock": reason}
     bwrap = find_bwrap()
     pidns = "bwrap not found"
     if bwrap is None:

@@ -33,6 +33,7 @@ _CLONE_NEWNET = 0x40000000
 _CLONE_NEWUSER = 0x10000000
 _CLONE_NEWPID = 0x20000000
 _CLONE_NEWNS = 0x00020000
+_CLONE_NEWIPC = 0x08000000
 _MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC = 1, 2, 4, 8
 _MS_REMOUNT, _MS_NOATIME, _MS_NODIRATIME, _MS_BIND, _MS_REC = 32, 1024, 2048, 4096, 16384
 _MS_PRIVATE, _MS_RELATIME, _MS_STRICTATIME = 1 << 18, 1 << 21, 1 << 24
@@ -134,18 +135,33 @@ def unshare_network() -> str | None:
     return None
 
 
-def enter_sandbox_namespaces(*, new_user: bool) -> str | None:
-    """A new pid namespace for this process's next child (and a user namespace, if ``new_user``).
+def unshare_ipc() -> str | None:
+    """Move the calling process into a new IPC namespace; None, or why not.
 
-    The next child becomes the namespace's init: when it dies, the kernel kills every process
-    left in the namespace, daemons that left the process group and session included. A user
-    namespace (needed where the caller lacks CAP_SYS_ADMIN) maps only the caller's own uid and
-    gid, and makes the kernel count RLIMIT_NPROC for this sandbox alone. None, or why not.
+    SysV shared memory, semaphores and message queues, and POSIX message queues, live in the
+    IPC namespace, not in a file Landlock or a fresh ``/tmp`` covers: a segment one sandbox left
+    there reached the sandboxes of later evaluations (and outlived the CLI run). Needs
+    CAP_SYS_ADMIN over this process's user namespace.
+    """
+    if _libc().unshare(_CLONE_NEWIPC) != 0:
+        return f"unshare(CLONE_NEWIPC) failed: {os.strerror(ctypes.get_errno())}"
+    return None
+
+
+def enter_sandbox_namespaces(*, new_user: bool) -> str | None:
+    """A new pid namespace for this process's next child, an IPC namespace of its own now.
+
+    And a user namespace, if ``new_user``. The next child becomes the namespace's init: when it
+    dies, the kernel kills every process left in the namespace, daemons that left the process
+    group and session included. The IPC namespace (``unshare_ipc``) is the caller's at once, its
+    descendants' with it, and gone with the last of them. A user namespace (needed where the
+    caller lacks CAP_SYS_ADMIN) maps only the caller's own uid and gid, and makes the kernel
+    count RLIMIT_NPROC for this sandbox alone. None, or why not.
     """
     uid, gid = os.geteuid(), os.getegid()
-    flags = _CLONE_NEWPID | (_CLONE_NEWUSER if new_user else 0)
+    flags = _CLONE_NEWPID | _CLONE_NEWIPC | (_CLONE_NEWUSER if new_user else 0)
     if _libc().unshare(flags) != 0:
-        what = "CLONE_NEWUSER|CLONE_NEWPID" if new_user else "CLONE_NEWPID"
+        what = "CLONE_NEWUSER|CLONE_NEWPID|CLONE_NEWIPC" if new_user else "CLONE_NEWPID|CLONE_NEWIPC"
         return f"unshare({what}) failed: {os.strerror(ctypes.get_errno())}"
     if new_user:
         try:
@@ -201,15 +217,16 @@ def private_tmp(folder: str, *, new_user: bool) -> None:
     ``/dev`` is made read-only (its devices stay usable: each is a mount of its own).
 
     Needs CAP_SYS_ADMIN over this process's user namespace, as in a sandbox's own one;
-    ``new_user``: enter one first (a sandbox without a pid namespace has none). Raises
+    ``new_user``: enter one first, with an IPC namespace of its own (a sandbox without a pid
+    namespace has neither; with one, ``enter_sandbox_namespaces`` gave it both). Raises
     ``OSError`` where it cannot be had: such a sandbox never runs env code.
     """
     libc = _libc()
     if new_user:
         uid, gid = os.geteuid(), os.getegid()
-        if libc.unshare(_CLONE_NEWUSER | _CLONE_NEWNS) != 0:
-            raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWUSER|CLONE_NEWNS) failed: "
-                                              f"{os.strerror(ctypes.get_errno())}")
+        if libc.unshare(_CLONE_NEWUSER | _CLONE_NEWNS | _CLONE_NEWIPC) != 0:
+            raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWUSER|CLONE_NEWNS|CLONE_NEWIPC) "
+                                              f"failed: {os.strerror(ctypes.get_errno())}")
         _map_own_ids(uid, gid)
     elif libc.unshare(_CLONE_NEWNS) != 0:
         raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWNS) failed: "
