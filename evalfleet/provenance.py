@@ -190,11 +190,12 @@ def beside_data(module: Path) -> list[tuple[str, Path]]:
     """The data files beside single-file module ``module``, by name, sorted.
 
     The regular files directly in its folder (no subfolder), less ``.py`` files (modules of their
-    own, keyed when imported), compiled caches and dotfiles. A module in the standard library's or
-    an install folder (``_install_folder``) has none: those folders are code that distributions
-    and the interpreter's version identify, not one module's data. Listing the folder is one
-    ``scandir``; past ``DATA_FILES_LIMIT`` files or ``DATA_BYTES_LIMIT`` bytes ``tree_digest``
-    keys them by size and modification time.
+    own, keyed when imported), compiled caches, dotfiles and symlinks (sandboxes are granted these
+    files: a symlink's target may be any file of the machine, ``/etc/shadow`` say). A module in the
+    standard library's or an install folder (``_install_folder``) has none: those folders are code
+    that distributions and the interpreter's version identify, not one module's data. Listing the
+    folder is one ``scandir``; past ``DATA_FILES_LIMIT`` files or ``DATA_BYTES_LIMIT`` bytes
+    ``tree_digest`` keys them by size and modification time.
     """
     if _install_folder(module.parent):
         return []
@@ -202,7 +203,8 @@ def beside_data(module: Path) -> list[tuple[str, Path]]:
         with os.scandir(module.parent) as entries:
             return sorted((e.name, Path(e.path)) for e in entries
                           if not e.name.startswith(".") and not e.name.endswith(".py")
-                          and not e.name.endswith(COMPILED_SUFFIXES) and e.is_file())
+                          and not e.name.endswith(COMPILED_SUFFIXES)
+                          and e.is_file(follow_symlinks=False))
     except OSError:  # not a folder this process can list (a zip archive's member, a removed one)
         return []
 

@@ -112,7 +112,8 @@ def module_neighbours(module: str) -> list[str]:
 
     Its own file, its sibling ``.py`` files and its data files, each a file of its own. The data
     files are those its code version keys (``provenance.beside_data``: regular files
-    directly in the folder, no dotfile, no subfolder, nothing compiled); the ``.py`` files are
+    directly in the folder, no symlink, no dotfile, no subfolder, nothing compiled); the ``.py``
+    files (no symlink either) are
     the modules it may import beside it (keyed when imported). Never the folder: a module kept
     in a project root or a home sits beside the policies, ``.aws``, the results, the cache and
     the MLflow store, none of which is in the key, and a folder grant reached all of them.
@@ -121,8 +122,9 @@ def module_neighbours(module: str) -> list[str]:
     code: list[str] = []
     try:
         with os.scandir(path.parent) as entries:
-            code = [e.path for e in entries
-                    if e.name.endswith(".py") and not e.name.startswith(".") and e.is_file()]
+            # A symlink is no file of the folder: followed, it granted its target (any file).
+            code = [e.path for e in entries if e.name.endswith(".py") and not e.name.startswith(".")
+                    and e.is_file(follow_symlinks=False)]
     except OSError:  # a folder this process cannot list: the module alone
         pass
     return sorted({module, *code, *(str(p) for _, p in beside_data(path))})

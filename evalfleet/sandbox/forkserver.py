@@ -60,7 +60,7 @@ import numpy as np
 from evalfleet.redaction import redact
 from evalfleet.sandbox import limits as lim
 from evalfleet.sandbox import wire
-from evalfleet.sandbox.bwrap import SYSTEM_PATHS, jail_binds
+from evalfleet.sandbox.bwrap import SYSTEM_PATHS, jail_binds, module_neighbours, package_paths
 from evalfleet.sandbox.isolation import import_project_envs
 from evalfleet.sandbox.slots import error_text, scalar_info
 from evalfleet.seeds import fresh_global_rng
@@ -365,17 +365,25 @@ def file_rules(packages: Iterable[str], data: Iterable[str] = ()) -> lim.FileRul
     id's ``module:`` prefix), never what the env reports of itself. ``data``: files and folders
     its kwargs name (``process.env_data_files``), read too.
 
-    The system folders, the interpreter's, the site-packages and the packages of evalfleet and
-    of the env (``jail_binds``; of a single-file module, its file and, one by one, the files
-    beside it that its key covers: ``bwrap.module_neighbours``), beside the ``sys.path``
-    folders, listed only: never the rest of a project checkout, a home, the results or a secret
-    file, even under a root worker's CAP_DAC_READ_SEARCH.
+    The system folders, the interpreter's, the site-packages and the packages of evalfleet and of
+    the env (``jail_binds``; of a single-file module, its file and, one by one, the files beside it
+    that its key covers: ``bwrap.module_neighbours``, regular files only, opened without following
+    a symlink), beside the ``sys.path`` folders, listed only: never the rest of a project checkout,
+    a home, the results or a secret file, even under a root worker's CAP_DAC_READ_SEARCH.
     """
-    read = (*[p for p in SYSTEM_PATHS if os.path.exists(p)], *jail_binds(packages), *data)
+    data, binds = tuple(data), jail_binds(packages)
+    # The files beside a single-file module: granted as the regular files they are, never
+    # through a symlink (one may be put there after they were listed).
+    found = package_paths(["evalfleet", *packages])
+    beside = {n for path in found if os.path.isfile(path) for n in module_neighbours(path)
+              if n != path}
+    files = tuple(p for p in binds if p in beside and p not in data)
+    read = (*[p for p in SYSTEM_PATHS if os.path.exists(p)],
+            *[p for p in binds if p not in files], *data)
     listed = tuple(dict.fromkeys(
         os.path.realpath(entry) for entry in sys.path
         if entry and os.path.isabs(entry) and os.path.isdir(entry)))
-    return lim.FileRules(read=tuple(dict.fromkeys(read)), listed=listed)
+    return lim.FileRules(read=tuple(dict.fromkeys(read)), listed=listed, files=files)
 
 
 def serve(fd: int, level: str, parent: int, cgroup_fd: int | None = None) -> None:

@@ -16,6 +16,7 @@ import re
 import resource
 import signal
 import socket
+import stat
 import time
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
@@ -455,11 +456,14 @@ class FileRules:
     site-packages and the env's packages, the jail's list (``bwrap.jail_binds``). ``listed``:
     the ``sys.path`` folders they sit in, listed only (the import system lists a folder to find
     a module in it; no file beneath is readable through this). The sandbox's folder, read-write,
-    is ``restrict_files``'s argument.
+    is ``restrict_files``'s argument. ``files``: the files beside a single-file env module
+    (``bwrap.module_neighbours``), read each as the regular file at its path, never through a
+    symlink (``O_NOFOLLOW``): its folder is the env's, and a symlink there granted its target.
     """
 
     read: tuple[str, ...]
     listed: tuple[str, ...]
+    files: tuple[str, ...] = ()
 
 
 def restrict_files(rules: FileRules, folder: str, limits: SandboxLimits | None = None
@@ -488,20 +492,24 @@ def restrict_files(rules: FileRules, folder: str, limits: SandboxLimits | None =
         raise OSError(ctypes.get_errno(), f"landlock_create_ruleset: "
                                           f"{os.strerror(ctypes.get_errno())}")
     reading = _FS_READ_FILE | _FS_READ_DIR | _FS_EXECUTE
-    grants = [(path, reading) for path in (*rules.read, *SYSTEM_INFO_PATHS)]
-    grants += [(path, _FS_READ_DIR) for path in rules.listed]
-    grants += [(path, _FS_READ_FILE | _FS_WRITE_FILE) for path in DEVICE_PATHS]
+    grants = [(path, reading, 0) for path in (*rules.read, *SYSTEM_INFO_PATHS)]
+    grants += [(path, reading, os.O_NOFOLLOW) for path in rules.files]
+    grants += [(path, _FS_READ_DIR, 0) for path in rules.listed]
+    grants += [(path, _FS_READ_FILE | _FS_WRITE_FILE, 0) for path in DEVICE_PATHS]
     extra = limits or SandboxLimits()
-    grants += [(path, reading) for path in extra.readable]
-    grants += [(path, handled) for path in (folder, *extra.writable)]
+    grants += [(path, reading, 0) for path in extra.readable]
+    grants += [(path, handled, 0) for path in (folder, *extra.writable)]
     try:
-        for path, access in grants:
+        for path, access, nofollow in grants:
             try:
-                fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+                fd = os.open(path, os.O_PATH | os.O_CLOEXEC | nofollow)
             except OSError:
                 continue  # not on this machine
             try:
-                if not os.path.isdir(path):
+                mode = os.fstat(fd).st_mode
+                if nofollow and not stat.S_ISREG(mode):
+                    continue  # a symlink (or other) put there since it was listed: nothing
+                if not stat.S_ISDIR(mode):
                     access &= _FS_FILE_RIGHTS
                 beneath = _PathBeneath(access & handled, fd)
                 if libc.syscall(_SYS_LANDLOCK_ADD_RULE, ctypes.c_int(ruleset),

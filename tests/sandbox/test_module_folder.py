@@ -17,7 +17,10 @@ from pathlib import Path
 import pytest
 
 from evalfleet.errors import EnvSpecError
+from evalfleet.sandbox import limits as lim
+from evalfleet.sandbox.bwrap import module_neighbours
 from evalfleet.sandbox.forkclient import fork_server
+from evalfleet.sandbox.forkserver import _in_child
 from evalfleet.sandbox.isolation import available_levels
 from evalfleet.sandbox.limits import SandboxLimits, landlock_abi
 
@@ -86,13 +89,16 @@ PRIVATE = {
 OWN = {"data": "level.json", "policy": "my_policy.pt"}
 
 
-def _plant(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, gain: float = 2.0
-           ) -> tuple[str, str, Path]:
-    """The project root with its env module, on ``sys.path``: (env id, module, root)."""
+def _plant(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, gain: float = 2.0,
+           links: dict[str, Path] | None = None) -> tuple[str, str, Path]:
+    """The project root with its env module, on ``sys.path``: (env id, module, root).
+
+    ``links``: symlinks to make beside the module (name -> target); the env reports each too.
+    """
     tag = f"{os.getpid()}_{tmp_path.name.replace('-', '_')}"
     module, helper, name = f"proj_env_{tag}", f"proj_helper_{tag}", f"Proj{tag}-v0"
     proj = tmp_path / "proj"
-    targets = {k: str(proj / v) for k, v in {**PRIVATE, **OWN}.items()}
+    targets = {k: str(proj / v) for k, v in {**PRIVATE, **OWN, **(links or {})}.items()}
     targets["helper"] = str(proj / f"{helper}.py")
     for rel in PRIVATE.values():
         (proj / rel).parent.mkdir(parents=True, exist_ok=True)
@@ -106,6 +112,8 @@ def _plant(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, gain: float = 2.0
         helper=helper, targets=targets, env_id=name, module=module))
     for path in (tmp_path, *proj.rglob("*"), proj):
         path.chmod(0o755 if path.is_dir() else 0o644)  # a root worker's sandboxes: uids of their own
+    for link, target in (links or {}).items():
+        (proj / link).symlink_to(target)
     monkeypatch.syspath_prepend(str(proj))
     return f"{module}:{name}", module, proj
 
@@ -158,3 +166,58 @@ def test_a_warm_jail_sees_a_data_file_replaced_since(tmp_path: Path,
     assert [r.episode_return for r in run_evaluation("bwrap", env_id, {})] == [18.0] * 4
     assert fork_server("bwrap", 60, ["envs", module]) is not jail
     assert not jail.alive, "the replaced jail was left running"
+
+
+@pytest.mark.parametrize("level", ["process", "bwrap"])
+def test_a_symlink_beside_the_module_grants_nothing(level: str, tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A symlink beside a single-file module is no file of its folder: its target stays closed.
+
+    ``DirEntry.is_file()`` follows symlinks: ``levels.json -> ~/.aws/credentials`` (0600, in a
+    0700 folder) and ``tiles.dat -> /etc/shadow`` beside the module were granted as its data,
+    and a ``process`` env read both (a root worker's sandbox keeps CAP_DAC_READ_SEARCH), exit 0.
+    Its real files (data, policy, sibling module) are read as before.
+    """
+    _skip_unless(level)
+    victim = tmp_path / "victim" / ".aws"
+    victim.mkdir(parents=True)
+    (victim / "credentials").write_text("[default]\naws_secret_access_key = VICTIM-SECRET\n")
+    (victim / "credentials").chmod(0o600)
+    (tmp_path / "victim").chmod(0o700)
+    links = {"levels.json": victim / "credentials", "tiles.dat": Path("/etc/shadow"),
+             "linked_module.py": victim / "credentials"}
+    env_id, _, proj = _plant(tmp_path, monkeypatch, links=links)
+    records = run_evaluation(level, env_id, {})
+    assert [(r.end_reason, r.episode_return) for r in records] == [("terminated", 9.0)] * 4, \
+        records[0].error
+    seen = {k.removeprefix("read_"): v for k, v in records[0].metrics.items()
+            if k.startswith("read_")}
+    assert seen == {**dict.fromkeys(PRIVATE, 0), **dict.fromkeys(OWN, 1), "helper": 1,
+                    **dict.fromkeys(links, 0)}, seen
+    # Neither granted nor keyed: the module's files are its real ones.
+    module = next(proj.glob("proj_env_*.py"))
+    names = {Path(p).name for p in module_neighbours(str(module))}
+    assert names.isdisjoint(links) and {"level.json", "my_policy.pt"} <= names, names
+
+
+def test_a_file_beside_the_module_is_granted_only_as_a_regular_file(tmp_path: Path) -> None:
+    """``FileRules.files`` are opened without following a symlink: one put there grants nothing."""
+    if landlock_abi() == 0:
+        pytest.skip("this kernel has no Landlock")
+    real, link = tmp_path / "level.json", tmp_path / "tiles.dat"
+    real.write_text("{}")
+    link.symlink_to("/etc/shadow")
+
+    def probe() -> str:
+        rules = lim.FileRules(read=(), listed=(), files=(str(real), str(link)))
+        assert lim.restrict_files(rules, str(tmp_path / "own")) is None
+        seen = ""
+        for path in (real, link):
+            try:
+                path.read_bytes()
+                seen += "1"
+            except PermissionError:
+                seen += "0"
+        return seen
+
+    assert _in_child(probe) == "10"
