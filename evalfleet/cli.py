@@ -18,7 +18,13 @@ from typing import Any, NoReturn
 from evalfleet import mlflow_logger, warm_forkserver
 from evalfleet.console import QUIET_ENV, configure_console, quiet_environment
 from evalfleet.environ import restored_environment
-from evalfleet.errors import EvalfleetError, IsolationUnavailable, RequestError, Stopped
+from evalfleet.errors import (
+    EvalfleetError,
+    IsolationUnavailable,
+    RequestError,
+    SandboxUnconfined,
+    Stopped,
+)
 from evalfleet.models import (
     FAILURE_ALARM_RATE,
     INPUTS_CHANGED,
@@ -58,10 +64,15 @@ EXIT_OUTPUT_MISSING = 5
 
 
 def error_exit(err: EvalfleetError) -> int:
-    """The exit code of an ``EvalfleetError``: 2 for a refused request, 7 for the others."""
+    """The exit code of an ``EvalfleetError``: 2 for a refused request, 7 for the others.
+
+    3 for a worker whose sandboxes could not be confined as the level promises: a harness fault.
+    """
     print(f"evalfleet: error: {err}", file=sys.stderr)
     if isinstance(err, RequestError | IsolationUnavailable):
         return EXIT_BAD_REQUEST
+    if isinstance(err, SandboxUnconfined):
+        return EXIT_HARNESS_FAULT
     return EXIT_STOPPED_MIDWAY
 
 

@@ -722,8 +722,13 @@ def lost_workers(why: str, done: list[Any]) -> str:
 
 
 def distribute(artifact: PolicyArtifact, address: str | None, device: str, deterministic: bool,
-               code: dict[str, str] | None = None) -> PolicyHandle:
-    """Stage 3: one copy of the policy bytes per worker (a worker plugin), not per shard."""
+               code: dict[str, str] | None = None, sandbox_required: tuple[str, ...] | None = None
+               ) -> PolicyHandle:
+    """Stage 3: one copy of the policy bytes per worker (a worker plugin), not per shard.
+
+    ``code`` and ``sandbox_required`` travel in the handle: what each worker must run, and the
+    confinement its sandboxes must apply (``PolicyHandle``).
+    """
     plugin_name = None
     if address is not None:
         from evalfleet.installer import PolicyInstaller
@@ -746,6 +751,7 @@ def distribute(artifact: PolicyArtifact, address: str | None, device: str, deter
         deterministic=deterministic,
         distributed_at=time.time(),
         code=tuple(sorted((code or {}).items())),
+        sandbox_required=sandbox_required,
     )
 
 

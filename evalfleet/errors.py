@@ -48,6 +48,15 @@ class IsolationUnavailable(EvalfleetError):
     """The requested isolation level needs something this machine does not allow."""
 
 
+class SandboxUnconfined(EvalfleetError):
+    """A worker's sandbox could not apply the confinement its level promised; it ran no env code.
+
+    The promise is the driver's isolation probe, which the report's manifest states (Landlock,
+    the sandbox's namespaces): a worker without one (a kernel without Landlock, say) would have
+    run the env with less. A harness fault of that worker, not of the request.
+    """
+
+
 class PolicyIntegrityError(EvalfleetError):
     """Policy bytes that arrived on a worker do not hash to the expected sha256."""
 

@@ -591,6 +591,10 @@ class PolicyHandle(_Frozen):
     factory_sha256: str | None = None
     """The sha256 of a state_dict factory's source (``PolicyArtifact.factory_sha256``): with
     ``factory`` and ``code``, what decides the module that the same bytes load into."""
+    sandbox_required: tuple[str, ...] | None = None
+    """The confinement each sandbox must apply (``Received.sandbox_required``: the driver's
+    probe, which the report states); a sandbox that cannot refuses to run env code. None: the
+    worker's own probe's."""
 
 
 class EvalReport(_Frozen):

@@ -95,7 +95,7 @@ from evalfleet.replay import (
 from evalfleet.report import aggregate, curve_so_far, execution_manifest, harness_versions
 from evalfleet.review import cluster_failures, report_page
 from evalfleet.review_replays import ReviewReplays, replay_sandbox, review_replays
-from evalfleet.sandbox.isolation import resolve_isolation
+from evalfleet.sandbox.isolation import promised, resolve_isolation
 from evalfleet.sandbox.limits import sandbox_limits
 from evalfleet.seeds import SeedLedger
 from evalfleet.storage import report_lock, run_dir, write_episodes, write_json, write_table
@@ -144,6 +144,15 @@ class Received:
         if self.artifact.format != "callable":
             code["torch"] = code_version("torch")[1]
         return code
+
+    @property
+    def sandbox_required(self) -> tuple[str, ...]:
+        """The confinement each worker's sandboxes must apply: what this machine's probe found.
+
+        The report's manifest states that probe; a sandbox without one of these refuses to run
+        env code (``SandboxLimits.required``) instead of running it with less.
+        """
+        return promised(self.isolation)
 
 
 @dataclass(frozen=True)
@@ -578,7 +587,9 @@ def spawn(request: EvalRequest, received: Received, address: str | None, planned
         return planned
     t0 = time.perf_counter()
     code = received.expected_code
-    warmed = cluster.on_each_worker(address, warm_sandboxes, request, received.isolation, code)
+    required = received.sandbox_required
+    warmed = cluster.on_each_worker(address, warm_sandboxes, request, received.isolation, code,
+                                    required)
     stale = {w["worker"]: w["stale"] for w in warmed if w.get("stale")}
     restarted = bool(stale) and cluster.owned(address)
     if restarted:
@@ -586,7 +597,8 @@ def spawn(request: EvalRequest, received: Received, address: str | None, planned
         logger.warning("restarting the local workers: %s", "; ".join(
             f"{w} runs old code of {', '.join(sorted(s))}" for w, s in stale.items()))
         cluster.restart_workers(address)
-        warmed = cluster.on_each_worker(address, warm_sandboxes, request, received.isolation, code)
+        warmed = cluster.on_each_worker(address, warm_sandboxes, request, received.isolation, code,
+                                        required)
         stale = {w["worker"]: w["stale"] for w in warmed if w.get("stale")}
     if stale:
         worker, modules = sorted(stale.items())[0]
@@ -603,7 +615,7 @@ def spawn(request: EvalRequest, received: Received, address: str | None, planned
 def distribute(request: EvalRequest, received: Received, address: str | None) -> PolicyHandle:
     """Stage 3: one copy of the policy per worker."""
     return cluster.distribute(received.artifact, address, received.device, request.deterministic,
-                              received.expected_code)
+                              received.expected_code, received.sandbox_required)
 
 
 def collect(

@@ -15,7 +15,7 @@ from evalfleet import stats
 from evalfleet.cache import environment_digest
 from evalfleet.models import FAILURE_ALARM_RATE, EndReason, EvalReport, EvalRequest
 from evalfleet.provenance import RECORD_MARK, SOURCE_PREFIX, code_version
-from evalfleet.sandbox.isolation import isolation_manifest
+from evalfleet.sandbox.isolation import isolation_manifest, promised
 from evalfleet.sandbox.limits import sandbox_limits
 from evalfleet.sandbox.slots import UNREADABLE_FLAG
 from evalfleet.scoring import Outcomes, outcomes
@@ -338,7 +338,9 @@ def execution_manifest(request: EvalRequest, isolation: str) -> dict[str, Any]:
         "isolation": isolation,
         "isolation_probe": isolation_manifest(),
         "envs_per_sandbox": request.envs_per_sandbox,
-        "sandbox_limits": sandbox_limits(request).as_dict() if isolation != "inprocess" else None,
+        # ``required``: what each sandbox had to apply, or refuse to run env code (the probe's).
+        "sandbox_limits": (sandbox_limits(request, promised(isolation)).as_dict()
+                           if isolation != "inprocess" else None),
         "concurrency": request.concurrency,
         # ``--workers`` sizes a local cluster only: an external one has the workers it has.
         "workers": None if request.dask_address else request.workers,

@@ -52,7 +52,7 @@ def _publish(topic: str, message: dict[str, Any]) -> None:
         pass
 
 
-_resolved: dict[tuple[str, str, int | None, str, str, tuple[str, ...]], Any] = {}
+_resolved: dict[tuple[str, str, int | None, str, str, tuple[str, ...], tuple[str, ...] | None], Any] = {}
 
 
 class KeptSlots:
@@ -157,12 +157,14 @@ def execute_shard(shard: Shard, handle: PolicyHandle, request: EvalRequest, isol
         raise clean from None
 
 
-def _resolve(request: EvalRequest, isolation: str) -> Any:
+def _resolve(request: EvalRequest, isolation: str, required: tuple[str, ...] | None = None
+             ) -> Any:
     """The request's env, resolved once per worker process (``resolve_env_for``).
 
     Again when a file its kwargs name has changed since (its fingerprint, so the rows' env spec
     hash, holds the file's bytes). An env from someone else's module is never imported here:
     its sandbox describes it, and only the files the request's own kwargs name are watched.
+    ``required``: the confinement that sandbox must apply (``SandboxLimits.required``).
     """
     if resolved_here(request.env, isolation):
         import_env_modules(request.env)  # imported once; the spec must be registered to be read
@@ -170,12 +172,13 @@ def _resolve(request: EvalRequest, isolation: str) -> Any:
     else:
         files = named_files(dict(request.env_kwargs))
     key = (request.env, repr(sorted(request.env_kwargs.items())), request.max_steps, isolation,
-           repr(sorted(files.items())), tuple(request.sandbox_env_allow))
+           repr(sorted(files.items())), tuple(request.sandbox_env_allow), required)
     resolved = _resolved.get(key)
     if resolved is None:
         resolved = _resolved[key] = resolve_env_for(
             request.env, request.env_kwargs, request.max_steps, isolation,
-            sandbox_limits(request), request.episode_timeout_s, request.sandbox_env_allow)
+            sandbox_limits(request, required), request.episode_timeout_s,
+            request.sandbox_env_allow)
     return resolved
 
 
@@ -197,8 +200,8 @@ def check_code(expected: dict[str, str]) -> None:
         raise StaleWorkerCode(stale_message(worker_name(), stale))
 
 
-def warm_sandboxes(request: EvalRequest, isolation: str, code: dict[str, str] | None = None
-                   ) -> dict[str, Any]:
+def warm_sandboxes(request: EvalRequest, isolation: str, code: dict[str, str] | None = None,
+                   required: tuple[str, ...] | None = None) -> dict[str, Any]:
     """Stage 2 on one worker: start what its shards' sandboxes come from, before any shard runs.
 
     The env is resolved (its modules imported, one instance made: all ``inprocess`` slots need)
@@ -208,12 +211,14 @@ def warm_sandboxes(request: EvalRequest, isolation: str, code: dict[str, str] | 
 
     ``code`` is what the cache key names (``Received.expected_code``): modules this worker runs
     at another version come back under ``"stale"`` (the driver restarts its own workers, or
-    refuses to run on a cluster it does not own) and nothing is started for them.
+    refuses to run on a cluster it does not own) and nothing is started for them. ``required``
+    is the confinement its sandboxes must apply (``Received.sandbox_required``): an env described
+    in a sandbox here that cannot apply it raises ``SandboxUnconfined``.
     """
     try:
         t0 = time.perf_counter()
         tune_malloc()
-        resolved = _resolve(request, isolation)
+        resolved = _resolve(request, isolation, required)
         stale = stale_code(code or {})
         if isolation in ("process", "bwrap") and not stale:
             _start_fork_server(request, isolation, resolved.fingerprint.as_dict())
@@ -251,7 +256,7 @@ def _shape(space: Any) -> tuple[int, ...] | None:
 def _execute_shard(shard: Shard, handle: PolicyHandle, request: EvalRequest, isolation: str
                    ) -> pa.Table:
     tune_malloc()
-    resolved = _resolve(request, isolation)
+    resolved = _resolve(request, isolation, handle.sandbox_required)
     policy = policy_on_worker(handle, request.policy, resolved.action_space)
     check_code(dict(handle.code))  # after both imported: what they run is what the key names
     ctx = EpisodeContext(
@@ -275,7 +280,7 @@ def _execute_shard(shard: Shard, handle: PolicyHandle, request: EvalRequest, iso
             episode_timeout_s=request.episode_timeout_s,
             env_spec=resolved.fingerprint.as_dict(),
             envs_per_sandbox=request.envs_per_sandbox,
-            limits=sandbox_limits(request),
+            limits=sandbox_limits(request, handle.sandbox_required),
             env_allow=request.sandbox_env_allow,
         )
     on_episode, flush = shard_publisher(request.request_id, shard.shard_id, _publish)

@@ -19,8 +19,12 @@ def free_port() -> int:
 
 
 @contextmanager
-def external_cluster(workers: int = 2, name: str | None = None) -> Iterator[str]:
-    """A scheduler on 127.0.0.1 and ``workers`` one-thread workers; yields its address."""
+def external_cluster(workers: int = 2, name: str | None = None, prefix: tuple[str, ...] = ()
+                     ) -> Iterator[str]:
+    """A scheduler on 127.0.0.1 and ``workers`` one-thread workers; yields its address.
+
+    ``prefix``: a command the workers' ``dask worker`` command line is run through.
+    """
     port = free_port()
     address = f"tcp://127.0.0.1:{port}"
     dask = os.path.join(os.path.dirname(sys.executable), "dask")
@@ -30,7 +34,7 @@ def external_cluster(workers: int = 2, name: str | None = None) -> Iterator[str]
     try:
         time.sleep(1.0)
         procs.append(subprocess.Popen(
-            [dask, "worker", address, "--nthreads", "1", "--nworkers", str(workers),
+            [*prefix, dask, "worker", address, "--nthreads", "1", "--nworkers", str(workers),
              "--no-dashboard", *(["--name", name] if name else [])],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         yield address

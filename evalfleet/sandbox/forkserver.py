@@ -609,7 +609,8 @@ def _sandbox_main(fd: int, maker: Callable[[], Any], k: int, limits: lim.Sandbox
     ``files`` (``process`` level): what it may open besides its folder (``lim.restrict_files``).
     ``fresh_tmp`` (``bwrap`` level): a ``/tmp`` and ``/dev/shm`` of its own (``lim.private_tmp``),
     so nothing an env writes outlives its sandbox in the jail, which later evaluations reuse.
-    Its environment is the first frame on its socket (``_receive_environment``).
+    Its environment is the first frame on its socket (``_receive_environment``). A confinement
+    ``limits.required`` names that it cannot apply ends it with ``lim.unconfined_status``.
     """
     os.setpgid(0, 0)
     devnull = os.open(os.devnull, os.O_RDWR)
@@ -617,13 +618,15 @@ def _sandbox_main(fd: int, maker: Callable[[], Any], k: int, limits: lim.Sandbox
         os.dup2(devnull, std)
     os.closerange(3, fd)
     os.closerange(fd + 1, 1 << 20)
-    if netns or own_user:  # a user namespace of its own may make a network namespace too
-        lim.unshare_network()
+    missing = [] if own_pidns else ["pidns"]  # what held of ``lim.MECHANISMS``: all the others
+    # A user namespace of its own may make a network namespace too.
+    if not (netns or own_user) or lim.unshare_network() is not None:
+        missing.append("netns")
     if fresh_tmp:  # raises where it cannot be had: the env never runs with the jail's /tmp
         lim.private_tmp(folder, new_user=not own_user)  # and its IPC namespace, if not own_pidns
         own_user = True  # its capabilities over that user namespace are dropped below
-    elif not own_pidns:  # a pid namespace's host gave it an IPC namespace of its own already
-        lim.unshare_ipc()  # a root worker's (others here have no user namespace: it fails)
+    elif not own_pidns and lim.unshare_ipc() is not None:  # else its host gave it one already
+        missing.append("ipcns")  # a root worker's works (others here have no user namespace)
     os.chdir(folder)
     fresh_global_rng()  # not the server's numpy state; before Landlock and seccomp below
     sock = socket.socket(fileno=fd)
@@ -642,6 +645,14 @@ def _sandbox_main(fd: int, maker: Callable[[], Any], k: int, limits: lim.Sandbox
         lim.drop_all_capabilities()
     lim.set_parent_death_signal(parent)  # after setuid, which clears it
     confined = files is not None and lim.restrict_files(files, folder, limits) is None
+    if not confined:
+        missing.append("landlock")
+    # What the evaluation's level promises (the probe the report states) and this sandbox could
+    # not apply: it refuses before any env code runs (a worker without Landlock, say, ran it
+    # unconfined under a report that said Landlock held). The worker names what is missing.
+    lacking = [name for name in limits.required or () if name in missing]
+    if lacking:
+        return lim.unconfined_status(lacking)
     lim.install_sandbox_filter(own_pidns)
     lim.arm_cpu_budget(limits.cpu_seconds_per_episode)
     return _Sandbox(maker, k, limits, own_pidns, confined).serve(sock)

@@ -13,8 +13,9 @@ Requirements per level:
   namespace (``netns``), a uid of its own per sandbox (``own_uid``, root workers), a pid
   namespace per sandbox (``pidns``; with a user namespace of its own under a non-root worker),
   an IPC namespace per sandbox (``ipcns``: SysV shared memory, semaphores and message queues,
-  POSIX message queues), file access confined by Landlock (``landlock``), and how each level caps a sandbox's
-  processes (``process_cap``).
+  POSIX message queues), file access confined by Landlock (``landlock``), and how each level
+  caps a sandbox's processes (``process_cap``). What the probe found is then required of every
+  sandbox, on any worker (``promised``): one that cannot apply it refuses to run env code.
 - ``bwrap``: ``process``'s requirements, plus a working bubblewrap jail (``bwrap``) whose
   sandboxes can each have a ``/tmp`` of their own (part of ``bwrap``); a pid namespace per
   sandbox inside it: ``bwrap_pidns``.
@@ -371,6 +372,24 @@ def available_levels() -> dict[str, str | None]:
                     if found.get(name) is not None), None)
     bwrap = process or (f"bwrap: {found['bwrap']}" if found.get("bwrap") is not None else None)
     return {"inprocess": None, "process": process, "bwrap": bwrap}
+
+
+def promised(level: str) -> tuple[str, ...]:
+    """The confinement every sandbox of ``level`` must apply, as this machine's probe found it.
+
+    Of ``limits.MECHANISMS``: at ``process`` level those the probe found (Landlock, a network,
+    pid and IPC namespace of its own); in the jail a pid namespace where ``bwrap_pidns`` holds
+    and an IPC namespace (``bwrap`` requires it). The report's manifest states this probe: a
+    sandbox (on any worker) that cannot apply one of these refuses to run env code, never runs
+    it with less than the report says (``SandboxLimits.required``).
+    """
+    if level not in ("process", "bwrap"):
+        return ()
+    found = probe()
+    if level == "bwrap":
+        return ("pidns", "ipcns") if found.get("bwrap_pidns") is None else ("ipcns",)
+    return tuple(name for name in ("landlock", "netns", "pidns", "ipcns")
+                 if name in found and found[name] is None)
 
 
 def isolation_manifest() -> dict[str, Any]:

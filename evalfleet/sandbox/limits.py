@@ -43,6 +43,26 @@ _ST_RELATIME = 4096
 #: Exit status of a sandbox that ran out of memory and could not even report it.
 EXIT_OOM = 86
 
+#: Confinement a sandbox applies itself where the machine allows it (the probe's names):
+#: Landlock file rules (``process`` level), a network, pid and IPC namespace of its own.
+MECHANISMS = ("landlock", "netns", "pidns", "ipcns")
+#: Exit status of a sandbox that refused to run env code, plus one bit per ``MECHANISMS`` entry
+#: it was required to have and could not (``SandboxLimits.required``).
+EXIT_UNCONFINED = 100
+
+
+def unconfined_status(missing: list[str]) -> int:
+    """The exit status of a sandbox that lacks ``missing`` (names in ``MECHANISMS``)."""
+    return EXIT_UNCONFINED + sum(1 << MECHANISMS.index(name) for name in missing)
+
+
+def unconfined_missing(status: int) -> list[str]:
+    """What a sandbox that exited with ``status`` lacked; empty for any other status."""
+    bits = status - EXIT_UNCONFINED
+    if not 0 < bits < 1 << len(MECHANISMS):
+        return []
+    return [name for i, name in enumerate(MECHANISMS) if bits >> i & 1]
+
 
 @dataclass(frozen=True)
 class SandboxLimits:
@@ -93,6 +113,13 @@ class SandboxLimits:
     writable: tuple[str, ...] = ()
     """``process`` level: paths its sandboxes may also write beneath, beside their own folder."""
 
+    required: tuple[str, ...] | None = None
+    """Confinement (``MECHANISMS``) each sandbox must have in force before any env code runs:
+    one that cannot apply it refuses (exits ``unconfined_status``), and its episodes end as
+    ``crashed``, naming the worker and what it lacks, never as rows computed unconfined. The
+    driver sends what its probe found for the level (``isolation.promised``), which the report's
+    manifest states; None: this process's own probe's, taken when slots open."""
+
     def __post_init__(self) -> None:
         for name in ("address_space_bytes", "cpu_seconds_per_episode", "open_files",
                      "file_size_bytes", "processes"):
@@ -103,6 +130,10 @@ class SandboxLimits:
             value = getattr(self, name)
             if not value > 0:
                 raise RequestError(f"'{name}' must be > 0 seconds (got {value!r}).")
+        unknown = set(self.required or ()) - set(MECHANISMS)
+        if unknown:
+            raise RequestError(f"'required' names unknown mechanisms {sorted(unknown)} "
+                               f"(known: {', '.join(MECHANISMS)}).")
         for name in ("readable", "writable"):
             for path in getattr(self, name):
                 if not isinstance(path, str) or not os.path.isabs(path):
@@ -118,11 +149,16 @@ class SandboxLimits:
         return asdict(self)
 
 
-def sandbox_limits(request: EvalRequest) -> SandboxLimits:
-    """The request's sandbox limits (defaults documented in ``SandboxLimits``)."""
+def sandbox_limits(request: EvalRequest, required: tuple[str, ...] | None = None
+                   ) -> SandboxLimits:
+    """The request's sandbox limits (defaults documented in ``SandboxLimits``).
+
+    ``required``: the confinement each sandbox must have (``SandboxLimits.required``).
+    """
     return SandboxLimits(address_space_bytes=request.sandbox_memory_mb * MiB,
                          step_timeout_s=request.step_timeout_s,
-                         readable=tuple(request.sandbox_read), writable=tuple(request.sandbox_write))
+                         readable=tuple(request.sandbox_read), writable=tuple(request.sandbox_write),
+                         required=None if required is None else tuple(required))
 
 
 def _libc() -> ctypes.CDLL:

@@ -41,7 +41,7 @@ import sys
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import cloudpickle
@@ -59,7 +59,7 @@ from evalfleet.sandbox.forkclient import (
     release_fork_server,
     shutdown_fork_servers,
 )
-from evalfleet.sandbox.limits import EXIT_OOM, SandboxLimits
+from evalfleet.sandbox.limits import EXIT_OOM, SandboxLimits, unconfined_missing
 from evalfleet.sandbox.slots import SlotOutcome
 
 # The fork-server client moved to ``forkclient``; these names stay importable from here.
@@ -169,6 +169,12 @@ class ProcessSlots:
         self.isolation = level
         self.n = n
         self.limits = limits or SandboxLimits()
+        if self.limits.required is None:  # not sent by a driver: this machine's probe's promise
+            from evalfleet.sandbox.isolation import promised
+
+            self.limits = replace(self.limits, required=promised(level))
+        #: Why a sandbox refused to run env code (it could not apply ``limits.required``).
+        self.refused: str | None = None
         self._k = envs_per_sandbox
         self._episode_timeout_s = episode_timeout_s
         self._maker_blob = cloudpickle.dumps(make)
@@ -214,13 +220,15 @@ class ProcessSlots:
         """What slot 0's env tells of itself once imported and made (``EnvMaker.facts``).
 
         Asked of its sandbox: the env's code runs there, confined, never here. Raises
-        ``EnvSpecError`` with the env's error.
+        ``EnvSpecError`` with the env's error, ``SandboxUnconfined`` when the sandbox refused.
         """
-        from evalfleet.errors import EnvSpecError
+        from evalfleet.errors import EnvSpecError, SandboxUnconfined
 
         self._ready([(0, 0)])
         outcome = self._exchange("describe", [(0, 0)], self.limits.reset_timeout_s)[0]
         if outcome.failure is not None:
+            if self.refused is not None:  # no fault of the env's: this worker's
+                raise SandboxUnconfined(self.refused)
             raise EnvSpecError(f"{outcome.error}")
         try:
             facts = json.loads(np.asarray(outcome.obs, dtype=np.uint8).tobytes())
@@ -579,6 +587,11 @@ class ProcessSlots:
         for (b, box), status in zip(live, statuses, strict=True):
             given = (known or {}).get(b)
             reason, error = given if given is not None else _death(box.name, status)
+            if given is None and status is not None and os.WIFEXITED(status) \
+                    and unconfined_missing(os.WEXITSTATUS(status)):
+                if self.refused is None:
+                    logger.error("%s", error)
+                self.refused = error
             self._boxes[b] = None
             try:
                 self._sel.unregister(box.sock)
@@ -601,7 +614,24 @@ def _death(name: str, status: int | None) -> tuple[str, str]:
     code = os.WEXITSTATUS(status)
     if code == EXIT_OOM:
         return EndReason.OOM.value, f"sandbox {name} ran out of memory (address-space limit)"
+    missing = unconfined_missing(code)
+    if missing:
+        from evalfleet.cluster import worker_name
+
+        return EndReason.CRASHED.value, (
+            f"sandbox {name} on worker {worker_name()} refused to run the env: it could not apply "
+            f"{', '.join(_MISSING[m] for m in missing)}, which this evaluation's isolation level "
+            "promises (the driver's probe, stated in the report's manifest). Nothing ran "
+            "unconfined; fix that worker or run on workers that have it.")
     return EndReason.CRASHED.value, f"sandbox {name} exited with status {code}"
+
+
+#: How a refusing sandbox's missing confinement is named (``limits.MECHANISMS``).
+_MISSING = {"landlock": "landlock (Landlock file confinement; Linux >= 5.13 with landlock in "
+                        "its LSMs)",
+            "netns": "netns (a network namespace of its own)",
+            "pidns": "pidns (a pid namespace of its own)",
+            "ipcns": "ipcns (an IPC namespace of its own)"}
 
 
 def _outcome(result: wire.Result) -> SlotOutcome:
