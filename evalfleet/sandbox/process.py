@@ -575,10 +575,11 @@ class ProcessSlots:
         server = self._server
         if server is not None and server.alive:
             try:
-                # Boxes whose channel closed (known reason None) end on their own: their exit
-                # status says why, so the server waits for it before killing.
-                exiting = tuple(box.pid for b, box in live
-                                if known is not None and known.get(b) is None)
+                # Boxes whose channel closed (known reason None, or broken while sending to
+                # them) end on their own: their exit status says why, so the server waits for
+                # it before killing.
+                exiting = tuple(box.pid for b, box in live if known is not None and (
+                    known.get(b) is None or known.get(b) == box.dead))
                 answer = server.call(("kill", [box.pid for _, box in live], exiting),
                                      self.limits.start_timeout_s)
                 statuses = list(answer["statuses"])
@@ -587,8 +588,10 @@ class ProcessSlots:
         for (b, box), status in zip(live, statuses, strict=True):
             given = (known or {}).get(b)
             reason, error = given if given is not None else _death(box.name, status)
-            if given is None and status is not None and os.WIFEXITED(status) \
+            if status is not None and os.WIFEXITED(status) \
                     and unconfined_missing(os.WEXITSTATUS(status)):
+                # It refused to run env code: that says more than the channel it closed.
+                reason, error = _death(box.name, status)
                 if self.refused is None:
                     logger.error("%s", error)
                 self.refused = error
