@@ -29,8 +29,9 @@ Landlock ruleset where the kernel has one (it opens only what the bwrap jail wou
 only its own folder, ``file_rules``), at the ``bwrap`` level a mount namespace with a fresh
 ``/tmp`` and ``/dev/shm`` of its own (the jail's outlive this evaluation), death with its parent,
 and a seccomp filter (sockets: AF_UNIX only; signals: its own pid namespace but never its init, or
-only itself without one; no ptrace). When an episode ends and no other is under way in it, it kills
-every other process of its namespace.
+only itself without one; no ptrace; under the worker's own uid at ``process`` level no chmod,
+chown, utime or xattr change). When an episode ends and no other is under way in it, it kills every
+other process of its namespace.
 
 It serves reset/step requests for ``envs_per_sandbox`` env instances until its socket closes. An
 exception in the env is answered as ``env_error`` (MemoryError as ``oom``); the broken env is
@@ -653,7 +654,11 @@ def _sandbox_main(fd: int, maker: Callable[[], Any], k: int, limits: lim.Sandbox
     lacking = [name for name in limits.required or () if name in missing]
     if lacking:
         return lim.unconfined_status(lacking)
-    lim.install_sandbox_filter(own_pidns)
+    # Under the worker's own uid (a non-root worker's process level) it owns every file of the
+    # worker's: their mode, owner, times and xattrs are not its to change (Landlock has no right
+    # for these). Under a uid of its own the kernel refuses it; in the jail the binds are
+    # read-only and /tmp its own.
+    lim.install_sandbox_filter(own_pidns, refuse_metadata=files is not None and uid is None)
     lim.arm_cpu_budget(limits.cpu_seconds_per_episode)
     return _Sandbox(maker, k, limits, own_pidns, confined).serve(sock)
 

@@ -414,7 +414,19 @@ def install_socket_filter() -> None:
     f.load()
 
 
-def install_sandbox_filter(own_pidns: bool = False) -> None:
+#: Changes of a file's mode, owner, times and extended attributes. Landlock has no right for
+#: them: a sandbox under the worker's own uid made the worker's cache, outputs and MLflow store
+#: world-writable (chmod 0666) or reset their times, files it could neither open nor write.
+METADATA_CALLS = ("chmod", "fchmod", "fchmodat", "fchmodat2", "chown", "fchown", "lchown",
+                  "fchownat", "utime", "utimes", "utimensat", "futimesat", "setxattr", "lsetxattr",
+                  "fsetxattr", "removexattr", "lremovexattr", "fremovexattr", "setxattrat",
+                  "removexattrat", "file_setattr")
+#: Those a libseccomp may not know by name, by number: the same on x86-64 and arm64 (the
+#: common numbering since Linux 5.1).
+_NEWER_CALLS = {"fchmodat2": 452, "setxattrat": 463, "removexattrat": 466, "file_setattr": 469}
+
+
+def install_sandbox_filter(own_pidns: bool = False, refuse_metadata: bool = False) -> None:
     """Seccomp for one sandbox: the socket rules, plus it may signal and trace only itself.
 
     In a pid namespace of its own (``own_pidns``) every pid it can name is its own or one of its
@@ -422,7 +434,13 @@ def install_sandbox_filter(own_pidns: bool = False) -> None:
     kills its leftovers with kill(-1). Otherwise signals go to itself only; libseccomp allows one
     comparison per argument and rule, so "pid != me" is written as two rules, pid < me and
     pid > me (unsigned, so kill(0) and negative process groups are refused).
+
+    ``refuse_metadata``: ``METADATA_CALLS`` fail with EPERM, its own folder's files too (seccomp
+    cannot tell paths apart): for a ``process`` sandbox under the worker's own uid, which owns
+    the worker's files.
     """
+    import platform
+
     import pyseccomp as sc
 
     me = os.getpid()
@@ -438,6 +456,12 @@ def install_sandbox_filter(own_pidns: bool = False) -> None:
         f.add_rule(eperm, call, sc.Arg(0, sc.GT, me))
     for call in ("tkill", "ptrace", "process_vm_writev", "process_vm_readv"):
         f.add_rule(eperm, call)
+    for call in METADATA_CALLS if refuse_metadata else ():
+        try:
+            f.add_rule(eperm, call)
+        except OSError:  # a name this libseccomp does not know
+            if call in _NEWER_CALLS and platform.machine() in ("x86_64", "aarch64"):
+                f.add_rule(eperm, _NEWER_CALLS[call])
     f.load()
 
 

@@ -380,10 +380,39 @@ class LiftCpu(CartPoleEnv):
         return obs, 1.0, done, False, info
 
 
+class Metadata(CartPoleEnv):
+    """Changes the mode, times, xattrs and owner of ``marker`` and of a file in its own folder.
+
+    ``marker``: a file of the worker's outside the sandbox's folder. Each change is reported in
+    the first step's info: 1.0 allowed, 0.0 refused (``target_chmod``, ``own_utime``, ...).
+    """
+
+    def __init__(self, marker: str = "/nonexistent", render_mode: str | None = None) -> None:
+        super().__init__(render_mode=render_mode)
+        self.target = marker
+
+    def step(self, action: Any) -> tuple[Any, Any, bool, bool, dict[str, Any]]:
+        obs, reward, _, truncated, info = super().step(action)
+        own = os.path.join(os.environ["HOME"], "own.txt")
+        with open(own, "w") as fh:
+            fh.write("mine")
+        changes = {"chmod": lambda p: os.chmod(p, 0o666), "utime": lambda p: os.utime(p, (0, 0)),
+                   "setxattr": lambda p: os.setxattr(p, "user.evalfleet", b"1"),
+                   "chown": lambda p: os.chown(p, os.getuid(), os.getgid())}
+        for name, change in changes.items():
+            for where, path in (("target", self.target), ("own", own)):
+                try:
+                    change(path)
+                    info[f"{where}_{name}"] = 1.0
+                except OSError:
+                    info[f"{where}_{name}"] = 0.0
+        return obs, reward, True, truncated, info
+
+
 FAULTY = ("RaiseOnStep", "Hang", "Segfault", "NaNReward", "MemoryHog", "Connect", "WriteOutside",
           "ReadFiles", "ForkBomb", "CpuBurner", "Daemon")
 
 for _name in (*FAULTY, "Introspect", "SlowStep", "CrashOnce", "FrozenClock", "LiftCpu", "Sleepy",
-              "Sluggish", "RaiseMemoryError"):
+              "Sluggish", "RaiseMemoryError", "Metadata"):
     gym.register(id=f"evalfleet-test/{_name}-v0", entry_point=f"{__name__}:{_name}",
                  max_episode_steps=500)

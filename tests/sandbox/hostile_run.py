@@ -43,7 +43,7 @@ def marked(marker: str) -> list[int]:
 
 def main(level: str, env: str, marker: str) -> dict[str, Any]:
     """Run ``env`` at ``level``; what the tests assert on."""
-    kwargs = {"marker": marker} if env == "Daemon" else {}
+    kwargs = {"marker": marker} if env in ("Daemon", "Metadata") else {}
     limits = SandboxLimits(processes=PROCESSES)
     t0 = time.monotonic()
     records, _ = run_direct(level, fe.env_id(env), EPISODES, SLOTS, kwargs=kwargs, limits=limits,

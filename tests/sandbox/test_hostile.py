@@ -79,8 +79,9 @@ def as_user() -> Iterator[list[str]]:
             d.chmod(stat.S_IMODE(mode))
 
 
-def run_hostile(as_user: list[str], level: str, env: str) -> dict[str, Any]:
-    marker = f"evalfleet-test-daemon-{uuid.uuid4().hex}"
+def run_hostile(as_user: list[str], level: str, env: str, marker: str | None = None
+                ) -> dict[str, Any]:
+    marker = marker or f"evalfleet-test-daemon-{uuid.uuid4().hex}"
     home = tempfile.mkdtemp(prefix="evalfleet-test-home-")
     os.chmod(home, 0o777)
     env_vars = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": home,
@@ -159,3 +160,45 @@ def test_daemon_does_not_outlive_its_sandbox(as_user: list[str], level: str, roo
         assert r["metrics"].get("daemon_started") == 1.0, "the daemon really started"
     assert out["left_after_run"] == [], "a daemon outlived its episode"
     assert out["left_after_shutdown"] == []
+
+
+@pytest.mark.parametrize("root", [False, True], ids=["nonroot", "root"])
+def test_a_process_sandbox_changes_no_metadata_of_the_workers_files(as_user: list[str],
+                                                                     root: bool) -> None:
+    """chmod, utime, setxattr and chown of a worker's file it cannot open are refused.
+
+    Landlock has no right for them: under a non-root worker a sandbox (the worker's uid) made
+    the worker's 0600 cache entry world-writable and reset its times, exit 0. seccomp refuses
+    them now, in its own folder too (seccomp cannot tell paths apart): an env there cannot
+    chmod, utime (``shutil.copy2``, ``Path.touch`` of a file that exists) or chown either.
+    Under a root worker the sandbox's own uid owns none of the worker's files, and its own
+    folder is untouched by the filter.
+    """
+    if root and os.geteuid() != 0:
+        pytest.skip("the root-worker case needs root")
+    folder = Path(tempfile.mkdtemp(prefix="evalfleet-test-meta-", dir="/var/tmp"))
+    try:
+        folder.chmod(0o755)
+        target = folder / "cache-entry.json"
+        target.write_text("{}")
+        target.chmod(0o600)
+        os.utime(target, (1_000_000_000, 1_000_000_000))
+        if as_user and not root:  # the worker's own file
+            owner = pwd.getpwnam(USER)
+            os.chown(target, owner.pw_uid, owner.pw_gid)
+        before = target.stat()
+        out = run_hostile([] if root else as_user, "process", "Metadata", marker=str(target))
+        rows = out["rows"]
+        assert all(r["end_reason"] == "terminated" for r in rows), rows[0]
+        changes = ("chmod", "utime", "setxattr", "chown")
+        for r in rows:
+            assert {c: r["metrics"][f"target_{c}"] for c in changes} == dict.fromkeys(changes, 0.0)
+            # Its own folder: free under a root worker, refused too under a non-root one.
+            own = 1.0 if root else 0.0
+            assert (r["metrics"]["own_chmod"], r["metrics"]["own_utime"]) == (own, own), r
+        after = target.stat()
+        assert (stat.S_IMODE(after.st_mode), after.st_mtime, after.st_uid, after.st_gid) == (
+            0o600, 1_000_000_000, before.st_uid, before.st_gid)
+        assert os.listxattr(target) == []
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
