@@ -105,9 +105,11 @@ def test_a_worker_without_landlock_runs_no_env_code_unconfined(prefect_server, t
             evaluate(_request(tmp_path, own_env, address))
 
 
-def test_an_unconfined_worker_is_a_harness_fault_for_the_cli() -> None:
+def test_an_unconfined_worker_is_a_harness_fault_for_the_cli(capsys: pytest.CaptureFixture[str]
+                                                             ) -> None:
     refused = errors.SandboxUnconfined("sandbox proc0 on worker w refused")
     assert error_exit(refused) == EXIT_HARNESS_FAULT
+    assert "on worker w refused" in capsys.readouterr().err
 
 
 def test_a_sandbox_required_to_have_what_it_cannot_apply_runs_nothing() -> None:
